@@ -1,0 +1,1 @@
+"""The meshtrain model zoo: models that name logical axes only."""
