@@ -1,0 +1,172 @@
+"""The run configuration: one typed section per component, loaded from YAML plus CLI overrides.
+
+Sections and their owners::
+
+    mesh       meshtrain.mesh.MeshConfig
+    sharding   meshtrain.parallel.rules.ShardingConfig
+    model      models.llama.LlamaConfig
+    optimizer  meshtrain.optim.OptimizerConfig
+    data       meshtrain.data.DataConfig
+    train      meshtrain.trainer.TrainConfig
+    run        meshtrain.config.RunConfig
+
+An override ``a.b=value`` parses ``value`` as YAML (``mesh.data=2``, ``train.precision=bf16``,
+``sharding.rules.vocab={params: null, activations: tensor}``) and replaces ``a.b``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import pathlib
+import typing
+from typing import Any
+
+import dacite
+import yaml
+
+from meshtrain.data import DataConfig
+from meshtrain.errors import ConfigError
+from meshtrain.mesh import MeshConfig
+from meshtrain.optim import OptimizerConfig
+from meshtrain.parallel.rules import ShardingConfig
+from meshtrain.trainer import TrainConfig
+from models.common import InvalidField
+from models.llama import LlamaConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Where a run writes: ``dir`` holds metrics.jsonl, tensorboard/, summary.json, loss.png."""
+
+    dir: str = "runs/default"
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        if not self.dir:
+            raise ConfigError("dir", "must be a non-empty path")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
+    model: LlamaConfig = dataclasses.field(default_factory=LlamaConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+_DACITE = dacite.Config(strict=True, cast=[enum.Enum, tuple, float])
+
+
+def _suggest(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = raw
+    for depth, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(keys[:depth + 1]), f"is a value, not a section; cannot set {dotted}")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.steps=10"`` -> ``("train.steps", 10)`` (the value is parsed as YAML)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(text, "an override must look like section.field=value, e.g. train.steps=100")
+    try:
+        return key, yaml.safe_load(value) if value else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(key, f"cannot parse value {value!r} as YAML: {err.problem}") from None
+
+
+def _section(name: str, cls: type, raw: Any) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(name, f"must be a mapping of fields, got {raw!r}")
+    valid = [field.name for field in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in valid:
+            raise ConfigError(f"{name}.{key}", f"unknown field{_suggest(str(key), valid)}; valid: {valid}")
+    try:
+        return dacite.from_dict(cls, raw, config=_DACITE)
+    except (ConfigError, InvalidField) as err:
+        raise ConfigError(f"{name}.{err.field}", err.message) from None
+    except dacite.WrongTypeError as err:
+        raise ConfigError(f"{name}.{err.field_path}", f"expected {_type_name(err.field_type)}, "
+                          f"got {err.value!r}") from None
+    except dacite.UnexpectedDataError as err:
+        raise ConfigError(f"{name}.{sorted(err.keys)[0]}", "unknown field") from None
+    except dacite.DaciteFieldError as err:
+        raise ConfigError(f"{name}.{err.field_path}", str(err).split(": ", 1)[-1]) from None
+    except (ValueError, TypeError) as err:
+        field, message = _invalid_enum(cls, raw) or ("", str(err))
+        raise ConfigError(f"{name}.{field}".rstrip("."), message) from None
+
+
+def _type_name(field_type: Any) -> str:
+    if isinstance(field_type, type) and issubclass(field_type, enum.Enum):
+        return "one of " + " | ".join(member.value for member in field_type)
+    return getattr(field_type, "__name__", str(field_type))
+
+
+def _invalid_enum(cls: type, raw: dict) -> tuple[str, str] | None:
+    """(field, message) for the enum field whose value is not one of its members."""
+    hints = typing.get_type_hints(cls)
+    for key, value in raw.items():
+        field_type = hints[key]
+        if isinstance(field_type, type) and issubclass(field_type, enum.Enum):
+            if value not in [member.value for member in field_type]:
+                return key, f"{value!r} is not valid; use {_type_name(field_type)}"
+    return None
+
+
+def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> Config:
+    """Reads YAML ``path`` (or defaults when None), applies ``overrides``, validates every section."""
+    raw: dict = {}
+    if path is not None:
+        path = pathlib.Path(path)
+        if not path.is_file():
+            raise ConfigError("--config", f"no such file: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError("--config", f"{path} is not valid YAML: {err}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("--config", f"{path} must hold a mapping of sections {list(SECTIONS)}")
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(raw, key, value)
+    for name in raw:
+        if name not in SECTIONS:
+            raise ConfigError(str(name), f"unknown section{_suggest(str(name), list(SECTIONS))}; "
+                              f"valid: {list(SECTIONS)}")
+    return Config(**{name: _section(name, cls, raw.get(name)) for name, cls in SECTIONS.items()})
+
+
+def to_dict(cfg: Config) -> dict:
+    """A YAML-ready plain dict of ``cfg`` (enums as their values)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, enum.Enum):
+            return value.value
+        if dataclasses.is_dataclass(value):
+            return {field.name: plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
+        if isinstance(value, dict):
+            return {key: plain(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(item) for item in value]
+        return value
+
+    return plain(cfg)

@@ -1,0 +1,316 @@
+"""Training metrics: FLOPs and MFU accounting, and the run's metrics logger.
+
+FLOPs per trained token follow the PaLM-paper convention (also used by MaxText
+and torchtitan)::
+
+    flops_per_token = 6 * N + 12 * L * T * (H * Dh)
+
+* ``6 * N``: forward (2N) plus backward (4N) of the weight matmuls. ``N`` counts
+  matmul weights only: it excludes the input-embedding table (a gather, no FLOPs)
+  and includes the output head.
+* ``12 * L * T * (H * Dh)``: the attention score (QK^T) and value (AV) matmuls
+  over ``L`` layers at sequence length ``T`` with ``H`` heads of size ``Dh``,
+  forward plus backward, *not* halved for the causal mask.
+
+Model FLOPs utilisation is achieved TFLOP/s per device over the device's dense
+bf16 peak: ``mfu = tflops_per_device / peak_bf16_tflops(device_kind)``.
+
+:class:`MetricsLogger` writes, on the primary process only,
+``<run_dir>/metrics.jsonl`` (one JSON object per ``log`` call; non-finite floats
+are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` so every line is
+valid JSON), TensorBoard scalars under ``<run_dir>/tensorboard``, and at close
+``summary.json`` and ``loss.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from tensorboardX import SummaryWriter
+
+# Dense (non-sparse) bf16 peak TFLOP/s per device, most specific pattern first.
+# Patterns are matched case-insensitively against JAX's ``device.device_kind``.
+_PEAK_BF16_TFLOPS: tuple[tuple[re.Pattern[str], float], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), tflops)
+    for pattern, tflops in (
+        (r"\bH100\b.*\bPCIe\b", 756.0),
+        (r"\bH100\b.*\bNVL\b", 835.0),
+        (r"\bH100\b", 989.0),  # SXM, e.g. "NVIDIA H100 80GB HBM3"
+        (r"\bH200\b", 989.0),
+        (r"\bA100\b", 312.0),
+        (r"\bB200\b", 2250.0),
+    )
+)
+
+_SI_PREFIXES = ("", "k", "M", "G", "T", "P", "E")
+
+
+def train_flops_per_token(
+    *, matmul_params: int, num_layers: int, seq_len: int, attention_dim: int
+) -> float:
+    """Training (forward + backward) FLOPs per token, PaLM convention.
+
+    Args:
+      matmul_params: weights in matmuls, output head included, input embedding excluded.
+      num_layers: transformer layers.
+      seq_len: training sequence length.
+      attention_dim: ``num_heads * head_dim``.
+    """
+    return float(6 * matmul_params + 12 * num_layers * seq_len * attention_dim)
+
+
+def peak_bf16_tflops(device_kind: str) -> float | None:
+    """Dense bf16 peak TFLOP/s of a device from its ``device_kind``; ``None`` if unknown (CPU)."""
+    return next((tflops for pattern, tflops in _PEAK_BF16_TFLOPS if pattern.search(device_kind)), None)
+
+
+def mfu(tflops_per_device: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation as a fraction of ``peak`` TFLOP/s; ``None`` when the peak is unknown."""
+    return None if peak is None else tflops_per_device / peak
+
+
+def _scale(x: float) -> tuple[float, str]:
+    """``x`` divided by powers of 1000 until below 1000, with its SI prefix."""
+    for prefix in _SI_PREFIXES[:-1]:
+        if abs(x) < 1000:
+            return x, prefix
+        x /= 1000
+    return x, _SI_PREFIXES[-1]
+
+
+def format_bytes(n: int) -> str:
+    """A byte count in decimal (SI, powers of 1000) units: ``"512 B"``, ``"29.9 MB"``."""
+    value, prefix = _scale(float(n))
+    return f"{n} B" if not prefix else f"{value:.1f} {prefix}B"
+
+
+def format_duration(seconds: float) -> str:
+    """A duration rounded to whole seconds: ``"42s"``, ``"1m02s"``, ``"3h04m"``, ``"2d05h"``."""
+    s = max(0, round(seconds))
+    minutes, s = divmod(s, 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{s:02d}s"
+    return f"{s}s"
+
+
+def _format_count(x: float) -> str:
+    """A rate with an SI suffix: ``"512"``, ``"12.3k"``."""
+    value, prefix = _scale(x)
+    return f"{value:.0f}" if not prefix else f"{value:.1f}{prefix}"
+
+
+def _json_value(value: object) -> object:
+    """``value`` as plain JSON data: non-finite floats as ``"nan"``/``"inf"``/``"-inf"``, unknown types as str."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else str(float(value))
+    if isinstance(value, Mapping):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return str(value)
+
+
+# Metrics shown on the progress line, in order: (key, label, formatter).
+_DISPLAYED: tuple[tuple[str, str, Callable[[float], str]], ...] = (
+    ("loss", "loss", "{:.4f}".format),
+    ("grad_norm", "grad_norm", "{:.3f}".format),
+    ("lr", "lr", "{:.2e}".format),
+    ("tokens_per_s", "tok/s", _format_count),
+    ("tflops_per_device", "tflops/dev", "{:.3g}".format),
+    ("mfu", "mfu", "{:.1%}".format),
+)
+
+
+def _plot_loss(
+    path: Path, steps: Sequence[int], losses: Sequence[float], *, entropy_floor: float | None, title: str
+) -> None:
+    """Write a loss-vs-step PNG, with a dashed line at ``entropy_floor`` when given."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(steps, losses, label="loss")
+    if entropy_floor is not None:
+        ax.axhline(entropy_floor, linestyle="--", color="gray", label="entropy floor")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+class MetricsLogger:
+    """Logs per-step metrics to JSONL, TensorBoard and stderr; summarises the run at close.
+
+    Only the primary process (``is_primary``) writes anything; on other processes
+    every method is a no-op and ``run_dir`` is not touched. An existing
+    ``metrics.jsonl`` is appended to, so a resumed run continues it.
+
+    Keys shown on the progress line when present: ``loss``, ``grad_norm``, ``lr``,
+    ``tokens_per_s``, ``tflops_per_device``, ``mfu`` (a fraction). All keys go to
+    the JSONL file; non-``None`` ones go to TensorBoard.
+
+    Args:
+      run_dir: the run's output directory, created if missing.
+      total_steps: the step the run ends at, for progress and ETA.
+      is_primary: whether this is process 0.
+      tensorboard: whether to write TensorBoard event files.
+      live: a ``rich`` progress bar (True) or one plain stderr line per ``log``
+        (False); ``None`` chooses live iff stderr is a TTY.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        is_primary: bool,
+        tensorboard: bool = True,
+        live: bool | None = None,
+    ):
+        self.run_dir = Path(run_dir)
+        self.total_steps = total_steps
+        self.is_primary = is_primary
+        self._closed = False
+        self._steps: list[int] = []
+        self._losses: list[float] = []
+        self._tokens_per_s: list[float] = []
+        self._first_log: tuple[int, float] | None = None  # (step, monotonic time)
+        if not is_primary:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        self._writer = SummaryWriter(logdir=str(self.run_dir / "tensorboard")) if tensorboard else None
+        self._progress: Progress | None = None
+        if live if live is not None else sys.stderr.isatty():
+            self._progress = Progress(
+                TextColumn("step"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}  tok/s {task.fields[tok_s]}  eta {task.fields[eta]}"),
+                console=Console(file=sys.stderr),
+            )
+            self._task = self._progress.add_task("train", total=total_steps, loss="-", tok_s="-", eta="-")
+            self._progress.start()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def log(self, step: int, metrics: Mapping[str, float | int | None]) -> None:
+        """Record ``metrics`` for ``step``: one JSONL line (flushed), TensorBoard scalars, progress."""
+        if not self.is_primary:
+            return
+        now = time.monotonic()
+        self._jsonl.write(json.dumps(_json_value({**metrics, "step": step})) + "\n")
+        self._jsonl.flush()
+        if self._writer is not None:
+            for key, value in metrics.items():
+                if value is not None:
+                    self._writer.add_scalar(key, float(value), step)
+            self._writer.flush()
+
+        if metrics.get("loss") is not None:
+            self._steps.append(step)
+            self._losses.append(float(metrics["loss"]))
+        if metrics.get("tokens_per_s") is not None:
+            self._tokens_per_s.append(float(metrics["tokens_per_s"]))
+        if self._first_log is None:
+            self._first_log = (step, now)
+        first_step, first_time = self._first_log
+        eta = (
+            format_duration((now - first_time) / (step - first_step) * max(0, self.total_steps - step))
+            if step > first_step
+            else "-"
+        )
+
+        shown = {
+            key: (label, "-" if metrics[key] is None else fmt(float(metrics[key])))
+            for key, label, fmt in _DISPLAYED
+            if key in metrics
+        }
+        if self._progress is not None:
+            self._progress.update(
+                self._task,
+                completed=step,
+                loss=shown.get("loss", ("", "-"))[1],
+                tok_s=shown.get("tokens_per_s", ("", "-"))[1],
+                eta=eta,
+            )
+        else:
+            width = len(str(self.total_steps))
+            fields = [f"step {step:>{width}}/{self.total_steps}"]
+            fields += [f"{label} {text}" for label, text in shown.values()]
+            fields.append(f"eta {eta}")
+            print("  ".join(fields), file=sys.stderr, flush=True)
+
+    def summary_stats(self) -> dict[str, object]:
+        """Loss and throughput statistics over the steps logged by this logger."""
+        finite = [x for x in self._losses if math.isfinite(x)]
+        throughput = self._tokens_per_s[1:]  # the first logged step includes compilation
+        return {
+            "steps": self._steps[-1] if self._steps else None,
+            "total_steps": self.total_steps,
+            "first_loss": self._losses[0] if self._losses else None,
+            "last_loss": self._losses[-1] if self._losses else None,
+            "best_loss": min(finite) if finite else None,
+            "mean_tokens_per_s": sum(throughput) / len(throughput) if throughput else None,
+        }
+
+    def close(self, summary: Mapping[str, object] | None = None) -> None:
+        """Finish the run: stop the display, close files, print and write the summary, plot the loss.
+
+        ``summary`` holds extra entries (compile time, ``entropy_floor``, per-device
+        memory, ...) merged after the computed statistics. Idempotent.
+        """
+        if not self.is_primary or self._closed:
+            return
+        self._closed = True
+        extra = dict(summary or {})
+        if self._progress is not None:
+            self._progress.stop()
+        if self._writer is not None:
+            self._writer.close()
+        self._jsonl.close()
+
+        result = _json_value({**self.summary_stats(), **extra})
+        (self.run_dir / "summary.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        lines = [f"run summary ({self.run_dir})"]
+        lines += [
+            f"  {key:<20} {format(value, '.6g') if isinstance(value, float) else value}"
+            for key, value in result.items()
+        ]
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+        floor = extra.get("entropy_floor")
+        _plot_loss(
+            self.run_dir / "loss.png",
+            self._steps,
+            self._losses,
+            entropy_floor=None if floor is None else float(floor),
+            title=f"{self.run_dir.name} ({self.run_dir})",
+        )

@@ -1,0 +1,67 @@
+"""AdamW with linear warmup, cosine decay, global-norm clipping and a weight-decay mask."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import optax
+from flax import nnx
+
+from meshtrain.errors import ConfigError
+from models.common import logical_axes_of
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW hyper-parameters; the schedule decays over ``train.steps``."""
+
+    learning_rate: float = 3e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+
+    def __post_init__(self):
+        if self.learning_rate <= 0:
+            raise ConfigError("learning_rate", f"must be > 0, got {self.learning_rate}")
+        if self.warmup_steps < 0:
+            raise ConfigError("warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        for name in ("min_lr_ratio", "b1", "b2"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(name, f"must be in [0, 1], got {getattr(self, name)}")
+        for name in ("eps", "weight_decay", "clip_norm"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """0 -> learning_rate over ``warmup_steps``, then cosine to ``min_lr_ratio * learning_rate``."""
+    warmup = min(cfg.warmup_steps, total_steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1), end_value=cfg.learning_rate * cfg.min_lr_ratio)
+
+
+def weight_decay_mask(abstract_params: nnx.State) -> nnx.State:
+    """True for matrices (two or more logical axes besides ``layers``); norm scales are not decayed."""
+
+    def decays(variable: nnx.Variable) -> nnx.Variable:
+        return variable.replace(len([a for a in logical_axes_of(variable) if a != "layers"]) >= 2)
+
+    return jax.tree.map(decays, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int,
+                   abstract_params: nnx.State) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The AdamW transformation (clipping first) and its learning-rate schedule."""
+    schedule = learning_rate_schedule(cfg, total_steps)
+    tx = optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else optax.identity(),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                    mask=weight_decay_mask(abstract_params)),
+    )
+    return tx, schedule

@@ -1,0 +1,43 @@
+"""Gradient accumulation: microbatches scanned inside the jitted step.
+
+A global batch [batch, length] becomes [microbatches, batch / microbatches, length] where
+microbatch k holds rows k, k + M, k + 2M, ...: every device keeps exactly its own rows, so the split
+moves no data. The gradient accumulator stays in the parameters' sharding (FSDP keeps it sharded).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+Batch = dict[str, jax.Array]
+
+
+def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
+    """[batch, ...] -> [num_microbatches, batch / num_microbatches, ...] (strided rows)."""
+
+    def split(x: jax.Array) -> jax.Array:
+        rows = x.shape[0] // num_microbatches
+        return x.reshape(rows, num_microbatches, *x.shape[1:]).swapaxes(0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def accumulate_gradients(loss_and_grad: Callable[[Any, Batch], tuple[jax.Array, Any]], params: Any,
+                         microbatches: Batch, constrain_grads: Callable[[Any], Any]) -> tuple[jax.Array, Any]:
+    """Sums ``loss_and_grad(params, microbatch)`` over the leading microbatch axis with ``lax.scan``.
+
+    ``loss_and_grad`` must already be normalised by the global target count, so sums are exact.
+    """
+
+    def add_microbatch(carry, microbatch):
+        loss_sum, grad_sum = carry
+        loss, grads = loss_and_grad(params, microbatch)
+        grad_sum = constrain_grads(jax.tree.map(jnp.add, grad_sum, grads))
+        return (loss_sum + loss, grad_sum), None
+
+    zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(add_microbatch, (jnp.zeros((), jnp.float32), zeros), microbatches)
+    return loss, grads

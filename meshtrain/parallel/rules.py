@@ -1,0 +1,154 @@
+"""Logical-axis rules: where each logical axis lives on the ``(data, fsdp, tensor, stage)`` mesh.
+
+A rule has two columns, because parameters and activations want different layouts: FSDP keeps a
+parameter's ``embed`` dimension split over ``fsdp`` *at rest* and gathers it for compute, while
+activations are split over the batch instead. Each parallelism contributes a few rules; a preset
+is the composition of contributions, later ones overriding earlier ones::
+
+    name      dp                 fsdp                     tp                  fsdp_tp
+    batch     act: data+fsdp     act: data+fsdp           act: data+fsdp      act: data+fsdp
+    embed     -                  param: fsdp              -                   param: fsdp
+    heads     -                  -                        param+act: tensor   param+act: tensor
+    kv_heads  -                  -                        param+act: tensor   param+act: tensor
+    mlp       -                  -                        param+act: tensor   param+act: tensor
+    vocab     -                  -                        param+act: tensor   param+act: tensor
+
+Import ``PRESETS`` or ``ShardingRules`` to reuse them with any model that names these axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Mapping
+
+from jax.sharding import PartitionSpec
+
+from meshtrain.errors import ConfigError
+from meshtrain.mesh import MESH_AXES
+
+# Mesh axes one logical axis maps to: none (replicated), one, or several (split over their product).
+MeshAxes = str | tuple[str, ...] | None
+
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisRule:
+    """Where one logical axis lives: ``params`` at rest, ``activations`` during compute."""
+
+    params: MeshAxes = None
+    activations: MeshAxes = None
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """A named, validated table ``logical axis -> AxisRule`` covering every logical axis."""
+
+    name: str
+    table: Mapping[str, AxisRule]
+
+    def __post_init__(self):
+        missing = [axis for axis in LOGICAL_AXES if axis not in self.table]
+        if missing:
+            raise ConfigError("sharding.rules", f"rules {self.name!r} give no rule for {missing}; "
+                              "every logical axis needs one (null = replicated)")
+        for logical, rule in self.table.items():
+            for column in ("params", "activations"):
+                unknown = [axis for axis in _as_tuple(getattr(rule, column)) if axis not in MESH_AXES]
+                if unknown:
+                    raise ConfigError(f"sharding.rules.{logical}.{column}",
+                                      f"unknown mesh axes {unknown}; valid: {list(MESH_AXES)}")
+
+    def param_spec(self, axes: tuple[str | None, ...]) -> PartitionSpec:
+        """The at-rest PartitionSpec of a parameter with logical ``axes``."""
+        return self._spec(axes, "params")
+
+    def activation_spec(self, axes: tuple[str | None, ...]) -> PartitionSpec:
+        """The compute-time PartitionSpec of an activation with logical ``axes``."""
+        return self._spec(axes, "activations")
+
+    def _spec(self, axes: tuple[str | None, ...], column: str) -> PartitionSpec:
+        entries, used = [], []
+        for logical in axes:
+            if logical is not None and logical not in self.table:
+                raise ConfigError("sharding.rules", f"no rule for logical axis {logical!r} (in {axes}); "
+                                  f"known: {sorted(self.table)}")
+            mesh_axes = () if logical is None else _as_tuple(getattr(self.table[logical], column))
+            reused = [axis for axis in mesh_axes if axis in used]
+            if reused:
+                raise ConfigError(f"sharding.rules.{logical}.{column}",
+                                  f"mesh axes {reused} already split another dimension of {axes}; "
+                                  "a mesh axis may appear once per spec")
+            used.extend(mesh_axes)
+            entries.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
+        return PartitionSpec(*entries)
+
+    def overridden(self, overrides: Mapping[str, AxisRule]) -> "ShardingRules":
+        """These rules with some logical axes' rules replaced (``name`` gains a ``+``)."""
+        if not overrides:
+            return self
+        unknown = [axis for axis in overrides if axis not in LOGICAL_AXES]
+        if unknown:
+            raise ConfigError("sharding.rules", f"unknown logical axes {unknown}; valid: {list(LOGICAL_AXES)}")
+        return ShardingRules(f"{self.name}+overrides", {**self.table, **overrides})
+
+
+# The contributions of each parallelism, in the order they compose.
+REPLICATED = {axis: AxisRule() for axis in LOGICAL_AXES}
+DATA_PARALLEL = {"batch": AxisRule(activations=("data", "fsdp"))}
+FULLY_SHARDED = {"embed": AxisRule(params="fsdp")}
+TENSOR_PARALLEL = {axis: AxisRule(params="tensor", activations="tensor")
+                   for axis in ("heads", "kv_heads", "mlp", "vocab")}
+
+
+class Preset(str, enum.Enum):
+    """Named rule tables; the mesh sizes decide how much each one actually splits."""
+
+    DP = "dp"
+    FSDP = "fsdp"
+    TP = "tp"
+    FSDP_TP = "fsdp_tp"
+
+    @property
+    def rules(self) -> ShardingRules:
+        return PRESETS[self]
+
+
+PRESETS: dict[Preset, ShardingRules] = {
+    Preset.DP: ShardingRules("dp", {**REPLICATED, **DATA_PARALLEL}),
+    Preset.FSDP: ShardingRules("fsdp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED}),
+    Preset.TP: ShardingRules("tp", {**REPLICATED, **DATA_PARALLEL, **TENSOR_PARALLEL}),
+    Preset.FSDP_TP: ShardingRules("fsdp_tp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED,
+                                              **TENSOR_PARALLEL}),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+    """``preset`` picks a rules table; ``rules`` replaces the rule of individual logical axes.
+
+    ``replicated_warning_bytes``: a parameter at least this large that stays fully replicated on a
+    mesh with fsdp or tensor > 1 is reported at start-up.
+    """
+
+    preset: Preset = Preset.FSDP_TP
+    rules: dict[str, AxisRule] = dataclasses.field(default_factory=dict)
+    replicated_warning_bytes: int = 1 << 20
+
+    def __post_init__(self):
+        if self.replicated_warning_bytes < 0:
+            raise ConfigError("replicated_warning_bytes", f"must be >= 0, got {self.replicated_warning_bytes}")
+        try:
+            self.resolve()
+        except ConfigError as err:
+            raise ConfigError(err.field.removeprefix("sharding."), err.message) from None
+
+    def resolve(self) -> ShardingRules:
+        return self.preset.rules.overridden(self.rules)

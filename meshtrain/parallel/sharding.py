@@ -1,0 +1,119 @@
+"""From logical rules to concrete shardings of parameters, optimizer state, batches and activations.
+
+Parameter shardings are read from each parameter's logical axes (``models.common.logical_param``)
+through ``ShardingRules.param_spec``; activations are constrained through ``activation_spec``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.rules import ShardingRules
+from models.common import ActivationSharding, LogicalAxes, logical_axes_of
+
+BATCH_AXES: LogicalAxes = ("batch", "length")
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _param_name(path: tuple) -> str:
+    return ".".join(str(key) for key in path)
+
+
+def _split_sizes(spec: PartitionSpec, mesh: Mesh) -> list[int]:
+    """How many ways each dimension of ``spec`` is split on ``mesh``."""
+    sizes = []
+    for entry in spec:
+        axes = () if entry is None else ((entry,) if isinstance(entry, str) else entry)
+        sizes.append(math.prod(mesh.shape[axis] for axis in axes))
+    return sizes
+
+
+def param_shardings(abstract_params: nnx.State, rules: ShardingRules, mesh: Mesh) -> nnx.State:
+    """The at-rest ``NamedSharding`` of every parameter (same tree as ``abstract_params``).
+
+    Raises ``ConfigError`` naming the mesh axis when a dimension is not divisible by the number of
+    devices that split it.
+    """
+    for path, variable in nnx.to_flat_state(abstract_params):
+        axes = logical_axes_of(variable)
+        spec = rules.param_spec(axes)
+        for size, logical, entry, ways in zip(variable.shape, axes, spec, _split_sizes(spec, mesh)):
+            if size % ways:
+                mesh_axes = (entry,) if isinstance(entry, str) else tuple(entry)
+                divisors = [d for d in range(1, size + 1) if size % d == 0]
+                raise ConfigError(f"mesh.{mesh_axes[-1]}", f"{logical!r} (size {size}) of parameter "
+                                  f"{_param_name(path)} is split {ways} ways over {list(mesh_axes)}, which "
+                                  f"does not divide it; use a split among {divisors} or change the rules")
+    return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, rules.param_spec(logical_axes_of(v)))),
+                        abstract_params, is_leaf=_is_variable)
+
+
+def activation_sharding(rules: ShardingRules, mesh: Mesh) -> ActivationSharding:
+    """The constraint a model applies to its activations on ``mesh``."""
+
+    def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.activation_spec(axes)))
+
+    return constrain
+
+
+def batch_sharding(rules: ShardingRules, mesh: Mesh) -> NamedSharding:
+    """Sharding of token arrays [batch, length]."""
+    return NamedSharding(mesh, rules.activation_spec(BATCH_AXES))
+
+
+def data_parallel_size(rules: ShardingRules, mesh: Mesh) -> int:
+    """Number of ways the batch dimension is split."""
+    return _split_sizes(rules.activation_spec(("batch",)), mesh)[0]
+
+
+def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state: Any,
+                        params_shardings: nnx.State, mesh: Mesh) -> Any:
+    """Optimizer-state shardings: moments like their parameter, counters replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_map_params(tx, lambda _, sharding: sharding, abstract_opt_state, params_shardings,
+                                 transform_non_params=lambda _: replicated,
+                                 is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def parameter_table(abstract_params: nnx.State, rules: ShardingRules, mesh: Mesh) -> str:
+    """One row per parameter: name, shape, logical axes, mesh spec, bytes per device; and totals."""
+    rows = [("parameter", "shape", "logical axes", "mesh spec", "bytes/device")]
+    total, per_device_total = 0, 0
+    for path, variable in nnx.to_flat_state(abstract_params):
+        spec = rules.param_spec(logical_axes_of(variable))
+        nbytes = math.prod(variable.shape) * np.dtype(variable.dtype).itemsize
+        per_device = nbytes // math.prod(_split_sizes(spec, mesh))
+        total += nbytes
+        per_device_total += per_device
+        rows.append((_param_name(path), str(tuple(variable.shape)),
+                     str(tuple(logical_axes_of(variable))), str(tuple(spec)), str(per_device)))
+    rows.append(("total", "", "", "", f"{per_device_total} of {total}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+                     for row in rows)
+
+
+def replicated_parameters(abstract_params: nnx.State, rules: ShardingRules, mesh: Mesh,
+                          threshold_bytes: int) -> list[str]:
+    """Names of parameters >= ``threshold_bytes`` left fully replicated although the mesh could split them."""
+    if mesh.shape["fsdp"] == 1 and mesh.shape["tensor"] == 1:
+        return []
+    found = []
+    for path, variable in nnx.to_flat_state(abstract_params):
+        nbytes = math.prod(variable.shape) * np.dtype(variable.dtype).itemsize
+        spec = rules.param_spec(logical_axes_of(variable))
+        if nbytes >= threshold_bytes and math.prod(_split_sizes(spec, mesh)) == 1:
+            found.append(f"{_param_name(path)} ({nbytes} bytes)")
+    return found

@@ -1,0 +1,63 @@
+"""Mixed precision: fp32 master weights, compute in fp32, bf16 or fp16, dynamic loss scaling for fp16.
+
+The train state always holds fp32 parameters and optimizer moments. Inside the step the parameters
+are cast to the compute dtype before the forward pass (so FSDP gathers compute-dtype weights), the
+loss is taken in fp32, and gradients arrive in fp32 through the cast.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+class Precision(str, enum.Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return _COMPUTE_DTYPES[self]
+
+    def initial_loss_scale(self) -> "LossScale":
+        """fp16 scales dynamically from 2**15; fp32 and bf16 keep a fixed scale of 1."""
+        return LossScale(scale=jnp.float32(2.0**15 if self is Precision.FP16 else 1.0),
+                         good_steps=jnp.int32(0), dynamic=self is Precision.FP16)
+
+
+_COMPUTE_DTYPES = {Precision.FP32: jnp.float32, Precision.BF16: jnp.bfloat16, Precision.FP16: jnp.float16}
+
+
+@struct.dataclass
+class LossScale:
+    """Dynamic loss scale: halve on overflow, double after ``growth_interval`` finite steps."""
+
+    scale: jax.Array  # f32 []
+    good_steps: jax.Array  # i32 []
+    dynamic: bool = struct.field(pytree_node=False, default=False)
+    growth_interval: int = struct.field(pytree_node=False, default=1000)
+
+    def scale_loss(self, loss: jax.Array) -> jax.Array:
+        return loss * self.scale
+
+    def unscale(self, grads):
+        return jax.tree.map(lambda g: g / self.scale, grads)
+
+    def adjust(self, grads_finite: jax.Array) -> "LossScale":
+        """The scale for the next step given whether this step's gradients were finite."""
+        if not self.dynamic:
+            return self
+        grow = grads_finite & (self.good_steps + 1 >= self.growth_interval)
+        scale = jnp.where(grads_finite, jnp.where(grow, self.scale * 2, self.scale),
+                          jnp.maximum(self.scale / 2, 1.0))
+        good_steps = jnp.where(grads_finite & ~grow, self.good_steps + 1, 0)
+        return self.replace(scale=scale, good_steps=good_steps)
+
+
+def cast_floating(tree, dtype: jnp.dtype):
+    """``tree`` with floating-point leaves cast to ``dtype``."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)

@@ -1,0 +1,139 @@
+"""The sharded train state and the one train step ``(state, batch) -> (state, metrics)``.
+
+Order of application inside the step: precision cast of the master weights -> forward/backward per
+microbatch (activations constrained by the rules, layers rematerialised by the model's policy) ->
+gradient accumulation in the parameters' sharding -> unscale/finite check -> AdamW update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshtrain.errors import ConfigError
+from meshtrain.optim import OptimizerConfig, make_optimizer
+from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_microbatches
+from meshtrain.parallel.rules import ShardingRules
+from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, data_parallel_size,
+                                         optimizer_shardings, param_shardings)
+from meshtrain.precision import LossScale, Precision, cast_floating
+from models.llama import Llama, LlamaConfig
+
+Metrics = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The training loop: length, global batch, accumulation, precision, seed, logging cadence."""
+
+    steps: int = 100
+    batch_size: int = 16
+    grad_accum: int = 1
+    precision: Precision = Precision.FP32
+    seed: int = 0
+    log_every: int = 10
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "grad_accum", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be a positive integer, got {getattr(self, name)}")
+
+
+@struct.dataclass
+class TrainState:
+    """Everything that changes from step to step. Parameters and moments are fp32."""
+
+    step: jax.Array  # i32 []
+    params: nnx.State
+    opt_state: optax.OptState
+    loss_scale: LossScale
+    skipped_steps: jax.Array  # i32 []: steps whose gradients were not finite (update skipped)
+
+
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+    """Sum over [batch, length] of masked token cross-entropy, in fp32."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return jnp.sum(losses * mask)
+
+
+class Trainer:
+    """Creates the born-sharded state and the train step for one model on one mesh."""
+
+    def __init__(self, model_cfg: LlamaConfig, train_cfg: TrainConfig, opt_cfg: OptimizerConfig,
+                 rules: ShardingRules, mesh: Mesh):
+        self.model_cfg, self.train_cfg, self.rules, self.mesh = model_cfg, train_cfg, rules, mesh
+        dp = data_parallel_size(rules, mesh)
+        rows = dp * train_cfg.grad_accum
+        if train_cfg.batch_size % rows:
+            raise ConfigError("train.batch_size", f"{train_cfg.batch_size} must be divisible by the "
+                              f"data-parallel size {dp} x train.grad_accum {train_cfg.grad_accum} = {rows}")
+        self.graphdef, self.abstract_params = nnx.split(nnx.eval_shape(self._new_model))
+        self.param_shardings = param_shardings(self.abstract_params, rules, mesh)
+        self.tx, self.schedule = make_optimizer(opt_cfg, train_cfg.steps, self.abstract_params)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        abstract_opt_state = jax.eval_shape(self.tx.init, self.abstract_params)
+        self.state_shardings = TrainState(
+            step=replicated, params=self.param_shardings,
+            opt_state=optimizer_shardings(self.tx, abstract_opt_state, self.param_shardings, mesh),
+            loss_scale=jax.tree.map(lambda _: replicated, train_cfg.precision.initial_loss_scale()),
+            skipped_steps=replicated)
+        self.batch_sharding = batch_sharding(rules, mesh)
+        self.metrics_sharding = replicated
+        self.train_step = jax.jit(
+            self.step, in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+
+    def _new_model(self, seed: int = 0) -> Llama:
+        return Llama(self.model_cfg, rngs=nnx.Rngs(seed))
+
+    def init_state(self, seed: int) -> TrainState:
+        """A fresh state created directly in its shardings (no full copy on any device)."""
+
+        def init() -> TrainState:
+            params = nnx.state(self._new_model(seed))
+            return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params),
+                              loss_scale=self.train_cfg.precision.initial_loss_scale(),
+                              skipped_steps=jnp.int32(0))
+
+        return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        """One optimizer step on a global batch {inputs, targets, mask}: [batch, length] each."""
+        compute_dtype = self.train_cfg.precision.compute_dtype
+        constrain_activation = activation_sharding(self.rules, self.mesh)
+        target_count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+
+        def scaled_loss(params: nnx.State, microbatch: Batch) -> jax.Array:
+            model = nnx.merge(self.graphdef, cast_floating(params, compute_dtype))
+            logits = model(microbatch["inputs"], constrain_activation)
+            loss = cross_entropy_sum(logits, microbatch["targets"], microbatch["mask"]) / target_count
+            return state.loss_scale.scale_loss(loss)
+
+        def constrain_grads(grads: nnx.State) -> nnx.State:
+            return jax.lax.with_sharding_constraint(grads, self.param_shardings)
+
+        scaled_loss_sum, scaled_grads = accumulate_gradients(
+            jax.value_and_grad(scaled_loss), state.params,
+            split_microbatches(batch, self.train_cfg.grad_accum), constrain_grads)
+        grads = state.loss_scale.unscale(scaled_grads)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(grad_norm)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        new_state = TrainState(
+            step=state.step + 1,
+            params=keep_if_finite(params, state.params),
+            opt_state=keep_if_finite(opt_state, state.opt_state),
+            loss_scale=state.loss_scale.adjust(finite),
+            skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
+        metrics = {"loss": scaled_loss_sum / state.loss_scale.scale, "grad_norm": grad_norm,
+                   "lr": self.schedule(state.step), "loss_scale": state.loss_scale.scale,
+                   "skipped_steps": new_state.skipped_steps, "target_tokens": target_count}
+        return new_state, metrics

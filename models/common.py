@@ -1,0 +1,80 @@
+"""Building blocks shared by the model zoo: logical-axis parameters, activation constraints, remat.
+
+Models name only logical axes (``batch, length, embed, heads, kv_heads, head_dim, mlp, vocab,
+layers``). The framework decides what those names mean on a mesh and hands the model an
+``ActivationSharding`` callable; a model never sees a mesh axis.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable, Protocol
+
+import jax
+from flax import nnx
+
+LogicalAxes = tuple[str | None, ...]
+
+
+class InvalidField(ValueError):
+    """A model config field with an invalid value; ``field`` is relative to the model section."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+class ActivationSharding(Protocol):
+    """Constrains an activation to the layout its logical axes map to (identity off-mesh)."""
+
+    def __call__(self, x: jax.Array, axes: LogicalAxes) -> jax.Array: ...
+
+
+def unconstrained(x: jax.Array, axes: LogicalAxes) -> jax.Array:
+    """The identity constraint: a model run outside any mesh."""
+    del axes
+    return x
+
+
+def logical_param(value: jax.Array, axes: LogicalAxes) -> nnx.Param:
+    """A parameter annotated with logical axis names (one per dimension).
+
+    Flax's eager sharding is off: where the parameter lives is decided by the framework's rules
+    when the whole state is created under ``jit(..., out_shardings=...)``.
+    """
+    if len(axes) != value.ndim:
+        raise ValueError(f"logical axes {axes} do not match a value of shape {value.shape}")
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def logical_axes_of(variable: nnx.Variable) -> LogicalAxes:
+    """The logical axis names a parameter was created with (``layers`` included when stacked)."""
+    return tuple(variable.get_metadata()["out_sharding"])
+
+
+class RematPolicy(str, enum.Enum):
+    """What the backward pass of each scanned layer keeps instead of recomputing.
+
+    NONE: keep every activation (fastest, most memory).
+    FULL: keep only the layer inputs; recompute the whole layer (least memory).
+    DOTS: keep the outputs of matmuls without batch dimensions (recompute norms, activations).
+    NAMED: keep only the activations tagged with ``checkpoint_name`` in ``RematConfig.names``.
+    """
+
+    NONE = "none"
+    FULL = "full"
+    DOTS = "dots"
+    NAMED = "named"
+
+    def wrap(self, layer_fn: Callable, saved_names: tuple[str, ...]) -> Callable:
+        """``layer_fn`` with this policy applied (``jax.checkpoint``), or unchanged for NONE."""
+        if self is RematPolicy.NONE:
+            return layer_fn
+        return jax.checkpoint(layer_fn, policy=_CHECKPOINT_POLICIES[self](saved_names), prevent_cse=False)
+
+
+_CHECKPOINT_POLICIES: dict[RematPolicy, Callable[[tuple[str, ...]], Callable]] = {
+    RematPolicy.FULL: lambda names: jax.checkpoint_policies.nothing_saveable,
+    RematPolicy.DOTS: lambda names: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    RematPolicy.NAMED: lambda names: jax.checkpoint_policies.save_only_these_names(*names),
+}

@@ -1,0 +1,225 @@
+"""A Llama-family decoder (Llama 2/3 shapes) in Flax NNX, annotated with logical axes only.
+
+Parameters (logical axes in brackets; ``layers`` leads every per-layer parameter, which is
+stacked and run with ``lax.scan`` so compile time does not grow with depth):
+
+    embedding      [vocab, embed]
+    layers.attn_norm.scale   [layers, embed]
+    layers.attention.query   [layers, embed, heads, head_dim]      column-parallel under TP
+    layers.attention.key     [layers, embed, kv_heads, head_dim]
+    layers.attention.value   [layers, embed, kv_heads, head_dim]
+    layers.attention.out     [layers, heads, head_dim, embed]      row-parallel under TP
+    layers.mlp_norm.scale    [layers, embed]
+    layers.mlp.gate, .up     [layers, embed, mlp]                  column-parallel under TP
+    layers.mlp.down          [layers, mlp, embed]                  row-parallel under TP
+    final_norm.scale         [embed]
+    head           [embed, vocab]   (absent when ``tie_embeddings``: the embedding is reused)
+
+Compute runs in the dtype of the parameters handed in (the trainer casts fp32 master weights to
+bf16/fp16); norms, rotary embeddings and the softmax run in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
+                           unconstrained)
+
+# Activations a NAMED remat policy may keep (tagged with ``checkpoint_name`` in the layer).
+CHECKPOINT_NAMES = ("query", "key", "value", "attention", "mlp_hidden")
+
+BATCH_LENGTH_EMBED = ("batch", "length", "embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and execution options of a Llama-style model."""
+
+    vocab_size: int = 96
+    embed_dim: int = 40
+    num_layers: int = 2
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 6
+    mlp_dim: int = 72
+    seq_len: int = 32
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    remat: RematPolicy = RematPolicy.NONE
+    remat_names: tuple[str, ...] = ("attention", "mlp_hidden")
+
+    def __post_init__(self):
+        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "mlp_dim", "seq_len"):
+            if getattr(self, name) <= 0:
+                raise InvalidField(name, f"must be a positive integer, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidField("num_kv_heads", f"must divide num_heads={self.num_heads}, "
+                               f"got {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise InvalidField("head_dim", f"must be even for rotary embeddings, got {self.head_dim}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if getattr(self, name) <= 0:
+                raise InvalidField(name, f"must be > 0, got {getattr(self, name)}")
+        unknown = sorted(set(self.remat_names) - set(CHECKPOINT_NAMES))
+        if unknown:
+            raise InvalidField("remat_names", f"unknown names {unknown}; valid: {list(CHECKPOINT_NAMES)}")
+
+    @property
+    def attention_dim(self) -> int:
+        """heads * head_dim: the width of the attention score/value matmuls."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer."""
+        qkv = self.embed_dim * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        out = self.attention_dim * self.embed_dim
+        mlp = 3 * self.embed_dim * self.mlp_dim
+        return qkv + out + mlp + 2 * self.embed_dim
+
+    @property
+    def num_params(self) -> int:
+        """All parameters (the embedding counted once when tied)."""
+        head = 0 if self.tie_embeddings else self.embed_dim * self.vocab_size
+        return (self.vocab_size * self.embed_dim + head + self.num_layers * self.layer_params
+                + self.embed_dim)
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in matmuls: all but the input-embedding gather and norms."""
+        per_layer = self.layer_params - 2 * self.embed_dim
+        return self.num_layers * per_layer + self.embed_dim * self.vocab_size
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale over the last (embed) axis, in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        self.scale = logical_param(jnp.ones((dim,), jnp.float32), ("embed",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin: [length, head_dim // 2] in fp32 for positions 0..seq_len-1."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates x: [batch, length, heads, head_dim] by position (half-split convention, as HF Llama)."""
+    x32 = x.astype(jnp.float32)
+    first, second = jnp.split(x32, 2, axis=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query causal self-attention with rotary embeddings."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        in_std, out_std = d ** -0.5, (n * h) ** -0.5 / math.sqrt(2 * cfg.num_layers)
+        self.query = logical_param(_normal(rngs, (d, n, h), in_std), ("embed", "heads", "head_dim"))
+        self.key = logical_param(_normal(rngs, (d, k, h), in_std), ("embed", "kv_heads", "head_dim"))
+        self.value = logical_param(_normal(rngs, (d, k, h), in_std), ("embed", "kv_heads", "head_dim"))
+        self.out = logical_param(_normal(rngs, (n, h, d), out_std), ("heads", "head_dim", "embed"))
+
+    def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
+                 shard: ActivationSharding) -> jax.Array:
+        """x: [batch, length, embed] -> [batch, length, embed]."""
+        q = shard(jnp.einsum("btd,dnh->btnh", x, self.query[...]), ("batch", "length", "heads", "head_dim"))
+        k = shard(jnp.einsum("btd,dkh->btkh", x, self.key[...]), ("batch", "length", "kv_heads", "head_dim"))
+        v = shard(jnp.einsum("btd,dkh->btkh", x, self.value[...]), ("batch", "length", "kv_heads", "head_dim"))
+        q = checkpoint_name(apply_rotary(q, *rotary), "query")
+        k = checkpoint_name(apply_rotary(k, *rotary), "key")
+        v = checkpoint_name(v, "value")
+        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        attended = checkpoint_name(shard(attended, ("batch", "length", "heads", "head_dim")), "attention")
+        return jnp.einsum("btnh,nhd->btd", attended, self.out[...])
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d, m = cfg.embed_dim, cfg.mlp_dim
+        self.gate = logical_param(_normal(rngs, (d, m), d ** -0.5), ("embed", "mlp"))
+        self.up = logical_param(_normal(rngs, (d, m), d ** -0.5), ("embed", "mlp"))
+        self.down = logical_param(_normal(rngs, (m, d), m ** -0.5 / math.sqrt(2 * cfg.num_layers)),
+                                  ("mlp", "embed"))
+
+    def __call__(self, x: jax.Array, shard: ActivationSharding) -> jax.Array:
+        """x: [batch, length, embed] -> [batch, length, embed]."""
+        hidden = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
+        hidden = checkpoint_name(shard(hidden, ("batch", "length", "mlp")), "mlp_hidden")
+        return hidden @ self.down[...]
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual layer: x + attention(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.attention = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
+                 shard: ActivationSharding) -> jax.Array:
+        x = shard(x + self.attention(self.attn_norm(x), rotary, shard), BATCH_LENGTH_EMBED)
+        return shard(x + self.mlp(self.mlp_norm(x), shard), BATCH_LENGTH_EMBED)
+
+
+class Llama(nnx.Module):
+    """Token ids [batch, length] -> logits [batch, length, vocab] (in the parameters' dtype)."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = logical_param(_normal(rngs, (cfg.vocab_size, cfg.embed_dim), cfg.init_std),
+                                       ("vocab", "embed"))
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_layers(layer_rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(cfg, layer_rngs)
+
+        self.layers = stacked_layers(rngs)
+        self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else logical_param(
+            _normal(rngs, (cfg.embed_dim, cfg.vocab_size), cfg.embed_dim ** -0.5), ("embed", "vocab"))
+
+    def __call__(self, tokens: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
+        cfg = self.cfg
+        table = shard(self.embedding[...], ("vocab", "embed"))
+        x = shard(jnp.take(table, tokens, axis=0), BATCH_LENGTH_EMBED)
+        rotary = rotary_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def run_layer(x: jax.Array, one_layer_state) -> tuple[jax.Array, None]:
+            return nnx.merge(layer_def, one_layer_state)(x, rotary, shard), None
+
+        x, _ = jax.lax.scan(cfg.remat.wrap(run_layer, cfg.remat_names), x, layer_state)
+        x = self.final_norm(x)
+        head = self.embedding[...].T if self.head is None else self.head[...]
+        return shard(x @ head, ("batch", "length", "vocab"))
