@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import enum
 import pathlib
+import re
 import typing
 from typing import Any
 
@@ -87,7 +88,60 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         return key, yaml.safe_load(value) if value else ""
     except yaml.YAMLError as err:
-        raise ConfigError(key, f"cannot parse value {value!r} as YAML: {err.problem}") from None
+        raise ConfigError(key, f"cannot parse value {value!r} as YAML: {_yaml_problem(err)}") from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A one-line description of a YAML error (PyYAML's own text spans several lines)."""
+    problem = getattr(err, "problem", None) or getattr(err, "context", None) or type(err).__name__
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())
+
+
+def _check_fields(path: str, cls: type, raw: dict) -> None:
+    """Rejects, naming the full dotted path, what dacite would report vaguely or accept silently:
+    unknown fields at any depth, non-mappings where a section is expected, booleans given for
+    int/float fields (bool is an int to dacite), non-numbers for float fields (dacite's float()
+    cast fails naming only the section) and a bare string for a list (dacite splits it into
+    characters)."""
+    valid = [field.name for field in dataclasses.fields(cls)]
+    hints = typing.get_type_hints(cls)
+    for key, value in raw.items():
+        field = f"{path}.{key}"
+        if key not in valid:
+            raise ConfigError(field, f"unknown field{_suggest(str(key), valid)}; valid: {valid}")
+        hint = hints[key]
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+        if hint in (int, float) and isinstance(value, bool):
+            raise ConfigError(field, f"expected {hint.__name__}, got {value!r}")
+        if hint is float and not _is_float(value):  # dacite casts with float(), naming no field
+            raise ConfigError(field, f"expected float, got {value!r}")
+        if origin is tuple and isinstance(value, str):
+            raise ConfigError(field, f"expected a list, got the string {value!r}; write [{value}]")
+        if dataclasses.is_dataclass(hint):
+            _check_mapping(field, hint, value)
+        elif origin is dict and isinstance(value, dict) and dataclasses.is_dataclass(args[1]):
+            for name, item in value.items():
+                _check_mapping(f"{field}.{name}", args[1], item)
+
+
+def _is_float(value: Any) -> bool:
+    """Whether dacite's float cast accepts ``value`` (YAML 1.1 reads ``3e-4`` as a string)."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return False
+        return True
+    return isinstance(value, (int, float))
+
+
+def _check_mapping(path: str, cls: type, value: Any) -> None:
+    if not isinstance(value, dict):
+        fields = [field.name for field in dataclasses.fields(cls)]
+        raise ConfigError(path, f"must be a mapping with fields {fields}, got {value!r}")
+    _check_fields(path, cls, value)
 
 
 def _section(name: str, cls: type, raw: Any) -> Any:
@@ -95,10 +149,7 @@ def _section(name: str, cls: type, raw: Any) -> Any:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(name, f"must be a mapping of fields, got {raw!r}")
-    valid = [field.name for field in dataclasses.fields(cls)]
-    for key in raw:
-        if key not in valid:
-            raise ConfigError(f"{name}.{key}", f"unknown field{_suggest(str(key), valid)}; valid: {valid}")
+    _check_fields(name, cls, raw)
     try:
         return dacite.from_dict(cls, raw, config=_DACITE)
     except (ConfigError, InvalidField) as err:
@@ -118,6 +169,8 @@ def _section(name: str, cls: type, raw: Any) -> Any:
 def _type_name(field_type: Any) -> str:
     if isinstance(field_type, type) and issubclass(field_type, enum.Enum):
         return "one of " + " | ".join(member.value for member in field_type)
+    if typing.get_origin(field_type) is not None:  # tuple[str, ...] rather than tuple
+        return re.sub(r"\b(?:\w+\.)+(\w+)", r"\1", str(field_type))
     return getattr(field_type, "__name__", str(field_type))
 
 
@@ -142,7 +195,7 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
         try:
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
-            raise ConfigError("--config", f"{path} is not valid YAML: {err}") from None
+            raise ConfigError("--config", f"{path} is not valid YAML: {_yaml_problem(err)}") from None
         if not isinstance(raw, dict):
             raise ConfigError("--config", f"{path} must hold a mapping of sections {list(SECTIONS)}")
     for text in overrides:

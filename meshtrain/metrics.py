@@ -134,7 +134,7 @@ _DISPLAYED: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("loss", "loss", "{:.4f}".format),
     ("grad_norm", "grad_norm", "{:.3f}".format),
     ("lr", "lr", "{:.2e}".format),
-    ("tokens_per_s", "tok/s", _format_count),
+    ("tokens_per_sec", "tok/s", _format_count),
     ("tflops_per_device", "tflops/dev", "{:.3g}".format),
     ("mfu", "mfu", "{:.1%}".format),
 )
@@ -170,7 +170,7 @@ class MetricsLogger:
     ``metrics.jsonl`` is appended to, so a resumed run continues it.
 
     Keys shown on the progress line when present: ``loss``, ``grad_norm``, ``lr``,
-    ``tokens_per_s``, ``tflops_per_device``, ``mfu`` (a fraction). All keys go to
+    ``tokens_per_sec``, ``tflops_per_device``, ``mfu`` (a fraction). All keys go to
     the JSONL file; non-``None`` ones go to TensorBoard.
 
     Args:
@@ -196,7 +196,7 @@ class MetricsLogger:
         self._closed = False
         self._steps: list[int] = []
         self._losses: list[float] = []
-        self._tokens_per_s: list[float] = []
+        self._tokens_per_sec: list[float] = []
         self._first_log: tuple[int, float] | None = None  # (step, monotonic time)
         if not is_primary:
             return
@@ -237,8 +237,8 @@ class MetricsLogger:
         if metrics.get("loss") is not None:
             self._steps.append(step)
             self._losses.append(float(metrics["loss"]))
-        if metrics.get("tokens_per_s") is not None:
-            self._tokens_per_s.append(float(metrics["tokens_per_s"]))
+        if metrics.get("tokens_per_sec") is not None:
+            self._tokens_per_sec.append(float(metrics["tokens_per_sec"]))
         if self._first_log is None:
             self._first_log = (step, now)
         first_step, first_time = self._first_log
@@ -258,7 +258,7 @@ class MetricsLogger:
                 self._task,
                 completed=step,
                 loss=shown.get("loss", ("", "-"))[1],
-                tok_s=shown.get("tokens_per_s", ("", "-"))[1],
+                tok_s=shown.get("tokens_per_sec", ("", "-"))[1],
                 eta=eta,
             )
         else:
@@ -271,14 +271,14 @@ class MetricsLogger:
     def summary_stats(self) -> dict[str, object]:
         """Loss and throughput statistics over the steps logged by this logger."""
         finite = [x for x in self._losses if math.isfinite(x)]
-        throughput = self._tokens_per_s[1:]  # the first logged step includes compilation
+        throughput = self._tokens_per_sec[1:]  # the first logged step includes compilation
         return {
             "steps": self._steps[-1] if self._steps else None,
             "total_steps": self.total_steps,
             "first_loss": self._losses[0] if self._losses else None,
             "last_loss": self._losses[-1] if self._losses else None,
             "best_loss": min(finite) if finite else None,
-            "mean_tokens_per_s": sum(throughput) / len(throughput) if throughput else None,
+            "mean_tokens_per_sec": sum(throughput) / len(throughput) if throughput else None,
         }
 
     def close(self, summary: Mapping[str, object] | None = None) -> None:

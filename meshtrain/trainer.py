@@ -68,6 +68,9 @@ class Trainer:
     def __init__(self, model_cfg: LlamaConfig, train_cfg: TrainConfig, opt_cfg: OptimizerConfig,
                  rules: ShardingRules, mesh: Mesh):
         self.model_cfg, self.train_cfg, self.rules, self.mesh = model_cfg, train_cfg, rules, mesh
+        if mesh.shape["stage"] > 1 and not rules.uses("stage"):
+            raise ConfigError("mesh.stage", f"{mesh.shape['stage']} stages, but no sharding rule uses "
+                              "'stage' (pipeline parallelism is not implemented yet); set mesh.stage=1")
         dp = data_parallel_size(rules, mesh)
         rows = dp * train_cfg.grad_accum
         if train_cfg.batch_size % rows:

@@ -67,14 +67,14 @@ def _read_jsonl(path):
 def test_logger_writes_jsonl_tensorboard_summary_and_png(tmp_path):
     run_dir = tmp_path / "run"
     logger = MetricsLogger(run_dir, total_steps=30, is_primary=True, live=False)
-    logger.log(10, {"loss": 3.5, "grad_norm": 1.25, "tokens_per_s": 1000.0, "mfu": None})
-    logger.log(20, {"loss": 2.5, "tokens_per_s": 3000.0})
-    logger.log(30, {"loss": float("nan"), "tokens_per_s": 5000.0})
+    logger.log(10, {"loss": 3.5, "grad_norm": 1.25, "tokens_per_sec": 1000.0, "mfu": None})
+    logger.log(20, {"loss": 2.5, "tokens_per_sec": 3000.0})
+    logger.log(30, {"loss": float("nan"), "tokens_per_sec": 5000.0})
     lines = _read_jsonl(run_dir / "metrics.jsonl")
     assert lines == [
-        {"loss": 3.5, "grad_norm": 1.25, "tokens_per_s": 1000.0, "mfu": None, "step": 10},
-        {"loss": 2.5, "tokens_per_s": 3000.0, "step": 20},
-        {"loss": "nan", "tokens_per_s": 5000.0, "step": 30},
+        {"loss": 3.5, "grad_norm": 1.25, "tokens_per_sec": 1000.0, "mfu": None, "step": 10},
+        {"loss": 2.5, "tokens_per_sec": 3000.0, "step": 20},
+        {"loss": "nan", "tokens_per_sec": 5000.0, "step": 30},
     ]
     logger.close({"entropy_floor": 1.9, "compile_s": 12.5})
 
@@ -83,7 +83,7 @@ def test_logger_writes_jsonl_tensorboard_summary_and_png(tmp_path):
     assert summary["first_loss"] == 3.5
     assert summary["last_loss"] == "nan"
     assert summary["best_loss"] == 2.5
-    assert summary["mean_tokens_per_s"] == 4000.0  # first logged step excluded
+    assert summary["mean_tokens_per_sec"] == 4000.0  # first logged step excluded
     assert summary["steps"] == 30
     assert summary["total_steps"] == 30
     assert summary["entropy_floor"] == 1.9
@@ -113,8 +113,8 @@ def test_non_primary_writes_nothing(tmp_path, capsys):
 
 def test_plain_progress_lines(tmp_path, capsys):
     logger = MetricsLogger(tmp_path, total_steps=300, is_primary=True, tensorboard=False, live=False)
-    logger.log(10, {"loss": 3.21044, "grad_norm": 0.8123, "tokens_per_s": 12345.0, "mfu": None})
-    logger.log(20, {"loss": 3.1, "tokens_per_s": 12000.0, "mfu": 0.4})
+    logger.log(10, {"loss": 3.21044, "grad_norm": 0.8123, "tokens_per_sec": 12345.0, "mfu": None})
+    logger.log(20, {"loss": 3.1, "tokens_per_sec": 12000.0, "mfu": 0.4})
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2
     assert lines[0].startswith("step  10/300")
@@ -134,8 +134,8 @@ def test_plain_progress_lines(tmp_path, capsys):
 
 def test_live_progress_runs(tmp_path, capsys):
     logger = MetricsLogger(tmp_path, total_steps=2, is_primary=True, tensorboard=False, live=True)
-    logger.log(1, {"loss": 2.0, "tokens_per_s": 100.0})
-    logger.log(2, {"loss": 1.0, "tokens_per_s": 100.0})
+    logger.log(1, {"loss": 2.0, "tokens_per_sec": 100.0})
+    logger.log(2, {"loss": 1.0, "tokens_per_sec": 100.0})
     logger.close()
     assert "run summary" in capsys.readouterr().err
     assert len(_read_jsonl(tmp_path / "metrics.jsonl")) == 2

@@ -61,10 +61,21 @@ class ShardingRules:
                               "every logical axis needs one (null = replicated)")
         for logical, rule in self.table.items():
             for column in ("params", "activations"):
-                unknown = [axis for axis in _as_tuple(getattr(rule, column)) if axis not in MESH_AXES]
+                axes = _as_tuple(getattr(rule, column))
+                unknown = [axis for axis in axes if axis not in MESH_AXES]
                 if unknown:
                     raise ConfigError(f"sharding.rules.{logical}.{column}",
                                       f"unknown mesh axes {unknown}; valid: {list(MESH_AXES)}")
+                repeated = sorted({axis for axis in axes if axes.count(axis) > 1})
+                if repeated:
+                    raise ConfigError(f"sharding.rules.{logical}.{column}",
+                                      f"mesh axes {repeated} appear more than once; a mesh axis "
+                                      "may split a dimension only once")
+
+    def uses(self, mesh_axis: str) -> bool:
+        """Whether any rule splits something over ``mesh_axis``."""
+        return any(mesh_axis in _as_tuple(rule.params) + _as_tuple(rule.activations)
+                   for rule in self.table.values())
 
     def param_spec(self, axes: tuple[str | None, ...]) -> PartitionSpec:
         """The at-rest PartitionSpec of a parameter with logical ``axes``."""

@@ -1,0 +1,24 @@
+# Two commands on a fresh machine: `make train` (set up, then train the embedded default)
+# and `make test` (set up, then run the test suite). Both create .venv if it is missing.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/python -m meshtrain.train --config configs/tiny.yaml --host-devices 8
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,65 @@
+"""Shared helpers: run a few train steps of a small model on a given mesh and read the result."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from meshtrain.data import DataConfig, global_batch, make_dataset
+from meshtrain.mesh import MeshConfig, make_mesh
+from meshtrain.optim import OptimizerConfig
+from meshtrain.parallel.rules import Preset
+from meshtrain.trainer import Trainer, TrainConfig
+from models.common import RematPolicy
+from models.llama import LlamaConfig
+
+# Distinct sizes, each divisible by every split the tests use, so a transposed axis cannot pass.
+MODEL = LlamaConfig(vocab_size=96, embed_dim=40, num_layers=2, num_heads=8, num_kv_heads=4,
+                    head_dim=6, mlp_dim=72, seq_len=32)
+TRAIN = TrainConfig(steps=3, batch_size=16, log_every=1)
+# eps 1e-6 rather than 1e-8: entries whose gradient nearly cancels (|g| ~ 1e-7) differ across
+# layouts by fp32 summation order, and Adam's g / sqrt(v) turns that into an O(lr) step difference.
+OPTIMIZER = OptimizerConfig(learning_rate=3e-3, warmup_steps=0, eps=1e-6)
+
+
+@dataclasses.dataclass
+class RunResult:
+    losses: np.ndarray  # [steps]
+    params: dict  # flat {path: np.ndarray}
+    trainer: Trainer
+
+
+def make_trainer(mesh_shape: tuple[int, int, int, int], *, devices=None, grad_accum: int = 1,
+                 remat: RematPolicy = RematPolicy.NONE, preset: Preset = Preset.FSDP_TP,
+                 model: LlamaConfig = MODEL) -> Trainer:
+    devices = jax.devices()[: int(np.prod(mesh_shape))] if devices is None else devices
+    mesh = make_mesh(MeshConfig(*mesh_shape), devices)
+    return Trainer(dataclasses.replace(model, remat=remat),
+                   dataclasses.replace(TRAIN, grad_accum=grad_accum), OPTIMIZER, preset.rules, mesh)
+
+
+def run_steps(trainer: Trainer) -> RunResult:
+    """TRAIN.steps optimizer steps on the embedded Markov data; losses and final parameters."""
+    dataset = make_dataset(DataConfig(), vocab_size=trainer.model_cfg.vocab_size,
+                           seq_len=trainer.model_cfg.seq_len)
+    state = trainer.init_state(seed=0)
+    losses = []
+    for step in range(trainer.train_cfg.steps):
+        batch = global_batch(dataset, step, trainer.train_cfg.batch_size, trainer.batch_sharding)
+        state, metrics = trainer.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    params = {".".join(map(str, path)): np.asarray(v.get_value())
+              for path, v in state.params.flat_state()}
+    return RunResult(np.array(losses), params, trainer)
+
+
+def collective_counts(hlo_text: str) -> dict[str, int]:
+    """Occurrences of each collective op in optimized HLO text (async ``-start`` forms included)."""
+    ops = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+    counts = {}
+    for op in ops:
+        counts[op] = sum(1 for line in hlo_text.splitlines()
+                         if f" {op}(" in line or f" {op}-start(" in line)
+    return counts
