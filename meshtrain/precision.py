@@ -23,10 +23,16 @@ class Precision(str, enum.Enum):
     def compute_dtype(self) -> jnp.dtype:
         return _COMPUTE_DTYPES[self]
 
-    def initial_loss_scale(self) -> "LossScale":
-        """fp16 scales dynamically from 2**15; fp32 and bf16 keep a fixed scale of 1."""
-        return LossScale(scale=jnp.float32(2.0**15 if self is Precision.FP16 else 1.0),
-                         good_steps=jnp.int32(0), dynamic=self is Precision.FP16)
+    @property
+    def needs_loss_scaling(self) -> bool:
+        """fp16's narrow exponent range underflows small gradients without loss scaling."""
+        return self is Precision.FP16
+
+
+def initial_loss_scale(dynamic: bool) -> "LossScale":
+    """A dynamic scale starting at 2**15, or a fixed scale of 1 (a no-op)."""
+    return LossScale(scale=jnp.float32(2.0**15 if dynamic else 1.0), good_steps=jnp.int32(0),
+                     dynamic=dynamic)
 
 
 _COMPUTE_DTYPES = {Precision.FP32: jnp.float32, Precision.BF16: jnp.bfloat16, Precision.FP16: jnp.float16}

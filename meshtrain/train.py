@@ -34,7 +34,7 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = _ArgumentParser(prog="python -m meshtrain.train", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", help="YAML config file (default: built-in tiny defaults)")
+    parser.add_argument("--config", help="YAML config file (default: the dataclass defaults of every section)")
     parser.add_argument("--host-devices", type=int, metavar="N",
                         help="simulate N CPU devices (must be given before JAX starts)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")

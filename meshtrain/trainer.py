@@ -8,7 +8,6 @@ gradient accumulation in the parameters' sharding -> unscale/finite check -> Ada
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_mic
 from meshtrain.parallel.rules import ShardingRules
 from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, data_parallel_size,
                                          optimizer_shardings, param_shardings)
-from meshtrain.precision import LossScale, Precision, cast_floating
+from meshtrain.precision import LossScale, Precision, cast_floating, initial_loss_scale
 from models.llama import Llama, LlamaConfig
 
 Metrics = dict[str, jax.Array]
@@ -36,8 +35,15 @@ class TrainConfig:
     batch_size: int = 16
     grad_accum: int = 1
     precision: Precision = Precision.FP32
+    dynamic_loss_scale: bool | None = None  # None: on for fp16 only
     seed: int = 0
     log_every: int = 10
+
+    @property
+    def uses_dynamic_loss_scale(self) -> bool:
+        if self.dynamic_loss_scale is None:
+            return self.precision.needs_loss_scaling
+        return self.dynamic_loss_scale
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "grad_accum", "log_every"):
@@ -71,6 +77,9 @@ class Trainer:
         if mesh.shape["stage"] > 1 and not rules.uses("stage"):
             raise ConfigError("mesh.stage", f"{mesh.shape['stage']} stages, but no sharding rule uses "
                               "'stage' (pipeline parallelism is not implemented yet); set mesh.stage=1")
+        if train_cfg.precision is Precision.FP16 and mesh.devices.flat[0].platform == "cpu":
+            raise ConfigError("train.precision", "fp16 needs a GPU (XLA:CPU has no fp16 matmul with fp32 "
+                              "accumulation); use bf16 or fp32 on CPU")
         dp = data_parallel_size(rules, mesh)
         rows = dp * train_cfg.grad_accum
         if train_cfg.batch_size % rows:
@@ -84,7 +93,7 @@ class Trainer:
         self.state_shardings = TrainState(
             step=replicated, params=self.param_shardings,
             opt_state=optimizer_shardings(self.tx, abstract_opt_state, self.param_shardings, mesh),
-            loss_scale=jax.tree.map(lambda _: replicated, train_cfg.precision.initial_loss_scale()),
+            loss_scale=jax.tree.map(lambda _: replicated, initial_loss_scale(train_cfg.uses_dynamic_loss_scale)),
             skipped_steps=replicated)
         self.batch_sharding = batch_sharding(rules, mesh)
         self.metrics_sharding = replicated
@@ -95,16 +104,29 @@ class Trainer:
     def _new_model(self, seed: int = 0) -> Llama:
         return Llama(self.model_cfg, rngs=nnx.Rngs(seed))
 
+    def _fresh_state(self, seed: int) -> TrainState:
+        params = nnx.state(self._new_model(seed))
+        return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params),
+                          loss_scale=initial_loss_scale(self.train_cfg.uses_dynamic_loss_scale),
+                          skipped_steps=jnp.int32(0))
+
     def init_state(self, seed: int) -> TrainState:
         """A fresh state created directly in its shardings (no full copy on any device)."""
+        return jax.jit(lambda: self._fresh_state(seed), out_shardings=self.state_shardings)()
 
-        def init() -> TrainState:
-            params = nnx.state(self._new_model(seed))
-            return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params),
-                              loss_scale=self.train_cfg.precision.initial_loss_scale(),
-                              skipped_steps=jnp.int32(0))
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state, without allocating it (AOT compile, restore)."""
+        shapes = jax.eval_shape(lambda: self._fresh_state(0))
+        return jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype,
+                                                                         sharding=sharding),
+                            shapes, self.state_shardings)
 
-        return jax.jit(init, out_shardings=self.state_shardings)()
+    def abstract_batch(self) -> Batch:
+        """Shapes and shardings of one global batch {inputs, targets, mask}."""
+        shape = (self.train_cfg.batch_size, self.model_cfg.seq_len)
+        dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}
+        return {key: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+                for key, dtype in dtypes.items()}
 
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         """One optimizer step on a global batch {inputs, targets, mask}: [batch, length] each."""
@@ -113,7 +135,10 @@ class Trainer:
         target_count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
 
         def scaled_loss(params: nnx.State, microbatch: Batch) -> jax.Array:
-            model = nnx.merge(self.graphdef, cast_floating(params, compute_dtype))
+            # Cast at rest (still sharded) so that FSDP gathers compute-dtype weights.
+            compute_params = jax.lax.with_sharding_constraint(cast_floating(params, compute_dtype),
+                                                              self.param_shardings)
+            model = nnx.merge(self.graphdef, compute_params)
             logits = model(microbatch["inputs"], constrain_activation)
             loss = cross_entropy_sum(logits, microbatch["targets"], microbatch["mask"]) / target_count
             return state.loss_scale.scale_loss(loss)
@@ -125,7 +150,7 @@ class Trainer:
             jax.value_and_grad(scaled_loss), state.params,
             split_microbatches(batch, self.train_cfg.grad_accum), constrain_grads)
         grads = state.loss_scale.unscale(scaled_grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

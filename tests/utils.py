@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import numpy as np
+from flax import nnx
 
 from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.mesh import MeshConfig, make_mesh
@@ -51,7 +52,7 @@ def run_steps(trainer: Trainer) -> RunResult:
         state, metrics = trainer.train_step(state, batch)
         losses.append(float(metrics["loss"]))
     params = {".".join(map(str, path)): np.asarray(v.get_value())
-              for path, v in state.params.flat_state()}
+              for path, v in nnx.to_flat_state(state.params)}
     return RunResult(np.array(losses), params, trainer)
 
 

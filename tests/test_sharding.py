@@ -1,0 +1,119 @@
+"""The rules table: presets, validation, the exact shardings parameters are born with, and the
+golden per-parameter table of the tiny model on (2,2,2,1)."""
+
+import dataclasses
+import pathlib
+
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain.config import load_config
+from meshtrain.errors import ConfigError
+from meshtrain.mesh import MeshConfig, make_mesh
+from meshtrain.parallel.rules import LOGICAL_AXES, PRESETS, AxisRule, Preset, ShardingRules
+from meshtrain.parallel.sharding import parameter_table, replicated_parameters
+from meshtrain.trainer import Trainer
+from utils import MODEL, make_trainer
+
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "tiny_2x2x2x1.txt"
+
+
+def test_fsdp_tp_preset_specs():
+    rules = PRESETS[Preset.FSDP_TP]
+    assert rules.param_spec(("layers", "embed", "mlp")) == P(None, "fsdp", "tensor")
+    assert rules.param_spec(("layers", "mlp", "embed")) == P(None, "tensor", "fsdp")
+    assert rules.param_spec(("vocab", "embed")) == P("tensor", "fsdp")
+    assert rules.activation_spec(("batch", "length", "embed")) == P(("data", "fsdp"), None, None)
+    assert rules.activation_spec(("batch", "length", "heads", "head_dim")) == P(("data", "fsdp"), None,
+                                                                                 "tensor", None)
+
+
+def test_every_preset_covers_every_logical_axis():
+    for rules in PRESETS.values():
+        assert set(LOGICAL_AXES) <= set(rules.table)
+    with pytest.raises(ConfigError, match=r"no rule for \['layers'\]"):
+        ShardingRules("partial", {axis: AxisRule() for axis in LOGICAL_AXES if axis != "layers"})
+
+
+def test_a_mesh_axis_may_split_only_one_dimension_of_a_spec():
+    rules = PRESETS[Preset.FSDP_TP].overridden({"mlp": AxisRule(params="fsdp")})
+    with pytest.raises(ConfigError, match="already split another dimension") as err:
+        rules.param_spec(("layers", "embed", "mlp"))
+    assert err.value.field == "sharding.rules.mlp.params"
+
+
+def test_unknown_logical_axis_is_reported():
+    with pytest.raises(ConfigError, match="no rule for logical axis 'experts'"):
+        PRESETS[Preset.DP].param_spec(("experts", "embed"))
+
+
+def test_parameters_are_born_with_their_rule_shardings():
+    trainer = make_trainer((2, 2, 2, 1))
+    state = trainer.init_state(seed=0)
+    mesh = trainer.mesh
+    expected = {
+        "embedding": P("tensor", "fsdp"),
+        "head": P("fsdp", "tensor"),
+        "final_norm.scale": P("fsdp"),
+        "layers.attention.query": P(None, "fsdp", "tensor", None),
+        "layers.attention.key": P(None, "fsdp", "tensor", None),
+        "layers.attention.out": P(None, "tensor", None, "fsdp"),
+        "layers.mlp.gate": P(None, "fsdp", "tensor"),
+        "layers.mlp.down": P(None, "tensor", "fsdp"),
+        "layers.attn_norm.scale": P(None, "fsdp"),
+    }
+    params = {".".join(map(str, path)): v.get_value() for path, v in nnx.to_flat_state(state.params)}
+    for name, spec in expected.items():
+        array = params[name]
+        assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim), name
+    # Adam's moments live exactly where their parameter lives.
+    mu = state.opt_state[1][0].mu
+    gate_mu = mu["layers"]["mlp"]["gate"].get_value()
+    assert gate_mu.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "fsdp", "tensor")), 3)
+    # Each device holds 1/4 of the gate (fsdp x tensor), none of it twice on one device.
+    assert gate_mu.addressable_shards[0].data.shape == (2, 40 // 2, 72 // 2)
+
+
+def test_born_sharded_init_equals_unsharded_init():
+    sharded = make_trainer((1, 2, 4, 1)).init_state(seed=0).params
+    single = make_trainer((1, 1, 1, 1)).init_state(seed=0).params
+    for (path, a), (_, b) in zip(nnx.to_flat_state(sharded), nnx.to_flat_state(single)):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(path))
+
+
+def test_non_divisible_dimension_names_the_mesh_axis():
+    with pytest.raises(ConfigError, match=r"'embed' \(size 36\).*split 8 ways") as err:
+        make_trainer((1, 8, 1, 1), model=dataclasses.replace(MODEL, embed_dim=36))
+    assert err.value.field == "mesh.fsdp"
+
+
+def test_large_replicated_parameters_are_reported():
+    trainer = make_trainer((1, 8, 1, 1), preset=Preset.DP)
+    found = replicated_parameters(trainer.abstract_params, trainer.rules, trainer.mesh,
+                                  threshold_bytes=15_000)
+    assert found == ["embedding (15360 bytes)", "head (15360 bytes)", "layers.attention.out (15360 bytes)",
+                     "layers.attention.query (15360 bytes)", "layers.mlp.down (23040 bytes)",
+                     "layers.mlp.gate (23040 bytes)", "layers.mlp.up (23040 bytes)"]
+    sharded = make_trainer((1, 8, 1, 1), preset=Preset.FSDP)
+    assert replicated_parameters(sharded.abstract_params, sharded.rules, sharded.mesh, 15_000) == []
+
+
+def test_golden_parameter_table_of_tiny_on_2x2x2x1():
+    """Regenerate with: python -m meshtrain.train --config configs/tiny.yaml --host-devices 8
+    --print-sharding > tests/golden/tiny_2x2x2x1.txt (and review the diff)."""
+    cfg = load_config(pathlib.Path(__file__).parents[1] / "configs" / "tiny.yaml")
+    mesh = make_mesh(cfg.mesh)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1}
+    trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(), mesh)
+    table = parameter_table(trainer.abstract_params, trainer.rules, mesh)
+    assert table + "\n" == GOLDEN.read_text()
+
+
+def test_mesh_puts_tensor_on_neighbouring_devices():
+    mesh = make_mesh(MeshConfig(2, 2, 2, 1))
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    assert ids[0, 0, :, 0].tolist() == [0, 1]  # tensor varies fastest
+    assert ids[0, :, 0, 0].tolist() == [0, 2]
+    assert ids[:, 0, 0, 0].tolist() == [0, 4]
