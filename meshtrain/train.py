@@ -60,6 +60,34 @@ def _log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+class _StepReporter:
+    """Reads a step's metrics when it is due for logging and adds time, tokens/s, TFLOP/s, MFU."""
+
+    def __init__(self, cfg: Config, logger: MetricsLogger, num_devices: int, peak_tflops: float | None):
+        self.steps, self.log_every, self.logger = cfg.train.steps, cfg.train.log_every, logger
+        self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+        self.flops_per_step = self.tokens_per_step * train_flops_per_token(
+            matmul_params=cfg.model.matmul_params, num_layers=cfg.model.num_layers,
+            seq_len=cfg.model.seq_len, attention_dim=cfg.model.attention_dim)
+        self.num_devices, self.peak_tflops = num_devices, peak_tflops
+        self.last_time, self.last_done = time.perf_counter(), 0
+        self.final_metrics: dict[str, float] = {}  # the last logged values (the last step's)
+
+    def report(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        done = step + 1  # steps completed
+        if not (step == 0 or done % self.log_every == 0 or done == self.steps):
+            return
+        values = {key: float(value) for key, value in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        step_time = (now - self.last_time) / (done - self.last_done)
+        self.last_time, self.last_done = now, done
+        tflops = self.flops_per_step / step_time / self.num_devices / 1e12
+        self.logger.log(done, {**values, "tokens_per_sec": self.tokens_per_step / step_time,
+                               "step_time_s": step_time, "tflops_per_device": tflops,
+                               "mfu": mfu(tflops, self.peak_tflops)})
+        self.final_metrics = values
+
+
 def train(cfg: Config, *, print_sharding: bool = False) -> dict[str, object]:
     """Runs ``cfg`` to completion; returns the end-of-run summary."""
     mesh = make_mesh(cfg.mesh)
@@ -93,35 +121,22 @@ def train(cfg: Config, *, print_sharding: bool = False) -> dict[str, object]:
     _log(f"compiled in {compile_s:.1f} s; per device: arguments {format_bytes(memory.argument_size_in_bytes)}, "
          f"temporaries {format_bytes(memory.temp_size_in_bytes)}")
 
-    tokens_per_step = batch_size * cfg.model.seq_len
-    flops_per_step = tokens_per_step * train_flops_per_token(
-        matmul_params=cfg.model.matmul_params, num_layers=cfg.model.num_layers,
-        seq_len=cfg.model.seq_len, attention_dim=cfg.model.attention_dim)
-    peak = peak_bf16_tflops(devices[0].device_kind)
     logger = MetricsLogger(run_dir, steps, is_primary=jax.process_index() == 0,
                            tensorboard=cfg.run.tensorboard)
-    last_time, last_step = time.perf_counter(), 0
-    pending = None  # (step, metrics) dispatched but not yet read
-    for step in range(steps + 1):
-        if step < steps:  # dispatch step N before reading step N-1's metrics
-            state, metrics = train_step(state, batch)
-            if step + 1 < steps:
-                batch = global_batch(dataset, step + 1, batch_size, trainer.batch_sharding)
-        if pending is not None:
-            done_step, done_metrics = pending[0], jax.device_get(pending[1])
-            if done_step % cfg.train.log_every == 0 or done_step == steps - 1 or done_step == 0:
-                now = time.perf_counter()
-                step_time = (now - last_time) / max(done_step + 1 - last_step, 1)
-                last_time, last_step = now, done_step + 1
-                tflops = flops_per_step / step_time / len(devices) / 1e12
-                logger.log(done_step + 1, {
-                    **{key: float(value) for key, value in done_metrics.items()},
-                    "tokens_per_sec": tokens_per_step / step_time, "step_time_s": step_time,
-                    "tflops_per_device": tflops, "mfu": mfu(tflops, peak)})
-        pending = (step, metrics) if step < steps else None
+    reporter = _StepReporter(cfg, logger, num_devices=len(devices),
+                             peak_tflops=peak_bf16_tflops(devices[0].device_kind))
+    previous = None
+    for step in range(steps):
+        if step:
+            batch = global_batch(dataset, step, batch_size, trainer.batch_sharding)
+        state, metrics = train_step(state, batch)  # dispatched asynchronously
+        if previous is not None:
+            reporter.report(*previous)  # reads step N-1 while step N runs
+        previous = (step, metrics)
+    reporter.report(*previous)
 
-    final = jax.device_get(metrics)
-    summary = {"final_loss": float(final["loss"]), "entropy_floor": dataset.entropy_floor,
+    final = reporter.final_metrics
+    summary = {"final_loss": final["loss"], "entropy_floor": dataset.entropy_floor,
                "skipped_steps": int(final["skipped_steps"]), "compile_s": round(compile_s, 2),
                "mesh": dict(mesh.shape), "rules": rules.name, "parameters": cfg.model.num_params,
                "argument_bytes_per_device": memory.argument_size_in_bytes,
