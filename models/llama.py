@@ -210,16 +210,31 @@ class Llama(nnx.Module):
             _normal(rngs, (cfg.embed_dim, cfg.vocab_size), cfg.embed_dim ** -0.5), ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
-        cfg = self.cfg
+        """tokens: [batch, length] -> logits [batch, length, vocab]."""
+        return self.logits(self.run_layers(self.embed(tokens, shard), shard), shard)
+
+    # The three pieces below let a pipeline run the stacked layers over stages while the embedding
+    # and the head stay outside the stage loop.
+
+    def embed(self, tokens: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
+        """tokens: [batch, length] -> x: [batch, length, embed]."""
         table = shard(self.embedding[...], ("vocab", "embed"))
-        x = shard(jnp.take(table, tokens, axis=0), BATCH_LENGTH_EMBED)
-        rotary = rotary_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta)
+        return shard(jnp.take(table, tokens, axis=0), BATCH_LENGTH_EMBED)
+
+    def run_layers(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
+        """Applies every layer this module holds (``layers`` may be a pipeline stage's slice) in
+        order with ``lax.scan`` and the configured remat policy: [batch, length, embed] -> same."""
+        cfg = self.cfg
+        rotary = rotary_tables(x.shape[1], cfg.head_dim, cfg.rope_theta)
         layer_def, layer_state = nnx.split(self.layers)
 
         def run_layer(x: jax.Array, one_layer_state) -> tuple[jax.Array, None]:
             return nnx.merge(layer_def, one_layer_state)(x, rotary, shard), None
 
         x, _ = jax.lax.scan(cfg.remat.wrap(run_layer, cfg.remat_names), x, layer_state)
-        x = self.final_norm(x)
+        return x
+
+    def logits(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
+        """x: [batch, length, embed] -> logits [batch, length, vocab]."""
         head = self.embedding[...].T if self.head is None else self.head[...]
-        return shard(x @ head, ("batch", "length", "vocab"))
+        return shard(self.final_norm(x) @ head, ("batch", "length", "vocab"))

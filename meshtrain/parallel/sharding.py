@@ -63,7 +63,10 @@ def activation_sharding(rules: ShardingRules, mesh: Mesh) -> ActivationSharding:
     """The constraint a model applies to its activations on ``mesh``."""
 
     def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.activation_spec(axes)))
+        # Inside a shard_map (a pipeline stage) the traced mesh has ``stage`` manual: use it.
+        traced_mesh = jax.sharding.get_abstract_mesh()
+        target = mesh if traced_mesh.empty else traced_mesh
+        return jax.lax.with_sharding_constraint(x, NamedSharding(target, rules.activation_spec(axes)))
 
     return constrain
 
