@@ -1,7 +1,7 @@
 """Mixed precision: fp32 master weights, compute in fp32, bf16 or fp16, dynamic loss scaling for fp16.
 
 The train state always holds fp32 parameters and optimizer moments. Inside the step the parameters
-are cast to the compute dtype before the forward pass (so FSDP gathers compute-dtype weights), the
+are cast to the compute dtype before the forward pass, the
 loss is taken in fp32, and gradients arrive in fp32 through the cast.
 """
 

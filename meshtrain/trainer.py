@@ -1,8 +1,9 @@
 """The sharded train state and the one train step ``(state, batch) -> (state, metrics)``.
 
 Order of application inside the step: precision cast of the master weights -> forward/backward per
-microbatch (activations constrained by the rules, layers rematerialised by the model's policy) ->
-gradient accumulation in the parameters' sharding -> unscale/finite check -> AdamW update.
+accumulation microbatch, through the pipeline schedule when ``mesh.stage`` > 1 (activations
+constrained by the rules, layers rematerialised by the model's policy) -> gradient accumulation in
+the parameters' sharding -> unscale/finite check -> AdamW update.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshtrain.errors import ConfigError
 from meshtrain.optim import OptimizerConfig, make_optimizer
 from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_microbatches
+from meshtrain.parallel.pipeline import LayerOrder, PipelineConfig, make_value_and_grad, pipeline_rules
 from meshtrain.parallel.rules import ShardingRules
 from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, data_parallel_size,
                                          optimizer_shardings, param_shardings)
@@ -64,7 +66,11 @@ class TrainState:
 
 def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
     """Sum over [batch, length] of masked token cross-entropy, in fp32."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    logits = logits.astype(jnp.float32)
+    # A one-hot contraction rather than a gather: it partitions cleanly when vocab is split over
+    # `tensor`, also inside a pipeline stage (XLA's partitioner aborts on the gather there).
+    target_logits = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    losses = jax.nn.logsumexp(logits, axis=-1) - target_logits
     return jnp.sum(losses * mask)
 
 
@@ -72,11 +78,14 @@ class Trainer:
     """Creates the born-sharded state and the train step for one model on one mesh."""
 
     def __init__(self, model_cfg: LlamaConfig, train_cfg: TrainConfig, opt_cfg: OptimizerConfig,
-                 rules: ShardingRules, mesh: Mesh):
+                 rules: ShardingRules, mesh: Mesh, pipeline_cfg: PipelineConfig = PipelineConfig()):
+        stages = mesh.shape["stage"]
+        if stages > 1:
+            rules = pipeline_rules(rules)
         self.model_cfg, self.train_cfg, self.rules, self.mesh = model_cfg, train_cfg, rules, mesh
-        if mesh.shape["stage"] > 1 and not rules.uses("stage"):
-            raise ConfigError("mesh.stage", f"{mesh.shape['stage']} stages, but no sharding rule uses "
-                              "'stage' (pipeline parallelism is not implemented yet); set mesh.stage=1")
+        self.pipeline_cfg = pipeline_cfg
+        self.layer_order = LayerOrder(stages, pipeline_cfg.chunks_per_stage if stages > 1 else 1,
+                                      model_cfg.num_layers)
         if train_cfg.precision is Precision.FP16 and mesh.devices.flat[0].platform == "cpu":
             raise ConfigError("train.precision", "fp16 needs a GPU (XLA:CPU has no fp16 matmul with fp32 "
                               "accumulation); use bf16 or fp32 on CPU")
@@ -85,6 +94,8 @@ class Trainer:
         if train_cfg.batch_size % rows:
             raise ConfigError("train.batch_size", f"{train_cfg.batch_size} must be divisible by the "
                               f"data-parallel size {dp} x train.grad_accum {train_cfg.grad_accum} = {rows}")
+        if stages > 1:
+            pipeline_cfg.validate(stages, model_cfg.num_layers, train_cfg.batch_size // rows)
         self.graphdef, self.abstract_params = nnx.split(nnx.eval_shape(self._new_model))
         self.param_shardings = param_shardings(self.abstract_params, rules, mesh)
         self.tx, self.schedule = make_optimizer(opt_cfg, train_cfg.steps, self.abstract_params)
@@ -101,11 +112,22 @@ class Trainer:
             self.step, in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
 
+    @property
+    def pipeline_description(self) -> str:
+        """One line: the pipeline schedule, its shape and its theoretical bubble ('' without one)."""
+        stages = self.mesh.shape["stage"]
+        if stages == 1:
+            return ""
+        cfg = self.pipeline_cfg
+        return (f"pipeline: schedule {cfg.schedule.value}, {stages} stages x {cfg.chunks_per_stage} "
+                f"virtual, {cfg.microbatches} microbatches, theoretical bubble "
+                f"{cfg.bubble_fraction(stages):.1%}")
+
     def _new_model(self, seed: int = 0) -> Llama:
         return Llama(self.model_cfg, rngs=nnx.Rngs(seed))
 
     def _fresh_state(self, seed: int) -> TrainState:
-        params = nnx.state(self._new_model(seed))
+        params = self.layer_order.to_storage(nnx.state(self._new_model(seed)))
         return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params),
                           loss_scale=initial_loss_scale(self.train_cfg.uses_dynamic_loss_scale),
                           skipped_steps=jnp.int32(0))
@@ -128,28 +150,37 @@ class Trainer:
         return {key: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
                 for key, dtype in dtypes.items()}
 
-    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        """One optimizer step on a global batch {inputs, targets, mask}: [batch, length] each."""
+    def gradients(self, state: TrainState, batch: Batch) -> tuple[jax.Array, nnx.State, jax.Array]:
+        """Mean loss and its fp32 gradients (unscaled) on a global batch, and the target count.
+
+        Microbatches of ``train.grad_accum`` are scanned; each runs through the pipeline schedule
+        when ``mesh.stage`` > 1. Gradients of interleaved layers are in storage order.
+        """
         compute_dtype = self.train_cfg.precision.compute_dtype
-        constrain_activation = activation_sharding(self.rules, self.mesh)
         target_count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
 
-        def scaled_loss(params: nnx.State, microbatch: Batch) -> jax.Array:
-            # Cast at rest (still sharded) so that FSDP gathers compute-dtype weights.
-            compute_params = jax.lax.with_sharding_constraint(cast_floating(params, compute_dtype),
-                                                              self.param_shardings)
-            model = nnx.merge(self.graphdef, compute_params)
-            logits = model(microbatch["inputs"], constrain_activation)
+        def model_of(params: nnx.State) -> Llama:
+            return nnx.merge(self.graphdef, cast_floating(params, compute_dtype))
+
+        def loss_of_logits(logits: jax.Array, microbatch: Batch) -> jax.Array:
             loss = cross_entropy_sum(logits, microbatch["targets"], microbatch["mask"]) / target_count
             return state.loss_scale.scale_loss(loss)
+
+        value_and_grad = make_value_and_grad(self.pipeline_cfg, self.mesh, model_of, loss_of_logits,
+                                             activation_sharding(self.rules, self.mesh), compute_dtype)
 
         def constrain_grads(grads: nnx.State) -> nnx.State:
             return jax.lax.with_sharding_constraint(grads, self.param_shardings)
 
-        scaled_loss_sum, scaled_grads = accumulate_gradients(
-            jax.value_and_grad(scaled_loss), state.params,
-            split_microbatches(batch, self.train_cfg.grad_accum), constrain_grads)
-        grads = state.loss_scale.unscale(scaled_grads)
+        scaled_loss, scaled_grads = accumulate_gradients(
+            value_and_grad, state.params, split_microbatches(batch, self.train_cfg.grad_accum),
+            constrain_grads)
+        return (scaled_loss / state.loss_scale.scale, state.loss_scale.unscale(scaled_grads),
+                target_count)
+
+    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        """One optimizer step on a global batch {inputs, targets, mask}: [batch, length] each."""
+        loss, grads, target_count = self.gradients(state, batch)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
@@ -161,7 +192,7 @@ class Trainer:
             opt_state=keep_if_finite(opt_state, state.opt_state),
             loss_scale=state.loss_scale.adjust(finite),
             skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
-        metrics = {"loss": scaled_loss_sum / state.loss_scale.scale, "grad_norm": grad_norm,
+        metrics = {"loss": loss, "grad_norm": grad_norm,
                    "lr": self.schedule(state.step), "loss_scale": state.loss_scale.scale,
                    "skipped_steps": new_state.skipped_steps, "target_tokens": target_count}
         return new_state, metrics
