@@ -9,6 +9,7 @@ Sections and their owners::
     data       meshtrain.data.DataConfig
     train      meshtrain.trainer.TrainConfig
     run        meshtrain.config.RunConfig
+    checkpoint meshtrain.checkpoint.CheckpointConfig
 
 An override ``a.b=value`` parses ``value`` as YAML (``mesh.data=2``, ``train.precision=bf16``,
 ``sharding.rules.vocab={params: null, activations: tensor}``) and replaces ``a.b``.
@@ -27,6 +28,7 @@ from typing import Any
 import dacite
 import yaml
 
+from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.data import DataConfig
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import MeshConfig
@@ -58,10 +60,13 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 _DACITE = dacite.Config(strict=True, cast=[enum.Enum, tuple, float])
+# Fields the checkpoints issue names in sections whose dataclasses other components own.
+_MOVED = {("train", "on_nonfinite"): "checkpoint.on_nonfinite", ("model", "init_from"): "checkpoint.init_from"}
 
 
 def _suggest(name: str, valid: list[str]) -> str:
@@ -201,6 +206,14 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(raw, key, value)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict) -> Config:
+    """Validates a raw ``{section: {field: value}}`` mapping (YAML, a checkpoint's saved config)."""
+    for (section, field), new in _MOVED.items():
+        if isinstance(raw.get(section), dict) and field in raw[section]:
+            raise ConfigError(f"{section}.{field}", f"is spelled {new} in meshtrain; use {new}=...")
     for name in raw:
         if name not in SECTIONS:
             raise ConfigError(str(name), f"unknown section{_suggest(str(name), list(SECTIONS))}; "

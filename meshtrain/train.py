@@ -2,19 +2,36 @@
 
 Flags: ``--host-devices N`` simulates N CPU devices; ``--print-config`` prints the resolved config;
 ``--print-sharding`` prints the per-parameter sharding table. Both print flags exit without training.
+``--fresh`` refuses to resume from checkpoints already in ``run.dir``.
 Bad input prints one ``error: field: what is wrong`` line and exits 2.
+
+A run resumes from the latest complete checkpoint in ``run.dir/checkpoints`` (see
+``meshtrain/checkpoint.py``). SIGTERM/SIGINT finish the current step, save, and exit 0 with one line
+saying how to resume. With ``checkpoint.on_nonfinite=stop`` a non-finite loss or gradient norm saves
+the last good state and exits 3.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import pathlib
+import shlex
+import signal
 import sys
+import threading
 import time
+from collections.abc import Sequence
 
 import jax
+import numpy as np
 import yaml
+from flax import nnx
 
+from meshtrain.checkpoint import (CHECKPOINT_DIR, NonFinitePolicy, Restored, RunCheckpoints,
+                                  UnreadableCheckpoint, check_params, checkpoint_meta, config_differences, load_params,
+                                  resolve_restore_path, warn)
 from meshtrain.config import Config, load_config, to_dict
 from meshtrain.data import global_batch, make_dataset
 from meshtrain.errors import ConfigError
@@ -40,6 +57,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--print-sharding", action="store_true",
                         help="print the per-parameter sharding table and exit")
+    parser.add_argument("--fresh", action="store_true",
+                        help="refuse to resume: fail if run.dir already holds checkpoints")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value")
     return parser.parse_args(argv)
 
@@ -60,22 +79,43 @@ def _log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+class NonFiniteStop(Exception):
+    """``checkpoint.on_nonfinite=stop`` met a non-finite loss or gradient norm (exit status 3)."""
+
+
+EXIT_NONFINITE = 3
+# Sections whose changes between a checkpoint and the resumed run change the numbers (warned about).
+_NUMERIC_SECTIONS = ("model", "optimizer", "data", "train")
+_HARMLESS_FIELDS = ("train.log_every",)
+
+
+def _any_process(flag: bool) -> bool:
+    """Whether ``flag`` is set on any process (so that every process takes the same branch)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+
+
 class _StepReporter:
     """Reads a step's metrics when it is due for logging and adds time, tokens/s, TFLOP/s, MFU."""
 
-    def __init__(self, cfg: Config, logger: MetricsLogger, num_devices: int, peak_tflops: float | None):
-        self.steps, self.log_every, self.logger = cfg.train.steps, cfg.train.log_every, logger
+    def __init__(self, cfg: Config, logger: MetricsLogger, num_devices: int, peak_tflops: float | None,
+                 start: int = 0):
+        self.steps, self.log_every, self.logger, self.start = cfg.train.steps, cfg.train.log_every, logger, start
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
         self.flops_per_step = self.tokens_per_step * train_flops_per_token(
             matmul_params=cfg.model.matmul_params, num_layers=cfg.model.num_layers,
             seq_len=cfg.model.seq_len, attention_dim=cfg.model.attention_dim)
         self.num_devices, self.peak_tflops = num_devices, peak_tflops
-        self.last_time, self.last_done = time.perf_counter(), 0
+        self.last_time, self.last_done = time.perf_counter(), start
         self.final_metrics: dict[str, float] = {}  # the last logged values (the last step's)
 
-    def report(self, step: int, metrics: dict[str, jax.Array]) -> None:
+    def report(self, step: int, metrics: dict[str, jax.Array], *, force: bool = False) -> None:
         done = step + 1  # steps completed
-        if not (step == 0 or done % self.log_every == 0 or done == self.steps):
+        if not (force or step == self.start or done % self.log_every == 0 or done == self.steps):
+            return
+        if done == self.last_done:  # already logged
             return
         values = {key: float(value) for key, value in jax.device_get(metrics).items()}
         now = time.perf_counter()
@@ -88,9 +128,152 @@ class _StepReporter:
         self.final_metrics = values
 
 
-def train(cfg: Config, *, print_sharding: bool = False) -> dict[str, object]:
-    """Runs ``cfg`` to completion; returns the end-of-run summary."""
-    mesh = make_mesh(cfg.mesh)
+class _Preemption:
+    """SIGTERM/SIGINT set a flag that the loop reads after each step; a second signal aborts at once.
+
+    Only installed from the main thread (Python delivers signals there); elsewhere it does nothing.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _Preemption:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:  # the second one: behave as if we had never caught it
+            self._restore()
+            signal.raise_signal(signum)
+            return
+        self.received = name
+        _log(f"received {name}: finishing the current step, then saving a checkpoint "
+             f"(send {name} again to stop without saving)")
+
+    @property
+    def requested(self) -> bool:
+        return _any_process(self.received is not None)
+
+
+class _Saver:
+    """Decides when to save (every N steps, every M minutes, final, preemption) and writes the meta."""
+
+    def __init__(self, cfg: Config, checkpoints: RunCheckpoints | None, mesh: jax.sharding.Mesh):
+        self.cfg, self.checkpoints, self.mesh = cfg, checkpoints, mesh
+        self.config_dict = to_dict(cfg)
+        self.last_time = time.monotonic()
+        self.last_step: int | None = None
+
+    def due(self, done: int) -> bool:
+        every, minutes = self.cfg.checkpoint.every, self.cfg.checkpoint.every_minutes
+        by_time = minutes > 0 and _any_process(time.monotonic() - self.last_time >= minutes * 60)
+        return self.checkpoints is not None and ((every > 0 and done % every == 0) or by_time)
+
+    def save(self, done: int, state) -> pathlib.Path | None:
+        if self.checkpoints is None:
+            return None
+        if self.last_step != done:
+            self.checkpoints.save(done, state, checkpoint_meta(
+                step=done, config=self.config_dict, mesh=self.mesh, batch_size=self.cfg.train.batch_size,
+                data_seed=self.cfg.data.seed, train_seed=self.cfg.train.seed))
+            self.last_time, self.last_step = time.monotonic(), done
+        return self.checkpoints.path(done)
+
+
+def _restore_from(cfg: Config, abstract_state, config: dict) -> Restored:
+    """The state ``checkpoint.restore_from`` names (a step, a run or a checkpoints directory)."""
+    field = "checkpoint.restore_from"
+    root, step = resolve_restore_path(cfg.checkpoint.restore_from, field=field)
+    source = RunCheckpoints(root, read_only=True)
+    try:
+        if step is None:
+            restored = source.restore_latest(abstract_state, field=field, config=config, move_unreadable=False)
+            if restored is None:
+                raise ConfigError(field, f"no complete checkpoint in {cfg.checkpoint.restore_from}")
+            return restored
+        try:
+            return source.restore(step, abstract_state, field=field, config=config)
+        except UnreadableCheckpoint as err:
+            raise ConfigError(field, f"checkpoint {source.path(step)} is unreadable: {err}") from None
+    finally:
+        source.close()
+
+
+def _initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | None, run_dir: pathlib.Path,
+                   fresh: bool):
+    """``(state, start step, restored checkpoint or None, note to log)``: resume from run.dir, else
+    ``checkpoint.restore_from``, else a fresh init (with ``checkpoint.init_from`` parameters)."""
+    own = run_dir / CHECKPOINT_DIR
+    if fresh and own.is_dir() and any(p.name.isdigit() for p in own.iterdir()):
+        latest = max(int(p.name) for p in own.iterdir() if p.name.isdigit())
+        raise ConfigError("--fresh", f"{run_dir} already holds checkpoints (latest: step {latest}); use "
+                          "another run.dir, or drop --fresh to resume from them")
+    config = to_dict(cfg)
+    restored = None
+    if checkpoints is not None and not fresh:
+        restored = checkpoints.restore_latest(trainer.abstract_state(), field="run.dir", config=config,
+                                              move_unreadable=True)
+    if restored is None and cfg.checkpoint.restore_from is not None:
+        restored = _restore_from(cfg, trainer.abstract_state(), config)
+    if restored is not None:
+        if restored.step > cfg.train.steps:
+            raise ConfigError("train.steps", f"is {cfg.train.steps}, but checkpoint {restored.path} is "
+                              f"already at step {restored.step}; raise train.steps to continue it")
+        differences = [d for d in config_differences(restored.meta.get("config", {}), config, _NUMERIC_SECTIONS)
+                       if not d.startswith(_HARMLESS_FIELDS)]
+        if differences:
+            warn(f"checkpoint {restored.path} was written with another config; continuing with this one "
+                 f"({'; '.join(differences)}). train.steps sets the length of the learning-rate schedule")
+        note = (f"resumed from {restored.path} (step {restored.step}, written on mesh "
+                f"{restored.meta.get('mesh')} with {restored.meta.get('devices')} devices)")
+        return restored.state, restored.step, restored, note
+    init_from = cfg.checkpoint.init_from
+    target = None
+    if init_from is not None:  # checked before anything compiles
+        target = check_params(init_from, trainer.abstract_params, trainer.param_shardings,
+                              model_config=config["model"])
+    state = trainer.init_state(cfg.train.seed)
+    if target is not None:
+        jax.tree.map(lambda array: array.delete(), state.params)  # free the fresh ones before loading
+        nnx.replace_by_pure_dict(state.params, load_params(init_from, target))
+    note = f"parameters initialised from {init_from}" if target is not None else None
+    return state, 0, None, note
+
+
+def _nonfinite(metrics: dict[str, jax.Array]) -> dict[str, float]:
+    """The non-finite ones among a step's loss and gradient norm (blocks until the step is done)."""
+    values = jax.device_get({"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]})
+    return {key: float(values[key]) for key in ("loss", "grad_norm") if not math.isfinite(values[key])}
+
+
+def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
+          devices: Sequence[jax.Device] | None = None,
+          command: str = "python -m meshtrain.train") -> dict[str, object]:
+    """Runs ``cfg`` to completion, resuming from ``run.dir``'s checkpoints; returns the summary.
+
+    Args:
+      fresh: refuse to resume (ConfigError when run.dir already holds checkpoints).
+      devices: the devices of the mesh (default: all).
+      command: how this program was launched, for the resume hint printed on preemption.
+
+    Raises:
+      ConfigError: bad input, found before anything is compiled.
+      NonFiniteStop: ``checkpoint.on_nonfinite=stop`` met a non-finite loss or gradient norm.
+    """
+    mesh = make_mesh(cfg.mesh, devices)
     rules = cfg.sharding.resolve()
     trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, rules, mesh)
     if print_sharding:
@@ -100,20 +283,41 @@ def train(cfg: Config, *, print_sharding: bool = False) -> dict[str, object]:
                                       cfg.sharding.replicated_warning_bytes):
         _log(f"warning: {name} stays fully replicated on mesh {dict(mesh.shape)} under rules {rules.name}")
     dataset = make_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
-    devices = jax.devices()
-    _log(f"meshtrain: process {jax.process_index()}/{jax.process_count()}, {len(devices)} x "
-         f"{devices[0].device_kind}, mesh (data, fsdp, tensor, stage) = {mesh_shape(mesh)}, rules "
-         f"{rules.name}, {cfg.model.num_params:,} parameters, precision {cfg.train.precision.value}")
-    _log(dataset.describe())
+    devices = list(mesh.devices.flat)
+    # Logged once the checkpoints are checked, so that bad input there stays a one-line error.
+    banner = [f"meshtrain: process {jax.process_index()}/{jax.process_count()}, {len(devices)} x "
+              f"{devices[0].device_kind}, mesh (data, fsdp, tensor, stage) = {mesh_shape(mesh)}, rules "
+              f"{rules.name}, {cfg.model.num_params:,} parameters, precision {cfg.train.precision.value}",
+              dataset.describe()]
 
     run_dir = pathlib.Path(cfg.run.dir)
+    checkpoints = (RunCheckpoints(run_dir / CHECKPOINT_DIR, keep=cfg.checkpoint.keep,
+                                  async_save=cfg.checkpoint.async_save)
+                   if cfg.checkpoint.enabled else None)
+    try:
+        with _Preemption() as preemption:
+            return _run(cfg, trainer, dataset, mesh, run_dir, checkpoints, preemption, fresh=fresh,
+                        command=command, banner=banner)
+    finally:
+        if checkpoints is not None:
+            checkpoints.close()  # waits for a save in flight
+
+
+def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, checkpoints: RunCheckpoints | None,
+         preemption: _Preemption, *, fresh: bool, command: str, banner: list[str]) -> dict[str, object]:
+    steps, batch_size = cfg.train.steps, cfg.train.batch_size
+    state, start, restored, note = _initial_state(cfg, trainer, checkpoints, run_dir, fresh)
+    for line in [*banner, note]:
+        if line:
+            _log(line)
+    if start == steps:
+        _log(f"{restored.path} is already at the last step ({steps}); nothing to train")
+        return {"steps": steps, "resumed_from": start, "checkpoint": str(restored.path)}
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
-    steps, batch_size = cfg.train.steps, cfg.train.batch_size
-    state = trainer.init_state(cfg.train.seed)
-    batch = global_batch(dataset, 0, batch_size, trainer.batch_sharding)
+    batch = global_batch(dataset, start, batch_size, trainer.batch_sharding)
     compile_start = time.perf_counter()
     train_step = trainer.train_step.lower(state, batch).compile()
     compile_s = time.perf_counter() - compile_start
@@ -123,41 +327,82 @@ def train(cfg: Config, *, print_sharding: bool = False) -> dict[str, object]:
 
     logger = MetricsLogger(run_dir, steps, is_primary=jax.process_index() == 0,
                            tensorboard=cfg.run.tensorboard)
+    devices = list(mesh.devices.flat)
     reporter = _StepReporter(cfg, logger, num_devices=len(devices),
-                             peak_tflops=peak_bf16_tflops(devices[0].device_kind))
-    previous = None
-    for step in range(steps):
-        if step:
-            batch = global_batch(dataset, step, batch_size, trainer.batch_sharding)
-        state, metrics = train_step(state, batch)  # dispatched asynchronously
+                             peak_tflops=peak_bf16_tflops(devices[0].device_kind), start=start)
+    saver = _Saver(cfg, checkpoints, mesh)
+    stop_on_nonfinite = cfg.checkpoint.on_nonfinite is NonFinitePolicy.STOP
+    previous, saved, preempted = None, None, False
+    with contextlib.ExitStack() as on_exit:
+        on_exit.callback(logger.close)  # idempotent; the normal path closes it with the summary
+        for step in range(start, steps):
+            state, metrics = train_step(state, batch)  # dispatched asynchronously
+            done = step + 1
+            if done < steps:
+                batch = global_batch(dataset, done, batch_size, trainer.batch_sharding)  # overlaps step
+            if previous is not None:
+                reporter.report(*previous)  # reads step N-1 while step N runs
+            previous = (step, metrics)
+            # With `stop`, step N is checked before step N+1 is dispatched, so the state saved is the
+            # one the bad step left (its update skipped): the last good parameters and moments.
+            bad = _nonfinite(metrics) if stop_on_nonfinite else {}
+            if _any_process(bool(bad)):
+                reporter.report(step, metrics, force=True)
+                path = saver.save(done, state)
+                if checkpoints is not None:
+                    checkpoints.wait()
+                values = ", ".join(f"{key} {value}" for key, value in bad.items()) or "non-finite values"
+                where = (f"the last good state was saved to {path}" if path is not None
+                         else "nothing was saved (checkpoint.enabled=false)")
+                raise NonFiniteStop(f"checkpoint.on_nonfinite=stop: step {done} had {values}; its update "
+                                    f"was skipped and {where}")
+            preempted = preemption.requested
+            if preempted or done == steps or saver.due(done):
+                saved = saver.save(done, state)
+            if preempted:
+                reporter.report(step, metrics, force=True)
+                previous = None
+                break
         if previous is not None:
-            reporter.report(*previous)  # reads step N-1 while step N runs
-        previous = (step, metrics)
-    reporter.report(*previous)
+            reporter.report(*previous)
+        if checkpoints is not None:
+            checkpoints.wait()
 
-    final = reporter.final_metrics
-    summary = {"final_loss": final["loss"], "entropy_floor": dataset.entropy_floor,
-               "skipped_steps": int(final["skipped_steps"]), "compile_s": round(compile_s, 2),
-               "mesh": dict(mesh.shape), "rules": rules.name, "parameters": cfg.model.num_params,
-               "argument_bytes_per_device": memory.argument_size_in_bytes,
-               "temp_bytes_per_device": memory.temp_size_in_bytes}
-    logger.close(summary)
+        final = reporter.final_metrics
+        summary = {"final_loss": final.get("loss"), "entropy_floor": dataset.entropy_floor,
+                   "skipped_steps": int(final.get("skipped_steps", 0)), "compile_s": round(compile_s, 2),
+                   "mesh": dict(mesh.shape), "rules": trainer.rules.name, "parameters": cfg.model.num_params,
+                   "argument_bytes_per_device": memory.argument_size_in_bytes,
+                   "temp_bytes_per_device": memory.temp_size_in_bytes,
+                   "resumed_from": start if restored is not None else None,
+                   "checkpoint": None if saved is None else str(saved), "preempted": preempted}
+        logger.close(summary)
+    if preempted:
+        done = int(jax.device_get(state.step))
+        resume = f"{command} --config {shlex.quote(str(run_dir / 'config.yaml'))} run.dir={shlex.quote(str(run_dir))}"
+        where = f"saved to {saved}" if saved is not None else "not saved (checkpoint.enabled=false)"
+        _log(f"preempted at step {done} ({where}); resume with: {resume}")
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parse_args(argv)
+        command = "python -m meshtrain.train"
         if args.host_devices is not None:
             use_host_devices(args.host_devices)
+            command += f" --host-devices {args.host_devices}"
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
             print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
             return 0
-        train(cfg, print_sharding=args.print_sharding)
+        train(cfg, print_sharding=args.print_sharding, fresh=args.fresh, command=command)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteStop as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_NONFINITE
     return 0
 
 

@@ -1,0 +1,379 @@
+"""Checkpoints of a run: orbax saves of the ``TrainState`` plus JSON metadata, and their restore.
+
+Layout of ``run.dir/checkpoints`` (one orbax ``CheckpointManager``)::
+
+    <step>/state        the TrainState (params, Adam moments, loss scale, counters), orbax standard
+    <step>/meta         JSON: step, data position, seeds, resolved config, mesh it was written on
+    <step>.orbax-checkpoint-tmp-<ts>/   a save that never finished (ignored, never deleted)
+    <step>.unreadable[-k]/              a checkpoint that failed to restore, moved aside, kept
+
+A step directory appears only when its save has completed: orbax writes into the temporary
+directory and renames it on commit, so a process killed mid-save leaves a ``tmp`` directory that no
+restore picks up. A complete checkpoint that fails to restore (a truncated file, say) is moved
+aside with a warning naming it, and the previous one is tried.
+
+Restores go straight into the shardings of the current mesh: the target is the trainer's abstract
+state (``ShapeDtypeStruct``s carrying ``NamedSharding``s), so no device ever holds a full copy.
+
+The step number of a checkpoint is the number of optimizer steps completed. Batches are a pure
+function of ``(data.seed, step)``, so the step is also the data position; there is no other RNG
+state (parameter init is seeded by ``train.seed`` and only used for a fresh start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import pathlib
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from meshtrain.errors import ConfigError
+
+CHECKPOINT_DIR = "checkpoints"  # under run.dir
+PARAMS_DIR = "params"  # under an export directory
+EXPORT_META = "meshtrain.json"  # under an export directory
+FORMAT_VERSION = 1
+_TMP_MARK = ".orbax-checkpoint-tmp"
+_UNREADABLE = ".unreadable"
+
+
+class NonFinitePolicy(str, enum.Enum):
+    """What a non-finite loss or gradient norm does to the run (the step skips its update either way)."""
+
+    SKIP = "skip"  # keep going; the skipped steps are counted in the metrics
+    STOP = "stop"  # save the last good state and exit non-zero
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving, resuming and fault handling of a run (``checkpoint`` section).
+
+    ``on_nonfinite`` is the issue's ``train.on_nonfinite`` and ``init_from`` its ``model.init_from``:
+    they live here because ``TrainConfig`` and ``LlamaConfig`` are owned by other components.
+    """
+
+    enabled: bool = True  # false: no saves and no automatic resume
+    every: int = 100  # save every N completed steps; 0 = only time-based, preemption and final saves
+    every_minutes: float = 0.0  # also save when this many minutes passed since the last save; 0 = off
+    keep: int = 3  # complete checkpoints kept (oldest deleted by orbax)
+    async_save: bool = True  # write in a background thread; the step loop only waits for the D2H copy
+    restore_from: str | None = None  # start from this checkpoint when run.dir has none of its own
+    init_from: str | None = None  # parameters only (an export dir): fine-tune start, fresh optimizer
+    on_nonfinite: NonFinitePolicy = NonFinitePolicy.SKIP
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ConfigError("every", f"must be >= 0 (0 = no step-based saves), got {self.every}")
+        if self.every_minutes < 0:
+            raise ConfigError("every_minutes", f"must be >= 0 (0 = off), got {self.every_minutes}")
+        if self.keep < 1:
+            raise ConfigError("keep", f"must be a positive integer, got {self.keep}")
+        if self.restore_from is not None and self.init_from is not None:
+            raise ConfigError("init_from", "give either checkpoint.restore_from (the whole train state) "
+                              "or checkpoint.init_from (parameters only), not both")
+        for name in ("restore_from", "init_from"):
+            if getattr(self, name) == "":
+                raise ConfigError(name, "must be a path or null, got the empty string")
+
+
+class UnreadableCheckpoint(Exception):
+    """A complete-looking checkpoint whose files cannot be read back."""
+
+
+@dataclasses.dataclass
+class Restored:
+    state: Any  # TrainState in the current mesh's shardings
+    step: int
+    meta: dict
+    path: pathlib.Path
+
+
+def warn(message: str) -> None:
+    if jax.process_index() == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{"params.layers.mlp.gate.value": (shape, dtype)}`` of a tree of arrays, abstract arrays or
+    orbax ``ArrayMetadata`` (attribute, dict and sequence keys all become plain names)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(_key_name(k) for k in path): (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+            for path, leaf in leaves}
+
+
+def _flat_config(config: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flat_config(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def config_differences(old: dict, new: dict, sections: tuple[str, ...]) -> list[str]:
+    """``["model.embed_dim: 32 there, 40 here", ...]`` for the fields of ``sections`` that differ."""
+    old_flat, new_flat = _flat_config(old), _flat_config(new)
+    return [f"{key}: {old_flat.get(key)!r} there, {new_flat.get(key)!r} here"
+            for key in sorted(set(old_flat) | set(new_flat))
+            if key.split(".")[0] in sections and old_flat.get(key) != new_flat.get(key)]
+
+
+def check_compatible(saved: dict[str, tuple], wanted: dict[str, tuple], *, field: str, where: str,
+                     differences: list[str]) -> None:
+    """Raises a ``ConfigError`` on ``field`` when the saved arrays do not fit the wanted ones."""
+    problems = [f"{name} is missing there" for name in wanted if name not in saved]
+    problems += [f"{name} is there but not in this model" for name in saved if name not in wanted]
+    problems += [f"{name} has shape {list(saved[name][0])} {saved[name][1]} there but "
+                 f"{list(wanted[name][0])} {wanted[name][1]} here"
+                 for name in wanted if name in saved and saved[name] != wanted[name]]
+    if problems:
+        hint = ("; the configs differ in " + ", ".join(differences[:6])) if differences else ""
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConfigError(field, f"{where} does not fit this run: {problems[0]}{more}{hint}")
+
+
+def step_dir_name(path: pathlib.Path) -> int | None:
+    """The step of a complete checkpoint directory name (``"12"``), else None."""
+    return int(path.name) if path.name.isdigit() else None
+
+
+def incomplete_saves(root: pathlib.Path) -> list[pathlib.Path]:
+    """Temporary directories of saves that never finished, oldest step first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if _TMP_MARK in p.name),
+                  key=lambda p: (int(p.name.split(".")[0]) if p.name.split(".")[0].isdigit() else -1, p.name))
+
+
+class RunCheckpoints:
+    """The checkpoints of one directory: async saves of (state, meta), keep-last-K, restore.
+
+    Args:
+      root: the checkpoints directory (``run.dir/checkpoints``).
+      keep: complete checkpoints kept; ``None`` keeps all (read-only use).
+      async_save: whether ``save`` returns once the arrays are copied off the devices.
+      read_only: a directory this run does not own (``restore_from``): no saves, no renames.
+    """
+
+    def __init__(self, root: str | pathlib.Path, *, keep: int | None = None, async_save: bool = True,
+                 read_only: bool = False):
+        self.root = pathlib.Path(root).absolute()
+        self.read_only = read_only
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                               create=not read_only, read_only=read_only)
+        self._manager = ocp.CheckpointManager(self.root, options=options, item_handlers={
+            "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints, ascending."""
+        return sorted(self._manager.all_steps())
+
+    def path(self, step: int) -> pathlib.Path:
+        return self.root / str(step)
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        """Starts saving ``state`` as checkpoint ``step``; returns once the arrays are off the devices
+        (async) or written (sync). Waits for the previous save first."""
+        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                         meta=ocp.args.JsonSave(meta)), force=True)
+
+    def wait(self) -> None:
+        """Blocks until every started save is committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def read_meta(self, step: int) -> dict:
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception as err:  # any read failure makes the checkpoint unusable
+            raise UnreadableCheckpoint(_one_line(err)) from err
+        if not isinstance(meta, dict) or "step" not in meta:
+            raise UnreadableCheckpoint("its meta item holds no step")
+        return meta
+
+    def saved_shapes(self, step: int) -> dict[str, tuple]:
+        try:
+            return flat_shapes(self._manager.item_metadata(step)["state"])
+        except Exception as err:
+            raise UnreadableCheckpoint(_one_line(err)) from err
+
+    def restore(self, step: int, abstract_state: Any, *, field: str, config: dict) -> Restored:
+        """Checkpoint ``step`` restored into ``abstract_state``'s shardings.
+
+        Raises:
+          ConfigError: on ``field`` when the checkpoint holds a different model or optimizer state.
+          UnreadableCheckpoint: when its files cannot be read.
+        """
+        meta = self.read_meta(step)
+        saved = self.saved_shapes(step)
+        check_compatible(saved, flat_shapes(abstract_state), field=field, where=f"checkpoint {self.path(step)}",
+                         differences=config_differences(meta.get("config", {}), config, ("model", "optimizer")))
+        try:
+            state = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state))).state
+            jax.block_until_ready(state)
+        except Exception as err:
+            raise UnreadableCheckpoint(_one_line(err)) from err
+        return Restored(state=state, step=step, meta=meta, path=self.path(step))
+
+    def restore_latest(self, abstract_state: Any, *, field: str, config: dict,
+                       move_unreadable: bool) -> Restored | None:
+        """The newest checkpoint that restores, or None when there is none.
+
+        Unreadable ones are reported with a warning naming them and skipped; with
+        ``move_unreadable`` (a directory this run owns) each is renamed to ``<step>.unreadable`` so
+        that later saves of that step do not collide with it. Nothing is deleted.
+
+        Raises:
+          ConfigError: when a checkpoint does not fit the model, or when every one is unreadable.
+        """
+        for partial in incomplete_saves(self.root):
+            warn(f"ignoring incomplete checkpoint {partial} (a save that never finished; kept, "
+                 "remove it when no longer needed)")
+        steps = self.steps()
+        skipped = []
+        for step in reversed(steps):
+            try:
+                return self.restore(step, abstract_state, field=field, config=config)
+            except UnreadableCheckpoint as err:
+                path = self.path(step)
+                kept = path
+                if move_unreadable and not self.read_only:
+                    kept = _move_aside(path)
+                    self._manager.reload()
+                older = [s for s in steps if s < step]
+                then = f"trying step {older[-1]}" if older else "no older checkpoint left"
+                warn(f"checkpoint {path} is unreadable ({err}); kept as {kept}; {then}")
+                skipped.append(str(kept))
+        if skipped:
+            raise ConfigError(field, f"no readable checkpoint in {self.root}: every one failed to restore "
+                              f"({', '.join(skipped)}); see the warnings above")
+        return None
+
+
+def _move_aside(path: pathlib.Path) -> pathlib.Path:
+    target = path.with_name(path.name + _UNREADABLE)
+    index = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}{_UNREADABLE}-{index}")
+        index += 1
+    if jax.process_index() == 0:
+        path.rename(target)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(f"meshtrain: moved {path}")
+    return target
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def resolve_restore_path(path: str, *, field: str = "checkpoint.restore_from") -> tuple[pathlib.Path, int | None]:
+    """``(checkpoints root, step or None for its latest)`` for a step directory, a run directory or a
+    checkpoints directory.
+
+    Raises:
+      ConfigError: when ``path`` is missing, is an unfinished save or holds no complete checkpoint.
+    """
+    given = pathlib.Path(path)
+    if not given.exists():
+        raise ConfigError(field, f"no such directory: {path}")
+    if not given.is_dir():
+        raise ConfigError(field, f"{path} is a file; give a run directory, its checkpoints/ directory "
+                          "or one step directory such as checkpoints/12")
+    if _TMP_MARK in given.name:
+        raise ConfigError(field, f"{path} is an incomplete checkpoint (a save that never finished); "
+                          "give a complete one")
+    step = step_dir_name(given)
+    if step is not None and (given / "meta").exists():
+        return given.parent, step
+    root = given / CHECKPOINT_DIR if (given / CHECKPOINT_DIR).is_dir() else given
+    if not any(step_dir_name(p) is not None for p in root.iterdir()):
+        raise ConfigError(field, f"no complete checkpoint in {path} (expected a run directory, its "
+                          "checkpoints/ directory or one step directory such as checkpoints/12)")
+    return root, None
+
+
+def checkpoint_meta(*, step: int, config: dict, mesh: jax.sharding.Mesh, batch_size: int, data_seed: int,
+                    train_seed: int) -> dict:
+    """The JSON saved next to the state."""
+    return {"format": FORMAT_VERSION, "step": step,
+            "data": {"seed": data_seed, "next_example": step * batch_size},
+            "train_seed": train_seed, "mesh": {name: int(size) for name, size in mesh.shape.items()},
+            "devices": int(mesh.devices.size), "processes": jax.process_count(),
+            "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": config}
+
+
+# --- parameters only (export / init_from) ---------------------------------------------------------
+
+def save_params(out: str | pathlib.Path, params: nnx.State, meta: dict) -> pathlib.Path:
+    """Writes ``params`` (as a plain nested dict) to ``out/params`` and ``meta`` to ``out/meshtrain.json``."""
+    out = pathlib.Path(out).absolute()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(out / PARAMS_DIR, nnx.to_pure_dict(params))
+        checkpointer.wait_until_finished()
+    if jax.process_index() == 0:
+        (out / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def check_params(path: str, abstract_params: nnx.State, shardings: nnx.State, *, model_config: dict,
+                 field: str = "checkpoint.init_from") -> dict:
+    """The restore target (a plain nested dict of ``ShapeDtypeStruct``s in ``shardings``) for the
+    exported parameters at ``path``, after checking that they fit the model; reads no arrays.
+
+    Raises:
+      ConfigError: on ``field`` when ``path`` is not an export or its shapes do not fit the model.
+    """
+    root = pathlib.Path(path).absolute()
+    if not (root / PARAMS_DIR).is_dir():
+        hint = (" (this is a run directory: export it first with python -m meshtrain.export "
+                f"--run {path} --out DIR, or use checkpoint.restore_from)"
+                if (root / CHECKPOINT_DIR).is_dir() else "")
+        raise ConfigError(field, f"{path} holds no exported parameters ({PARAMS_DIR}/ is missing){hint}")
+    try:
+        meta = json.loads((root / EXPORT_META).read_text())
+    except (OSError, ValueError):
+        meta = {}
+    target = nnx.to_pure_dict(jax.tree.map(
+        lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
+        abstract_params, shardings))
+    with ocp.StandardCheckpointer() as checkpointer:
+        try:
+            saved = flat_shapes(checkpointer.metadata(root / PARAMS_DIR).item_metadata)
+        except Exception as err:
+            raise ConfigError(field, f"cannot read {root / PARAMS_DIR}: {_one_line(err)}") from None
+    check_compatible(saved, flat_shapes(target), field=field, where=f"exported parameters {path}",
+                     differences=config_differences({"model": meta.get("model", {})},
+                                                    {"model": model_config}, ("model",)))
+    return target
+
+
+def load_params(path: str, target: dict, *, field: str = "checkpoint.init_from") -> dict:
+    """The exported parameters at ``path`` restored into ``target`` (from ``check_params``)."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        try:
+            return checkpointer.restore(pathlib.Path(path).absolute() / PARAMS_DIR, target)
+        except Exception as err:
+            raise ConfigError(field, f"cannot read {pathlib.Path(path) / PARAMS_DIR}: {_one_line(err)}") from None

@@ -1,0 +1,89 @@
+"""``python -m meshtrain.export --run RUN_DIR --out DIR [--step N] [--host-devices N]``
+
+Writes the parameters of a run's checkpoint (the latest complete one, or ``--step N``), without the
+optimizer state, to ``DIR/params`` (orbax, a plain nested dict of fp32 arrays) and the model config
+to ``DIR/meshtrain.json``. Start a fine-tune from it with ``checkpoint.init_from=DIR``.
+
+The checkpoint is restored onto the mesh it was written on when the device count allows, else onto
+``fsdp`` over all devices; either way each device reads only its shards. Bad input prints one
+``error: field: what is wrong`` line and exits 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+
+import jax
+
+from meshtrain.checkpoint import (RunCheckpoints, UnreadableCheckpoint, resolve_restore_path, save_params)
+from meshtrain.config import config_from_dict, to_dict
+from meshtrain.errors import ConfigError
+from meshtrain.mesh import make_mesh
+from meshtrain.train import _ArgumentParser, use_host_devices
+from meshtrain.trainer import Trainer
+
+
+def _parse_args(argv: list[str] | None):
+    parser = _ArgumentParser(prog="python -m meshtrain.export", description=__doc__.split("\n")[0])
+    parser.add_argument("--run", required=True, help="run directory (or its checkpoints/ or one step directory)")
+    parser.add_argument("--out", required=True, help="new directory for the parameters")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
+    parser.add_argument("--host-devices", type=int, metavar="N", help="simulate N CPU devices")
+    return parser.parse_args(argv)
+
+
+def export(run: str, out: str, step: int | None = None) -> pathlib.Path:
+    """Exports the parameters of checkpoint ``step`` (default latest) of ``run`` to ``out``."""
+    out_dir = pathlib.Path(out)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError("--out", f"{out} exists and is not empty; choose a new directory")
+    root, given_step = resolve_restore_path(run, field="--run")
+    source = RunCheckpoints(root, read_only=True)
+    try:
+        steps = source.steps()
+        step = step if step is not None else given_step if given_step is not None else steps[-1]
+        if step not in steps:
+            raise ConfigError("--step", f"no complete checkpoint {step} in {root}; there are {steps}")
+        path = source.path(step)
+        try:
+            meta = source.read_meta(step)
+            cfg = config_from_dict(meta["config"])
+        except UnreadableCheckpoint as err:
+            raise ConfigError("--run", f"checkpoint {path} is unreadable ({err}); pass --step to export "
+                              f"another of {steps}") from None
+        mesh_cfg = cfg.mesh
+        if int(meta.get("devices", 0)) != len(jax.devices()):
+            mesh_cfg = dataclasses.replace(cfg.mesh, data=1, fsdp=-1, tensor=1, stage=1)
+        trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(), make_mesh(mesh_cfg))
+        config = to_dict(cfg)
+        try:
+            restored = source.restore(step, trainer.abstract_state(), field="--run", config=config)
+        except UnreadableCheckpoint as err:
+            raise ConfigError("--run", f"checkpoint {path} is unreadable ({err}); pass --step to export "
+                              f"another of {steps}") from None
+    finally:
+        source.close()
+    written = save_params(out_dir, restored.state.params,
+                          {"step": step, "source": str(path), "model": config["model"], "config": config})
+    if jax.process_index() == 0:
+        print(f"exported the parameters of {path} (step {step}, {cfg.model.num_params:,} parameters) to "
+              f"{written}; fine-tune with checkpoint.init_from={written}", file=sys.stderr)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parse_args(argv)
+        if args.host_devices is not None:
+            use_host_devices(args.host_devices)
+        export(args.run, args.out, args.step)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""Checkpoints in-process: exact resume, restore onto other meshes, non-finite policies, unreadable
+checkpoints, export / init_from, and bad input (one-line errors before anything compiles).
+
+All runs use configs/tiny.yaml shrunk to embed 32, batch 16, fp32, on mesh (2, 2, 2, 1) unless said.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import signal
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import meshtrain.train as train_module
+from meshtrain import export
+from meshtrain.checkpoint import CHECKPOINT_DIR, RunCheckpoints, check_params, load_params
+from meshtrain.config import load_config, to_dict
+from meshtrain.errors import ConfigError
+from meshtrain.mesh import make_mesh
+from meshtrain.train import EXIT_NONFINITE, main, train
+from meshtrain.trainer import Trainer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+STEPS = 8  # 2N
+HALF = 4  # N
+
+
+def overrides(run_dir, *extra, steps=STEPS):
+    return ["model.embed_dim=32", "train.batch_size=16", f"train.steps={steps}", "train.log_every=1",
+            "run.tensorboard=false", f"run.dir={run_dir}", *extra]
+
+
+def config(run_dir, *extra, steps=STEPS):
+    return load_config(TINY, overrides(run_dir, *extra, steps=steps))
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir) -> dict[int, float]:
+    """step -> loss; a step logged twice (redone after a restart) keeps its last record."""
+    return {record["step"]: record["loss"] for record in records(run_dir)}
+
+
+def complete_steps(run_dir) -> list[int]:
+    root = pathlib.Path(run_dir) / CHECKPOINT_DIR
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
+
+
+def trainer_for(cfg, devices=None) -> Trainer:
+    return Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(), make_mesh(cfg.mesh, devices))
+
+
+def restore(run_dir, step, cfg):
+    checkpoints = RunCheckpoints(pathlib.Path(run_dir) / CHECKPOINT_DIR, read_only=True)
+    try:
+        return checkpoints.restore(step, trainer_for(cfg).abstract_state(), field="test", config=to_dict(cfg))
+    finally:
+        checkpoints.close()
+
+
+def flat_params(state) -> dict[str, np.ndarray]:
+    return {".".join(map(str, path)): np.asarray(value.get_value())
+            for path, value in nnx.to_flat_state(state.params)}
+
+
+@contextlib.contextmanager
+def compilation_cache(path: pathlib.Path):
+    """A persistent compilation cache at ``path`` while inside: the runs here compile the same init
+    and step programs again and again (each a few seconds on 2 cores); the cache makes that once."""
+    from jax._src import compilation_cache as cache
+
+    settings = {"jax_compilation_cache_dir": str(path), "jax_persistent_cache_min_compile_time_secs": 0.0,
+                "jax_persistent_cache_min_entry_size_bytes": -1}
+    previous = {name: getattr(jax.config, name) for name in settings}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    cache.reset_cache()
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            jax.config.update(name, value)
+        cache.reset_cache()
+
+
+def cache_dir(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.getbasetemp() / "jax-compilation-cache"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cached_compiles(tmp_path_factory):
+    with compilation_cache(cache_dir(tmp_path_factory)):
+        yield
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("bad input reached Trainer.init_state (compilation) instead of failing early")
+
+    monkeypatch.setattr(Trainer, "init_state", fail)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """2N steps in one run, async saves every N steps: the run everything else is compared with."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    train(config(run_dir, f"checkpoint.every={HALF}"))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """N steps, a real SIGTERM (raised in-process while step N runs), then a restart for N more."""
+    run_dir = tmp_path_factory.mktemp("interrupted")
+    original = train_module.global_batch
+
+    def batch_then_signal(dataset, step, *args):
+        if step == HALF:  # built while step N (index N-1) runs
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(dataset, step, *args)
+
+    train_module.global_batch = batch_then_signal
+    try:
+        first = train(config(run_dir, "checkpoint.every=0"))
+    finally:
+        train_module.global_batch = original
+    assert first["preempted"] and complete_steps(run_dir) == [HALF]
+    first_records = records(run_dir)
+    second = train(config(run_dir, "checkpoint.every=0"))
+    return run_dir, first, first_records, second
+
+
+@pytest.mark.slow
+def test_exact_resume_is_bit_identical(reference, interrupted):
+    run_dir, first, first_records, second = interrupted
+    assert [r["step"] for r in first_records] == list(range(1, HALF + 1))
+    assert second["resumed_from"] == HALF and not second["preempted"]
+    assert [r["step"] for r in records(run_dir)] == list(range(1, STEPS + 1))  # appended, no gap
+    expected = losses(reference)
+    assert list(expected) == list(range(1, STEPS + 1))
+    assert losses(run_dir) == expected  # bit-identical fp32 floats
+    assert complete_steps(run_dir) == [HALF, STEPS]
+    final = restore(run_dir, STEPS, config(run_dir))
+    reference_final = restore(reference, STEPS, config(reference))
+    for name, value in flat_params(reference_final.state).items():
+        np.testing.assert_array_equal(flat_params(final.state)[name], value, err_msg=name)
+    assert final.meta["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1}
+    assert final.meta["data"] == {"seed": 0, "next_example": STEPS * 16}
+    assert final.meta["config"]["train"]["steps"] == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, devices", [((1, 8, 1, 1), 8), ((2, 2, 1, 1), 4)], ids=["fsdp8", "4-devices"])
+def test_restore_onto_another_mesh(reference, interrupted, tmp_path, mesh, devices):
+    source = interrupted[0] / CHECKPOINT_DIR / str(HALF)  # written on (2, 2, 2, 1) after N steps
+    data, fsdp, tensor, stage = mesh
+    cfg = config(tmp_path, f"checkpoint.restore_from={source}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
+                 f"mesh.tensor={tensor}", f"mesh.stage={stage}", "checkpoint.every=0")
+    summary = train(cfg, devices=jax.devices()[:devices])
+    assert summary["resumed_from"] == HALF and summary["mesh"] == dict(zip(("data", "fsdp", "tensor", "stage"), mesh))
+    got, expected = losses(tmp_path), losses(reference)
+    assert list(got) == list(range(HALF + 1, STEPS + 1))
+    np.testing.assert_allclose([got[s] for s in got], [expected[s] for s in got], rtol=1e-5, atol=0)
+
+
+def _inject_nan(monkeypatch, bad_index: int) -> None:
+    """The batch of step index ``bad_index`` gets a NaN mask: NaN loss and gradients (a test hook)."""
+    original = train_module.global_batch
+
+    def batch(dataset, step, batch_size, sharding):
+        result = original(dataset, step, batch_size, sharding)
+        if step == bad_index:
+            result["mask"] = jax.device_put(np.full(result["mask"].shape, np.nan, np.float32), sharding)
+        return result
+
+    monkeypatch.setattr(train_module, "global_batch", batch)
+
+
+BAD = 2  # step index with the NaN batch: steps 1-2 are good, step 3 is bad (1-based)
+
+
+@pytest.mark.slow
+def test_nonfinite_skip_leaves_state_unchanged(tmp_path, monkeypatch):
+    _inject_nan(monkeypatch, BAD)
+    summary = train(config(tmp_path, "checkpoint.every=1", "checkpoint.keep=10"))
+    assert summary["skipped_steps"] == 1
+    logged = {r["step"]: r for r in records(tmp_path)}
+    assert logged[BAD + 1]["loss"] == "nan" and logged[BAD + 1]["skipped_steps"] == 1
+    assert all(np.isfinite(logged[s]["loss"]) for s in range(1, STEPS + 1) if s != BAD + 1)
+    cfg = config(tmp_path)
+    before, bad, after = (restore(tmp_path, s, cfg) for s in (BAD, BAD + 1, BAD + 2))
+    for name, value in flat_params(before.state).items():
+        np.testing.assert_array_equal(flat_params(bad.state)[name], value, err_msg=name)  # unchanged
+    assert any(not np.array_equal(flat_params(after.state)[n], v) for n, v in flat_params(bad.state).items())
+    assert int(bad.state.skipped_steps) == 1 and int(bad.state.step) == BAD + 1
+
+
+@pytest.mark.slow
+def test_nonfinite_stop_saves_last_good_state(tmp_path, monkeypatch, capsys):
+    _inject_nan(monkeypatch, BAD)
+    rc = main(["--config", TINY, *overrides(tmp_path, "checkpoint.on_nonfinite=stop", "checkpoint.every=1",
+                                            "checkpoint.keep=10")])
+    assert rc == EXIT_NONFINITE
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "step 3 had loss nan" in error[0], error
+    assert str(tmp_path / CHECKPOINT_DIR / "3") in error[0]
+    assert complete_steps(tmp_path) == [1, 2, 3]  # nothing after the bad step was applied or saved
+    assert [r["step"] for r in records(tmp_path)] == [1, 2, 3]
+    cfg = config(tmp_path)
+    good, saved = restore(tmp_path, BAD, cfg), restore(tmp_path, BAD + 1, cfg)  # the last good one restores
+    for name, value in flat_params(good.state).items():
+        np.testing.assert_array_equal(flat_params(saved.state)[name], value, err_msg=name)
+    assert all(np.isfinite(v).all() for v in flat_params(saved.state).values())
+
+
+def _largest_file(directory: pathlib.Path) -> pathlib.Path:
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+# orbax leaves the read coroutines of a failed restore un-awaited; pytest reports them at collection.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_unreadable_latest_falls_back_and_is_kept(reference, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    root = run_dir / CHECKPOINT_DIR
+    shutil.copytree(root / str(HALF), root / "6.orbax-checkpoint-tmp-1234")  # a save killed midway
+    victim = _largest_file(root / str(STEPS) / "state")
+    size = victim.stat().st_size
+    with victim.open("r+b") as f:
+        f.truncate(size // 2)
+    cfg = config(run_dir)
+    checkpoints = RunCheckpoints(root, keep=3)
+    try:
+        restored = checkpoints.restore_latest(trainer_for(cfg).abstract_state(), field="run.dir",
+                                              config=to_dict(cfg), move_unreadable=True)
+    finally:
+        checkpoints.close()
+    assert restored.step == HALF
+    err = capsys.readouterr().err
+    assert f"checkpoint {root / str(STEPS)} is unreadable" in err and f"trying step {HALF}" in err, err
+    assert f"ignoring incomplete checkpoint {root / '6.orbax-checkpoint-tmp-1234'}" in err, err
+    kept = root / f"{STEPS}.unreadable"
+    assert kept.is_dir() and (kept / victim.relative_to(root / str(STEPS))).stat().st_size == size // 2
+    assert (root / "6.orbax-checkpoint-tmp-1234").is_dir()  # nothing deleted
+    assert complete_steps(run_dir) == [HALF]
+
+
+def test_every_checkpoint_unreadable_is_an_error(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    for step in (HALF, STEPS):
+        (run_dir / CHECKPOINT_DIR / str(step) / "meta" / "metadata").write_text("{not json")
+    cfg = config(run_dir)
+    checkpoints = RunCheckpoints(run_dir / CHECKPOINT_DIR, keep=3)
+    with pytest.raises(ConfigError, match="no readable checkpoint") as err:
+        checkpoints.restore_latest(trainer_for(cfg).abstract_state(), field="run.dir", config=to_dict(cfg),
+                                   move_unreadable=True)
+    checkpoints.close()
+    assert err.value.field == "run.dir"
+    assert sorted(p.name for p in (run_dir / CHECKPOINT_DIR).iterdir() if "unreadable" in p.name) == [
+        f"{HALF}.unreadable", f"{STEPS}.unreadable"]
+
+
+def test_export_then_init_from(reference, tmp_path, capsys):
+    out = tmp_path / "export"
+    assert export.main(["--run", str(reference), "--out", str(out)]) == 0
+    assert f"step {STEPS}" in capsys.readouterr().err
+    meta = json.loads((out / "meshtrain.json").read_text())
+    assert meta["step"] == STEPS and meta["model"]["embed_dim"] == 32
+    assert not (out / "params" / "opt_state").exists()
+    cfg = config(tmp_path / "finetune", f"checkpoint.init_from={out}", "checkpoint.enabled=false")
+    trainer = trainer_for(cfg)
+    target = check_params(str(out), trainer.abstract_params, trainer.param_shardings,
+                          model_config=to_dict(cfg)["model"])
+    loaded = load_params(str(out), target)
+    expected = flat_params(restore(reference, STEPS, cfg).state)
+    for path, value in jax.tree_util.tree_flatten_with_path(loaded)[0]:
+        name = ".".join(str(getattr(k, "key", k)) for k in path)
+        np.testing.assert_array_equal(np.asarray(value), expected[name], err_msg=name)
+    shardings = nnx.to_pure_dict(trainer.param_shardings)
+    for value, sharding in zip(jax.tree.leaves(loaded), jax.tree.leaves(shardings)):
+        assert value.sharding.is_equivalent_to(sharding, value.ndim)  # born in the run's shardings
+    # End to end: at step 1 the learning rate is 0 (warmup), so its loss is the exported model's loss,
+    # well below that of a fresh init (5.415 on this batch).
+    train(cfg)
+    assert losses(tmp_path / "finetune")[1] < losses(reference)[STEPS] + 0.1 < 5.2
+
+
+def _one_line_error(rc, err, field, *hints):
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {field}: "), err
+    for hint in hints:
+        assert hint in lines[0], (hint, lines[0])
+
+
+BAD_INPUTS = [
+    (["checkpoint.restore_from=/nonexistent/run"], "checkpoint.restore_from", ["no such directory"]),
+    (["checkpoint.keep=0"], "checkpoint.keep", ["positive integer"]),
+    (["checkpoint.on_nonfinite=ignore"], "checkpoint.on_nonfinite", ["'ignore' is not valid", "skip | stop"]),
+    (["train.on_nonfinite=stop"], "train.on_nonfinite", ["checkpoint.on_nonfinite"]),
+    (["model.init_from=/x"], "model.init_from", ["checkpoint.init_from"]),
+    (["checkpoint.restore_from=/a", "checkpoint.init_from=/b"], "checkpoint.init_from", ["not both"]),
+    (["checkpoint.every=-1"], "checkpoint.every", [">= 0"]),
+]
+
+
+@pytest.mark.parametrize("extra, field, hints", BAD_INPUTS, ids=[b[1] + "-" + b[0][0].split("=")[1] for b in BAD_INPUTS])
+def test_bad_input(tmp_path, capsys, no_compile, extra, field, hints):
+    rc = main(["--config", TINY, *overrides(tmp_path, *extra)])
+    _one_line_error(rc, capsys.readouterr().err, field, *hints)
+
+
+def test_bad_checkpoint_paths(reference, tmp_path, capsys, no_compile):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        ([f"checkpoint.restore_from={empty}"], "checkpoint.restore_from", ["no complete checkpoint"]),
+        ([f"checkpoint.restore_from={reference / 'metrics.jsonl'}"], "checkpoint.restore_from", ["is a file"]),
+        ([f"checkpoint.restore_from={reference}", "model.embed_dim=64"], "checkpoint.restore_from",
+         ["does not fit this run", "model.embed_dim: 32 there, 64 here"]),
+        ([f"checkpoint.init_from={reference}"], "checkpoint.init_from", ["meshtrain.export"]),
+    ]
+    for extra, field, hints in cases:
+        rc = main(["--config", TINY, *overrides(tmp_path / "run", *extra)])
+        _one_line_error(rc, capsys.readouterr().err, field, *hints)
+    rc = main(["--fresh", "--config", TINY, *overrides(reference)])
+    _one_line_error(rc, capsys.readouterr().err, "--fresh", "already holds checkpoints", f"step {STEPS}")
+
+
+def test_export_bad_input(tmp_path, capsys):
+    assert export.main(["--run", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    _one_line_error(2, capsys.readouterr().err, "--run", "no complete checkpoint")
