@@ -5,7 +5,10 @@
                     ``kv_heads``, ``mlp``, ``vocab`` over ``tensor``). Presets compose these.
 2. ``sharding.py`` - turns the rules into ``NamedSharding``s for parameters, optimizer state,
                     batches and activation constraints, and validates them against the model.
-3. ``accumulate.py`` - gradient accumulation: microbatches scanned inside the jitted step, the
+3. ``pipeline.py`` - pipeline parallelism over ``stage`` (GPipe, 1F1B, interleaved): adds the
+                    rule ``layers -> stage`` for parameters and runs each (accumulation)
+                    microbatch through a ``shard_map`` schedule manual over ``stage`` only.
+4. ``accumulate.py`` - gradient accumulation: microbatches scanned inside the jitted step, the
                     accumulator kept in the parameters' sharding.
 
 Remat is a property of the model's scanned layer stack (``models.common.RematPolicy``); precision

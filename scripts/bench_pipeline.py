@@ -1,0 +1,113 @@
+"""Pipeline schedules side by side: step time, theoretical bubble and compiled temp memory.
+
+    python scripts/bench_pipeline.py [--stages 4] [--microbatches 4 8 16 32] [--steps 3]
+        [--out docs/img/pipeline_bench.png]
+
+Every run uses the same model and the same microbatch size (``--rows`` sequences), so the global
+batch grows with M. "none" is the same model and batch without a pipeline on one device. On
+simulated CPU devices the stages share the host's cores: step times show the schedule's total work
+and overhead, not a multi-device speed-up; the memory column is XLA's own per-device analysis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--rows", type=int, default=2, help="sequences per microbatch")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    parser.add_argument("--out", default="docs/img/pipeline_bench.png")
+    args = parser.parse_args()
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", max(8, args.stages))
+    from meshtrain.data import DataConfig, global_batch, make_dataset
+    from meshtrain.mesh import MeshConfig, make_mesh
+    from meshtrain.optim import OptimizerConfig
+    from meshtrain.parallel.pipeline import PipelineConfig, Schedule
+    from meshtrain.parallel.rules import Preset
+    from meshtrain.trainer import Trainer, TrainConfig
+    from models.llama import LlamaConfig
+
+    model = LlamaConfig(vocab_size=128, embed_dim=64, num_layers=8, num_heads=4, num_kv_heads=4,
+                        head_dim=16, mlp_dim=256, seq_len=64)
+    schedules = {"gpipe": (Schedule.GPIPE, 1), "1f1b": (Schedule.ONE_F_ONE_B, 1),
+                 "interleaved": (Schedule.INTERLEAVED, 2)}
+    dataset = make_dataset(DataConfig(), vocab_size=model.vocab_size, seq_len=model.seq_len)
+
+    def measure(mesh_shape, pipeline, batch_size):
+        mesh = make_mesh(MeshConfig(*mesh_shape), jax.devices()[: math.prod(mesh_shape)])
+        trainer = Trainer(model, TrainConfig(steps=100, batch_size=batch_size), OptimizerConfig(),
+                          Preset.FSDP_TP.rules, mesh, pipeline)
+        state = trainer.init_state(seed=0)
+        batch = global_batch(dataset, 0, batch_size, trainer.batch_sharding)
+        step = trainer.train_step.lower(state, batch).compile()
+        state, metrics = step(state, batch)  # warm-up
+        jax.block_until_ready(metrics)
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            state, metrics = step(state, batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times), step.memory_analysis().temp_size_in_bytes
+
+    rows = []
+    header = f"{'M':>3} {'schedule':<12} {'step s':>8} {'vs none':>8} {'bubble':>7} {'temp MB':>9}"
+    print(f"S={args.stages}, {args.rows} sequences x {model.seq_len} tokens per microbatch, "
+          f"{model.num_params:,} parameters, {jax.devices()[0].device_kind}")
+    print(header)
+    for micro in args.microbatches:
+        batch_size = micro * args.rows
+        none_time, none_temp = measure((1, 1, 1, 1), PipelineConfig(), batch_size)
+        rows.append((micro, "none", none_time, 1.0, 0.0, none_temp))
+        print(f"{micro:>3} {'none':<12} {none_time:>8.3f} {1.0:>8.2f} {0.0:>7.1%} {none_temp / 1e6:>9.2f}",
+              flush=True)
+        for name, (schedule, virtual) in schedules.items():
+            pipeline = PipelineConfig(micro, schedule, virtual)
+            step_time, temp = measure((1, 1, 1, args.stages), pipeline, batch_size)
+            bubble = pipeline.bubble_fraction(args.stages)
+            rows.append((micro, name, step_time, step_time / none_time, bubble, temp))
+            print(f"{micro:>3} {name:<12} {step_time:>8.3f} {step_time / none_time:>8.2f} {bubble:>7.1%} "
+                  f"{temp / 1e6:>9.2f}", flush=True)
+    _plot(rows, args.out, args.stages)
+    print(f"plot: {args.out}")
+
+
+def _plot(rows, path, stages) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in dict.fromkeys(row[1] for row in rows):
+        series = [row for row in rows if row[1] == name]
+        micro = [row[0] for row in series]
+        time_ax.plot(micro, [row[2] for row in series], marker="o", label=name)
+        memory_ax.plot(micro, [row[5] / 1e6 for row in series], marker="o", label=name)
+    for ax, title, unit in ((time_ax, "step time", "s"), (memory_ax, "temp memory per device", "MB")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("microbatches M (fixed microbatch size)")
+        ax.set_ylabel(unit)
+        ax.set_title(f"{title}, S={stages}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
