@@ -8,6 +8,7 @@ Sections and their owners::
     optimizer  meshtrain.optim.OptimizerConfig
     data       meshtrain.data.DataConfig
     train      meshtrain.trainer.TrainConfig
+    pipeline   meshtrain.parallel.pipeline.PipelineConfig
     run        meshtrain.config.RunConfig
     checkpoint meshtrain.checkpoint.CheckpointConfig
 
@@ -33,6 +34,7 @@ from meshtrain.data import DataConfig
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import MeshConfig
 from meshtrain.optim import OptimizerConfig
+from meshtrain.parallel.pipeline import PipelineConfig
 from meshtrain.parallel.rules import ShardingConfig
 from meshtrain.trainer import TrainConfig
 from models.common import InvalidField
@@ -59,6 +61,7 @@ class Config:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 

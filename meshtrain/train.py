@@ -275,11 +275,12 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
     """
     mesh = make_mesh(cfg.mesh, devices)
     rules = cfg.sharding.resolve()
-    trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, rules, mesh)
+    trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, rules, mesh, cfg.pipeline)
     if print_sharding:
-        print(parameter_table(trainer.abstract_params, rules, mesh))
+        print("\n".join(filter(None, [trainer.pipeline_description,
+                                       parameter_table(trainer.abstract_params, trainer.rules, mesh)])))
         return {}
-    for name in replicated_parameters(trainer.abstract_params, rules, mesh,
+    for name in replicated_parameters(trainer.abstract_params, trainer.rules, mesh,
                                       cfg.sharding.replicated_warning_bytes):
         _log(f"warning: {name} stays fully replicated on mesh {dict(mesh.shape)} under rules {rules.name}")
     dataset = make_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
@@ -288,7 +289,7 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
     banner = [f"meshtrain: process {jax.process_index()}/{jax.process_count()}, {len(devices)} x "
               f"{devices[0].device_kind}, mesh (data, fsdp, tensor, stage) = {mesh_shape(mesh)}, rules "
               f"{rules.name}, {cfg.model.num_params:,} parameters, precision {cfg.train.precision.value}",
-              dataset.describe()]
+              trainer.pipeline_description, dataset.describe()]
 
     run_dir = pathlib.Path(cfg.run.dir)
     checkpoints = (RunCheckpoints(run_dir / CHECKPOINT_DIR, keep=cfg.checkpoint.keep,
@@ -372,6 +373,7 @@ def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, ch
         summary = {"final_loss": final.get("loss"), "entropy_floor": dataset.entropy_floor,
                    "skipped_steps": int(final.get("skipped_steps", 0)), "compile_s": round(compile_s, 2),
                    "mesh": dict(mesh.shape), "rules": trainer.rules.name, "parameters": cfg.model.num_params,
+                   "pipeline": trainer.pipeline_description or None,
                    "argument_bytes_per_device": memory.argument_size_in_bytes,
                    "temp_bytes_per_device": memory.temp_size_in_bytes,
                    "resumed_from": start if restored is not None else None,
