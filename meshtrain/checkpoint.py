@@ -4,7 +4,8 @@ Layout of ``run.dir/checkpoints`` (one orbax ``CheckpointManager``)::
 
     <step>/state        the TrainState (params, Adam moments, loss scale, counters), orbax standard
     <step>/meta         JSON: step, data position, seeds, resolved config, mesh it was written on
-    <step>.orbax-checkpoint-tmp-<ts>/   a save that never finished (ignored, never deleted)
+    <step>.orbax-checkpoint-tmp/        a save that never finished (ignored; orbax replaces it when
+                                        that step is saved again, logging a warning)
     <step>.unreadable[-k]/              a checkpoint that failed to restore, moved aside, kept
 
 A step directory appears only when its save has completed: orbax writes into the temporary

@@ -347,7 +347,7 @@ def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, ch
             # With `stop`, step N is checked before step N+1 is dispatched, so the state saved is the
             # one the bad step left (its update skipped): the last good parameters and moments.
             bad = _nonfinite(metrics) if stop_on_nonfinite else {}
-            if _any_process(bool(bad)):
+            if stop_on_nonfinite and _any_process(bool(bad)):
                 reporter.report(step, metrics, force=True)
                 path = saver.save(done, state)
                 if checkpoints is not None:
@@ -357,7 +357,7 @@ def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, ch
                          else "nothing was saved (checkpoint.enabled=false)")
                 raise NonFiniteStop(f"checkpoint.on_nonfinite=stop: step {done} had {values}; its update "
                                     f"was skipped and {where}")
-            preempted = preemption.requested
+            preempted = done < steps and preemption.requested  # the last step ends the run anyway
             if preempted or done == steps or saver.due(done):
                 saved = saver.save(done, state)
             if preempted:

@@ -234,7 +234,7 @@ def test_unreadable_latest_falls_back_and_is_kept(reference, tmp_path, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     root = run_dir / CHECKPOINT_DIR
-    shutil.copytree(root / str(HALF), root / "6.orbax-checkpoint-tmp-1234")  # a save killed midway
+    shutil.copytree(root / str(HALF), root / "6.orbax-checkpoint-tmp")  # a save killed midway
     victim = _largest_file(root / str(STEPS) / "state")
     size = victim.stat().st_size
     with victim.open("r+b") as f:
@@ -249,10 +249,10 @@ def test_unreadable_latest_falls_back_and_is_kept(reference, tmp_path, capsys):
     assert restored.step == HALF
     err = capsys.readouterr().err
     assert f"checkpoint {root / str(STEPS)} is unreadable" in err and f"trying step {HALF}" in err, err
-    assert f"ignoring incomplete checkpoint {root / '6.orbax-checkpoint-tmp-1234'}" in err, err
+    assert f"ignoring incomplete checkpoint {root / '6.orbax-checkpoint-tmp'}" in err, err
     kept = root / f"{STEPS}.unreadable"
     assert kept.is_dir() and (kept / victim.relative_to(root / str(STEPS))).stat().st_size == size // 2
-    assert (root / "6.orbax-checkpoint-tmp-1234").is_dir()  # nothing deleted
+    assert (root / "6.orbax-checkpoint-tmp").is_dir()  # nothing deleted
     assert complete_steps(run_dir) == [HALF]
 
 
@@ -342,3 +342,29 @@ def test_bad_checkpoint_paths(reference, tmp_path, capsys, no_compile):
 def test_export_bad_input(tmp_path, capsys):
     assert export.main(["--run", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     _one_line_error(2, capsys.readouterr().err, "--run", "no complete checkpoint")
+
+
+def test_sigint_is_preemption_and_a_second_one_aborts(capsys):
+    with train_module._Preemption() as preemption:
+        assert not preemption.requested
+        os.kill(os.getpid(), signal.SIGINT)
+        assert preemption.requested and preemption.received == "SIGINT"
+        assert "finishing the current step" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_time_based_saves(tmp_path, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(train_module.time, "monotonic", lambda: clock[0])
+    cfg = config(tmp_path, "checkpoint.every=0", "checkpoint.every_minutes=2")
+    saver = train_module._Saver(cfg, checkpoints=object(), mesh=None)
+    assert not saver.due(1)
+    clock[0] += 119
+    assert not saver.due(2)
+    clock[0] += 1
+    assert saver.due(3)
+    every = train_module._Saver(config(tmp_path, "checkpoint.every=5"), checkpoints=object(), mesh=None)
+    assert [s for s in range(1, 16) if every.due(s)] == [5, 10, 15]
+    assert not train_module._Saver(cfg, checkpoints=None, mesh=None).due(5)  # checkpoint.enabled=false
