@@ -9,6 +9,8 @@ Sections and their owners::
     data       meshtrain.data.DataConfig
     train      meshtrain.trainer.TrainConfig
     pipeline   meshtrain.parallel.pipeline.PipelineConfig
+    zero       meshtrain.parallel.zero.ZeroConfig
+    offload    meshtrain.parallel.offload.OffloadConfig
     run        meshtrain.config.RunConfig
     checkpoint meshtrain.checkpoint.CheckpointConfig
 
@@ -34,8 +36,10 @@ from meshtrain.data import DataConfig
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import MeshConfig
 from meshtrain.optim import OptimizerConfig
+from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.pipeline import PipelineConfig
 from meshtrain.parallel.rules import ShardingConfig
+from meshtrain.parallel.zero import ZeroConfig
 from meshtrain.trainer import TrainConfig
 from models.common import InvalidField
 from models.llama import LlamaConfig
@@ -62,6 +66,8 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    zero: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
+    offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
@@ -176,7 +182,7 @@ def _section(name: str, cls: type, raw: Any) -> Any:
 
 def _type_name(field_type: Any) -> str:
     if isinstance(field_type, type) and issubclass(field_type, enum.Enum):
-        return "one of " + " | ".join(member.value for member in field_type)
+        return "one of " + " | ".join(str(member.value) for member in field_type)
     if typing.get_origin(field_type) is not None:  # tuple[str, ...] rather than tuple
         return re.sub(r"\b(?:\w+\.)+(\w+)", r"\1", str(field_type))
     return getattr(field_type, "__name__", str(field_type))

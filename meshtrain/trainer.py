@@ -19,10 +19,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshtrain.errors import ConfigError
 from meshtrain.optim import OptimizerConfig, make_optimizer
 from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_microbatches
+from meshtrain.parallel.offload import DEVICE, HOST, OffloadConfig, check_host_memory, with_memory_kind
 from meshtrain.parallel.pipeline import LayerOrder, PipelineConfig, make_value_and_grad, pipeline_rules
 from meshtrain.parallel.rules import ShardingRules
 from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, data_parallel_size,
                                          optimizer_shardings, param_shardings)
+from meshtrain.parallel.zero import ZeroConfig, zero_layout
 from meshtrain.precision import LossScale, Precision, cast_floating, initial_loss_scale
 from models.llama import Llama, LlamaConfig
 
@@ -78,7 +80,8 @@ class Trainer:
     """Creates the born-sharded state and the train step for one model on one mesh."""
 
     def __init__(self, model_cfg: LlamaConfig, train_cfg: TrainConfig, opt_cfg: OptimizerConfig,
-                 rules: ShardingRules, mesh: Mesh, pipeline_cfg: PipelineConfig = PipelineConfig()):
+                 rules: ShardingRules, mesh: Mesh, pipeline_cfg: PipelineConfig = PipelineConfig(),
+                 zero_cfg: ZeroConfig = ZeroConfig(), offload_cfg: OffloadConfig = OffloadConfig()):
         stages = mesh.shape["stage"]
         if stages > 1:
             rules = pipeline_rules(rules)
@@ -97,13 +100,21 @@ class Trainer:
         if stages > 1:
             pipeline_cfg.validate(stages, model_cfg.num_layers, train_cfg.batch_size // rows)
         self.graphdef, self.abstract_params = nnx.split(nnx.eval_shape(self._new_model))
-        self.param_shardings = param_shardings(self.abstract_params, rules, mesh)
+        if offload_cfg.optimizer:
+            check_host_memory(mesh, "offload.optimizer")
+        self.zero_cfg, self.offload_cfg = zero_cfg, offload_cfg
+        self.layout = zero_layout(zero_cfg.stage, param_shardings(self.abstract_params, rules, mesh))
+        self.param_shardings = self.layout.params
         self.tx, self.schedule = make_optimizer(opt_cfg, train_cfg.steps, self.abstract_params)
         replicated = NamedSharding(mesh, PartitionSpec())
         abstract_opt_state = jax.eval_shape(self.tx.init, self.abstract_params)
+        # Where the optimizer state is updated (device memory) and where it rests between steps.
+        self.optimizer_compute_shardings = optimizer_shardings(self.tx, abstract_opt_state,
+                                                               self.layout.optimizer, mesh)
         self.state_shardings = TrainState(
             step=replicated, params=self.param_shardings,
-            opt_state=optimizer_shardings(self.tx, abstract_opt_state, self.param_shardings, mesh),
+            opt_state=with_memory_kind(self.optimizer_compute_shardings,
+                                       HOST if offload_cfg.optimizer else DEVICE),
             loss_scale=jax.tree.map(lambda _: replicated, initial_loss_scale(train_cfg.uses_dynamic_loss_scale)),
             skipped_steps=replicated)
         self.batch_sharding = batch_sharding(rules, mesh)
@@ -170,7 +181,7 @@ class Trainer:
                                              activation_sharding(self.rules, self.mesh), compute_dtype)
 
         def constrain_grads(grads: nnx.State) -> nnx.State:
-            return jax.lax.with_sharding_constraint(grads, self.param_shardings)
+            return jax.lax.with_sharding_constraint(grads, self.layout.grads)
 
         scaled_loss, scaled_grads = accumulate_gradients(
             value_and_grad, state.params, split_microbatches(batch, self.train_cfg.grad_accum),
@@ -183,13 +194,14 @@ class Trainer:
         loss, grads, target_count = self.gradients(state, batch)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        old_opt_state = jax.device_put(state.opt_state, self.optimizer_compute_shardings)
+        updates, opt_state = self.tx.update(grads, old_opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = TrainState(
             step=state.step + 1,
             params=keep_if_finite(params, state.params),
-            opt_state=keep_if_finite(opt_state, state.opt_state),
+            opt_state=keep_if_finite(opt_state, old_opt_state),
             loss_scale=state.loss_scale.adjust(finite),
             skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
         metrics = {"loss": loss, "grad_norm": grad_norm,

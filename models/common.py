@@ -58,13 +58,15 @@ class RematPolicy(str, enum.Enum):
     NONE: keep every activation (fastest, most memory).
     FULL: keep only the layer inputs; recompute the whole layer (least memory).
     DOTS: keep the outputs of matmuls without batch dimensions (recompute norms, activations).
-    NAMED: keep only the activations tagged with ``checkpoint_name`` in ``RematConfig.names``.
+    NAMED: keep only the activations tagged with ``checkpoint_name`` in ``remat_names``.
+    OFFLOAD: like NAMED, but the kept activations go to pinned host memory until the backward.
     """
 
     NONE = "none"
     FULL = "full"
     DOTS = "dots"
     NAMED = "named"
+    OFFLOAD = "offload"
 
     def wrap(self, layer_fn: Callable, saved_names: tuple[str, ...]) -> Callable:
         """``layer_fn`` with this policy applied (``jax.checkpoint``), or unchanged for NONE."""
@@ -77,4 +79,7 @@ _CHECKPOINT_POLICIES: dict[RematPolicy, Callable[[tuple[str, ...]], Callable]] =
     RematPolicy.FULL: lambda names: jax.checkpoint_policies.nothing_saveable,
     RematPolicy.DOTS: lambda names: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     RematPolicy.NAMED: lambda names: jax.checkpoint_policies.save_only_these_names(*names),
+    RematPolicy.OFFLOAD: lambda names: jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=names,
+        offload_src="device", offload_dst="pinned_host"),
 }

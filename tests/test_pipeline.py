@@ -18,7 +18,6 @@ import pytest
 from flax import nnx
 
 from meshtrain.data import DataConfig, global_batch, make_dataset
-from meshtrain.errors import ConfigError
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.pipeline import LayerOrder, PipelineConfig, Schedule
 from meshtrain.parallel.rules import Preset

@@ -1,0 +1,74 @@
+"""ZeRO stages: how far the ``fsdp`` split of the rules reaches into the train state.
+
+The rules say where a parameter lives when it is sharded (e.g. ``embed -> fsdp``). The ZeRO stage
+decides which parts of the state use that sharded layout; the rest keeps the same layout with
+``fsdp`` removed (replicated over ``fsdp``, still split over ``tensor`` and ``stage``)::
+
+    stage   optimizer state   gradients   parameters      (Megatron / DeepSpeed name)
+    0       replicated        replicated  replicated      no_shard / DDP
+    1       sharded           replicated  replicated      optim / ZeRO-1
+    2       sharded           sharded     replicated      optim_grads / ZeRO-2
+    3       sharded           sharded     sharded         optim_grads_params / ZeRO-3 = FSDP
+
+``fsdp`` is the ZeRO axis; ``data`` replicates on top of it (hybrid sharding). For DeepSpeed's
+ZeRO over all data-parallel devices, put them on ``fsdp`` (``mesh.fsdp=-1``). On GPU, stage >= 2
+turns the gradient all-reduce into a reduce-scatter; stages < 3 all-gather the updated parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshtrain.errors import ConfigError
+
+ZERO_AXIS = "fsdp"
+
+
+class ZeroStage(enum.IntEnum):
+    NONE = 0
+    OPTIMIZER = 1
+    GRADIENTS = 2
+    PARAMETERS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """``stage`` 0-3: which of optimizer state, gradients and parameters are sharded over fsdp."""
+
+    stage: ZeroStage = ZeroStage.PARAMETERS
+
+    def __post_init__(self):
+        if self.stage not in tuple(ZeroStage):
+            raise ConfigError("stage", f"must be 0, 1, 2 or 3, got {self.stage}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """NamedShardings (trees like the parameters) of parameters, gradients and optimizer moments."""
+
+    params: nnx.State
+    grads: nnx.State
+    optimizer: nnx.State
+
+
+def _drop_axis(sharding: NamedSharding, axis: str) -> NamedSharding:
+    def entry_without(entry):
+        axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        kept = tuple(a for a in axes if a != axis)
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    return NamedSharding(sharding.mesh, PartitionSpec(*(entry_without(e) for e in sharding.spec)),
+                         memory_kind=sharding.memory_kind)
+
+
+def zero_layout(stage: ZeroStage, sharded: nnx.State) -> StateLayout:
+    """The layout of each part of the state under ``stage``, from the rules' sharded layout."""
+    replicated = jax.tree.map(lambda s: _drop_axis(s, ZERO_AXIS), sharded)
+    pick = lambda threshold: sharded if stage >= threshold else replicated
+    return StateLayout(params=pick(ZeroStage.PARAMETERS), grads=pick(ZeroStage.GRADIENTS),
+                       optimizer=pick(ZeroStage.OPTIMIZER))
