@@ -275,7 +275,7 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
     """
     mesh = make_mesh(cfg.mesh, devices)
     rules = cfg.sharding.resolve()
-    trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, rules, mesh, cfg.pipeline)
+    trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, rules, mesh, cfg.pipeline, cfg.zero, cfg.offload)
     if print_sharding:
         print("\n".join(filter(None, [trainer.pipeline_description,
                                        parameter_table(trainer.abstract_params, trainer.rules, mesh)])))
