@@ -278,7 +278,7 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
     trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, rules, mesh, cfg.pipeline, cfg.zero, cfg.offload)
     if print_sharding:
         print("\n".join(filter(None, [trainer.pipeline_description,
-                                       parameter_table(trainer.abstract_params, trainer.rules, mesh)])))
+                                       parameter_table(trainer.abstract_params, trainer.param_shardings)])))
         return {}
     for name in replicated_parameters(trainer.abstract_params, trainer.rules, mesh,
                                       cfg.sharding.replicated_warning_bytes):

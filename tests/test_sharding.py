@@ -107,7 +107,7 @@ def test_golden_parameter_table_of_tiny_on_2x2x2x1():
     mesh = make_mesh(cfg.mesh)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1}
     trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(), mesh)
-    table = parameter_table(trainer.abstract_params, trainer.rules, mesh)
+    table = parameter_table(trainer.abstract_params, trainer.param_shardings)
     assert table + "\n" == GOLDEN.read_text()
 
 

@@ -90,18 +90,24 @@ def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state: An
                                  is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
-def parameter_table(abstract_params: nnx.State, rules: ShardingRules, mesh: Mesh) -> str:
-    """One row per parameter: name, shape, logical axes, mesh spec, bytes per device; and totals."""
+def parameter_table(abstract_params: nnx.State, shardings: nnx.State) -> str:
+    """One row per parameter: name, shape, logical axes, mesh spec, bytes per device; and totals.
+
+    ``shardings`` are where the parameters live (``Trainer.param_shardings``: the rules, the ZeRO
+    stage and the pipeline's ``layers -> stage`` applied).
+    """
     rows = [("parameter", "shape", "logical axes", "mesh spec", "bytes/device")]
     total, per_device_total = 0, 0
+    flat_shardings = dict(nnx.to_flat_state(shardings))
     for path, variable in nnx.to_flat_state(abstract_params):
-        spec = rules.param_spec(logical_axes_of(variable))
+        sharding = flat_shardings[path].get_value()
         nbytes = math.prod(variable.shape) * np.dtype(variable.dtype).itemsize
-        per_device = nbytes // math.prod(_split_sizes(spec, mesh))
+        per_device = nbytes // math.prod(_split_sizes(sharding.spec, sharding.mesh))
         total += nbytes
         per_device_total += per_device
+        spec = tuple(sharding.spec) + (None,) * (len(variable.shape) - len(sharding.spec))
         rows.append((_param_name(path), str(tuple(variable.shape)),
-                     str(tuple(logical_axes_of(variable))), str(tuple(spec)), str(per_device)))
+                     str(tuple(logical_axes_of(variable))), str(spec), str(per_device)))
     rows.append(("total", "", "", "", f"{per_device_total} of {total}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
