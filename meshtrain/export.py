@@ -21,7 +21,8 @@ from meshtrain.checkpoint import (RunCheckpoints, UnreadableCheckpoint, resolve_
 from meshtrain.config import config_from_dict, to_dict
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh
-from meshtrain.train import _ArgumentParser, use_host_devices
+from meshtrain.parallel.pipeline import LayerOrder
+from meshtrain.train import _ArgumentParser, stored_layer_order, use_host_devices
 from meshtrain.trainer import Trainer
 
 
@@ -65,7 +66,9 @@ def export(run: str, out: str, step: int | None = None) -> pathlib.Path:
                               f"another of {steps}") from None
     finally:
         source.close()
-    written = save_params(out_dir, restored.state.params,
+    # Exports hold the layers in model order, whatever pipeline layout wrote the checkpoint.
+    params = stored_layer_order(meta).convert(restored.state.params, LayerOrder(num_layers=cfg.model.num_layers))
+    written = save_params(out_dir, params,
                           {"step": step, "source": str(path), "model": config["model"], "config": config})
     if jax.process_index() == 0:
         print(f"exported the parameters of {path} (step {step}, {cfg.model.num_params:,} parameters) to "

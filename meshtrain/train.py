@@ -32,12 +32,13 @@ from flax import nnx
 from meshtrain.checkpoint import (CHECKPOINT_DIR, NonFinitePolicy, Restored, RunCheckpoints,
                                   UnreadableCheckpoint, check_params, checkpoint_meta, config_differences, load_params,
                                   resolve_restore_path, warn)
-from meshtrain.config import Config, load_config, to_dict
+from meshtrain.config import Config, config_from_dict, load_config, to_dict
 from meshtrain.data import global_batch, make_dataset
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh, mesh_shape
 from meshtrain.metrics import (MetricsLogger, format_bytes, mfu, peak_bf16_tflops,
                                train_flops_per_token)
+from meshtrain.parallel.pipeline import LayerOrder
 from meshtrain.parallel.sharding import parameter_table, replicated_parameters
 from meshtrain.trainer import Trainer
 
@@ -193,6 +194,13 @@ class _Saver:
         return self.checkpoints.path(done)
 
 
+def stored_layer_order(meta: dict) -> LayerOrder:
+    """How the checkpoint described by ``meta`` stores its stacked layers (interleaved pipelines
+    store them in stage order)."""
+    saved = config_from_dict(meta["config"])
+    return LayerOrder.of_run(int(meta["mesh"]["stage"]), saved.pipeline, saved.model.num_layers)
+
+
 def _restore_from(cfg: Config, abstract_state, config: dict) -> Restored:
     """The state ``checkpoint.restore_from`` names (a step, a run or a checkpoints directory)."""
     field = "checkpoint.restore_from"
@@ -239,7 +247,8 @@ def _initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | 
                  f"({'; '.join(differences)}). train.steps sets the length of the learning-rate schedule")
         note = (f"resumed from {restored.path} (step {restored.step}, written on mesh "
                 f"{restored.meta.get('mesh')} with {restored.meta.get('devices')} devices)")
-        return restored.state, restored.step, restored, note
+        return (trainer.adopt_layer_order(restored.state, stored_layer_order(restored.meta)), restored.step,
+                restored, note)
     init_from = cfg.checkpoint.init_from
     target = None
     if init_from is not None:  # checked before anything compiles
@@ -249,6 +258,8 @@ def _initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | 
     if target is not None:
         jax.tree.map(lambda array: array.delete(), state.params)  # free the fresh ones before loading
         nnx.replace_by_pure_dict(state.params, load_params(init_from, target))
+        # Exported parameters are in model order; an interleaved pipeline stores stage order.
+        state = trainer.adopt_layer_order(state, LayerOrder(num_layers=cfg.model.num_layers))
     note = f"parameters initialised from {init_from}" if target is not None else None
     return state, 0, None, note
 

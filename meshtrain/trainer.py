@@ -87,8 +87,7 @@ class Trainer:
             rules = pipeline_rules(rules)
         self.model_cfg, self.train_cfg, self.rules, self.mesh = model_cfg, train_cfg, rules, mesh
         self.pipeline_cfg = pipeline_cfg
-        self.layer_order = LayerOrder(stages, pipeline_cfg.chunks_per_stage if stages > 1 else 1,
-                                      model_cfg.num_layers)
+        self.layer_order = LayerOrder.of_run(stages, pipeline_cfg, model_cfg.num_layers)
         if train_cfg.precision is Precision.FP16 and mesh.devices.flat[0].platform == "cpu":
             raise ConfigError("train.precision", "fp16 needs a GPU (XLA:CPU has no fp16 matmul with fp32 "
                               "accumulation); use bf16 or fp32 on CPU")
@@ -146,6 +145,14 @@ class Trainer:
     def init_state(self, seed: int) -> TrainState:
         """A fresh state created directly in its shardings (no full copy on any device)."""
         return jax.jit(lambda: self._fresh_state(seed), out_shardings=self.state_shardings)()
+
+    def adopt_layer_order(self, state: TrainState, stored_in: LayerOrder) -> TrainState:
+        """A restored ``state`` whose layers were stored in ``stored_in`` (another pipeline layout),
+        in this trainer's layer order and shardings."""
+        if stored_in == self.layer_order:
+            return state
+        return jax.jit(lambda s: stored_in.convert(s, self.layer_order), out_shardings=self.state_shardings,
+                       donate_argnums=0)(state)
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, without allocating it (AOT compile, restore)."""

@@ -116,6 +116,20 @@ class LayerOrder:
     virtual_stages: int = 1
     num_layers: int = 1
 
+    @classmethod
+    def of_run(cls, stages: int, cfg: PipelineConfig, num_layers: int) -> "LayerOrder":
+        """The storage order a run with ``stages`` pipeline stages and ``cfg`` uses."""
+        return cls(stages, cfg.chunks_per_stage if stages > 1 else 1, num_layers)
+
+    def convert(self, tree: Any, target: "LayerOrder") -> Any:
+        """``tree`` (params, or any tree holding parameter-like States such as Adam's moments)
+        stored in this order -> stored in ``target``'s order."""
+        if target == self:
+            return tree
+        has_layers = lambda node: isinstance(node, nnx.State) and "layers" in node
+        return jax.tree.map(lambda node: target.to_storage(self.to_logical(node)) if has_layers(node) else node,
+                            tree, is_leaf=has_layers)
+
     @property
     def storage_of_logical(self) -> np.ndarray:
         """[num_layers] storage index of each logical layer."""
