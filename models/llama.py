@@ -17,11 +17,15 @@ stacked and run with ``lax.scan`` so compile time does not grow with depth):
 
 Compute runs in the dtype of the parameters handed in (the trainer casts fp32 master weights to
 bf16/fp16); norms, rotary embeddings and the softmax run in fp32.
+
+Generation uses ``Llama.cached_forward`` with a ``KVCache`` (``init_cache``): keys and values of
+earlier positions are kept per layer, so each new token costs one position's compute.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 import jax
@@ -36,6 +40,42 @@ from models.common import (ActivationSharding, InvalidField, RematPolicy, logica
 CHECKPOINT_NAMES = ("query", "key", "value", "attention", "mlp_hidden")
 
 BATCH_LENGTH_EMBED = ("batch", "length", "embed")
+KV_AXES = ("batch", "length", "kv_heads", "head_dim")
+
+
+class RopeScaling(str, enum.Enum):
+    """How rotary frequencies are rescaled for long contexts.
+
+    NONE: the plain frequencies ``theta ** (-2i / head_dim)``.
+    LLAMA3: Llama 3.1's rule: wavelengths above ``original_max_len / low_freq_factor`` are divided
+    by ``factor``, those below ``original_max_len / high_freq_factor`` kept, and those in between
+    interpolated smoothly.
+    """
+
+    NONE = "none"
+    LLAMA3 = "llama3"
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScalingConfig:
+    """``model.rope_scaling``: the rotary frequency rescaling (Llama 3.1); ``kind: none`` = off."""
+
+    kind: RopeScaling = RopeScaling.NONE
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            if getattr(self, name) <= 0:
+                raise InvalidField(f"rope_scaling.{name}", f"must be > 0, got {getattr(self, name)}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise InvalidField("rope_scaling.high_freq_factor", f"must be > low_freq_factor="
+                               f"{self.low_freq_factor}, got {self.high_freq_factor}")
+        if self.original_max_len <= 0:
+            raise InvalidField("rope_scaling.original_max_len",
+                               f"must be a positive integer, got {self.original_max_len}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +91,7 @@ class LlamaConfig:
     mlp_dim: int = 72
     seq_len: int = 32
     rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -118,10 +159,28 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos, sin: [length, head_dim // 2] in fp32 for positions 0..seq_len-1."""
+def rotary_frequencies(head_dim: int, theta: float,
+                       scaling: RopeScalingConfig = RopeScalingConfig()) -> jax.Array:
+    """[head_dim // 2] fp32 angular frequencies, rescaled as ``scaling`` says."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    if scaling.kind is RopeScaling.NONE:
+        return inv_freq
+    wavelength = 2 * math.pi / inv_freq
+    long_limit = scaling.original_max_len / scaling.low_freq_factor  # longer: divided by factor
+    short_limit = scaling.original_max_len / scaling.high_freq_factor  # shorter: kept
+    smooth = ((scaling.original_max_len / wavelength - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    between = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    return jnp.where(wavelength > long_limit, inv_freq / scaling.factor,
+                     jnp.where(wavelength < short_limit, inv_freq, between))
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float,
+                  scaling: RopeScalingConfig = RopeScalingConfig(),
+                  start: int | jax.Array = 0) -> tuple[jax.Array, jax.Array]:
+    """cos, sin: [length, head_dim // 2] in fp32 for positions start..start+seq_len-1."""
+    positions = (start + jnp.arange(seq_len)).astype(jnp.float32)
+    angles = positions[:, None] * rotary_frequencies(head_dim, theta, scaling)[None, :]
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -145,18 +204,41 @@ class Attention(nnx.Module):
         self.value = logical_param(_normal(rngs, (d, k, h), in_std), ("embed", "kv_heads", "head_dim"))
         self.out = logical_param(_normal(rngs, (n, h, d), out_std), ("heads", "head_dim", "embed"))
 
+    def _project(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
+                 shard: ActivationSharding) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x: [batch, length, embed] -> rotated q [batch, length, heads, head_dim], rotated k and
+        v [batch, length, kv_heads, head_dim]."""
+        q = shard(jnp.einsum("btd,dnh->btnh", x, self.query[...]), ("batch", "length", "heads", "head_dim"))
+        k = shard(jnp.einsum("btd,dkh->btkh", x, self.key[...]), KV_AXES)
+        v = shard(jnp.einsum("btd,dkh->btkh", x, self.value[...]), KV_AXES)
+        q = checkpoint_name(apply_rotary(q, *rotary), "query")
+        k = checkpoint_name(apply_rotary(k, *rotary), "key")
+        return q, k, checkpoint_name(v, "value")
+
+    def _output(self, attended: jax.Array, shard: ActivationSharding) -> jax.Array:
+        attended = checkpoint_name(shard(attended, ("batch", "length", "heads", "head_dim")), "attention")
+        return jnp.einsum("btnh,nhd->btd", attended, self.out[...])
+
     def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
                  shard: ActivationSharding) -> jax.Array:
         """x: [batch, length, embed] -> [batch, length, embed]."""
-        q = shard(jnp.einsum("btd,dnh->btnh", x, self.query[...]), ("batch", "length", "heads", "head_dim"))
-        k = shard(jnp.einsum("btd,dkh->btkh", x, self.key[...]), ("batch", "length", "kv_heads", "head_dim"))
-        v = shard(jnp.einsum("btd,dkh->btkh", x, self.value[...]), ("batch", "length", "kv_heads", "head_dim"))
-        q = checkpoint_name(apply_rotary(q, *rotary), "query")
-        k = checkpoint_name(apply_rotary(k, *rotary), "key")
-        v = checkpoint_name(v, "value")
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        attended = checkpoint_name(shard(attended, ("batch", "length", "heads", "head_dim")), "attention")
-        return jnp.einsum("btnh,nhd->btd", attended, self.out[...])
+        q, k, v = self._project(x, rotary, shard)
+        return self._output(jax.nn.dot_product_attention(q, k, v, is_causal=True), shard)
+
+    def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
+               values: jax.Array, start: jax.Array, shard: ActivationSharding
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x: [batch, length, embed] at positions start.. ; keys, values: this layer's cache
+        [batch, max_len, kv_heads, head_dim]. Writes the new keys/values at ``start`` and attends
+        causally over the cache. Returns (output [batch, length, embed], keys, values)."""
+        q, k, v = self._project(x, rotary, shard)
+        keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, start, 0, 0))
+        values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (0, start, 0, 0))
+        query_pos = start + jnp.arange(x.shape[1])
+        visible = jnp.arange(keys.shape[1])[None, :] <= query_pos[:, None]  # [length, max_len]
+        attended = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
+                                                mask=visible[None, None])
+        return self._output(attended, shard), keys, values
 
 
 class MLP(nnx.Module):
@@ -189,6 +271,23 @@ class DecoderLayer(nnx.Module):
                  shard: ActivationSharding) -> jax.Array:
         x = shard(x + self.attention(self.attn_norm(x), rotary, shard), BATCH_LENGTH_EMBED)
         return shard(x + self.mlp(self.mlp_norm(x), shard), BATCH_LENGTH_EMBED)
+
+    def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
+               values: jax.Array, start: jax.Array, shard: ActivationSharding
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The layer at positions start.. with this layer's KV cache (see ``Attention.cached``)."""
+        attended, keys, values = self.attention.cached(self.attn_norm(x), rotary, keys, values, start, shard)
+        x = shard(x + attended, BATCH_LENGTH_EMBED)
+        return shard(x + self.mlp(self.mlp_norm(x), shard), BATCH_LENGTH_EMBED), keys, values
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values of the positions seen so far: [layers, batch, max_len, kv_heads, head_dim]."""
+
+    keys: jax.Array
+    values: jax.Array
 
 
 class Llama(nnx.Module):
@@ -225,7 +324,7 @@ class Llama(nnx.Module):
         """Applies every layer this module holds (``layers`` may be a pipeline stage's slice) in
         order with ``lax.scan`` and the configured remat policy: [batch, length, embed] -> same."""
         cfg = self.cfg
-        rotary = rotary_tables(x.shape[1], cfg.head_dim, cfg.rope_theta)
+        rotary = rotary_tables(x.shape[1], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         layer_def, layer_state = nnx.split(self.layers)
 
         def run_layer(x: jax.Array, one_layer_state) -> tuple[jax.Array, None]:
@@ -238,3 +337,29 @@ class Llama(nnx.Module):
         """x: [batch, length, embed] -> logits [batch, length, vocab]."""
         head = self.embedding[...].T if self.head is None else self.head[...]
         return shard(self.final_norm(x) @ head, ("batch", "length", "vocab"))
+
+    def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
+        """An empty cache for ``batch`` sequences of up to ``max_len`` positions."""
+        cfg = self.cfg
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def cached_forward(self, tokens: jax.Array, cache: KVCache, start: jax.Array,
+                       shard: ActivationSharding = unconstrained) -> tuple[jax.Array, KVCache]:
+        """tokens: [batch, length] at positions start..start+length-1, attending to the cache's
+        positions < start and causally among themselves -> (logits [batch, length, vocab], the
+        cache with these positions written). A prompt is one call at ``start=0``; each generated
+        token is one call of length 1."""
+        cfg = self.cfg
+        x = self.embed(tokens, shard)
+        rotary = rotary_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, start)
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def run_layer(x: jax.Array, layer_and_cache) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            one_layer_state, keys, values = layer_and_cache
+            x, keys, values = nnx.merge(layer_def, one_layer_state).cached(x, rotary, keys, values,
+                                                                           start, shard)
+            return x, (keys, values)
+
+        x, (keys, values) = jax.lax.scan(run_layer, x, (layer_state, cache.keys, cache.values))
+        return self.logits(x, shard), KVCache(keys, values)
