@@ -1,0 +1,217 @@
+"""``python -m meshtrain.generate --run RUN_DIR (or --hf DIR) --prompt "..."``
+
+Greedy (``--temperature 0``, the default) or temperature sampling with a KV cache, enough to
+sanity-check a model. Tokenizer (``--tokenizer``): ``auto`` uses the model directory's
+``tokenizer.json`` (the ``tokenizers`` package) when it has one, else bytes (UTF-8 bytes are the
+token ids 0..255, as ``data.source=text`` trains them); ``bytes``; or a path to a ``tokenizer.json``.
+Prints the prompt followed by the generated text. Bad input prints one ``error: field: what is
+wrong`` line and exits 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+import sys
+from collections.abc import Callable
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from meshtrain.convert import LoadedModel, add_mesh_arguments, load_model, mesh_from_args
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.sharding import data_parallel_size
+from meshtrain.train import _ArgumentParser
+from models.common import ActivationSharding, unconstrained
+from models.llama import KVCache
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class Tokenizer(Protocol):
+    eos_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclasses.dataclass
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255 (ids above 255 decode to nothing)."""
+
+    eos_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+@dataclasses.dataclass
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` from a local ``tokenizer.json``."""
+
+    path: pathlib.Path
+    eos_id: int | None = None
+
+    def __post_init__(self):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        try:
+            self._tokenizer = RustTokenizer.from_file(str(self.path))
+        except Exception as err:  # the tokenizers package raises its own exception type
+            raise ConfigError("--tokenizer", f"cannot read {self.path}: {err}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids)
+
+
+def _eos_id(model_dir: pathlib.Path, hf_config: dict | None) -> int | None:
+    """The end-of-sequence id from generation_config.json or config.json (the first of a list)."""
+    sources = []
+    if (model_dir / "generation_config.json").is_file():
+        try:
+            sources.append(json.loads((model_dir / "generation_config.json").read_text()))
+        except ValueError:
+            pass
+    sources.append(hf_config or {})
+    for source in sources:
+        eos = source.get("eos_token_id")
+        if isinstance(eos, list) and eos:
+            eos = eos[0]
+        if isinstance(eos, int):
+            return eos
+    return None
+
+
+def make_tokenizer(choice: str, model: LoadedModel) -> Tokenizer:
+    """The tokenizer ``--tokenizer`` names for ``model`` (see the module docstring)."""
+    model_dir = model.path if model.path.is_dir() else model.path.parent
+    if choice == "auto":
+        choice = str(model_dir / TOKENIZER_FILE) if (model_dir / TOKENIZER_FILE).is_file() else "bytes"
+    if choice == "bytes":
+        if model.cfg.vocab_size < 256:
+            raise ConfigError("--tokenizer", f"bytes need a vocabulary of at least 256, but the model has "
+                              f"{model.cfg.vocab_size}; give a tokenizer.json")
+        return ByteTokenizer()
+    path = pathlib.Path(choice)
+    if not path.is_file():
+        raise ConfigError("--tokenizer", f"no such file: {choice}; use auto, bytes or a tokenizer.json path")
+    return HFTokenizer(path, eos_id=_eos_id(model_dir, model.hf_config))
+
+
+def generate_tokens(graphdef: nnx.GraphDef, params: nnx.State, prompt: np.ndarray, max_new_tokens: int, *,
+                    temperature: float = 0.0, seed: int = 0, stop_id: int | None = None,
+                    shard: ActivationSharding = unconstrained) -> np.ndarray:
+    """[batch, <= max_new_tokens] tokens following ``prompt`` [batch, length].
+
+    The prompt fills a KV cache in one call; each further token is one call of length 1 at the
+    next position. ``temperature`` 0 picks the most likely token, else samples from
+    ``softmax(logits / temperature)``. Stops early once every row has produced ``stop_id``.
+    """
+    length = prompt.shape[1]
+    static = {"graphdef": graphdef, "shard": shard}
+    keys = jax.random.split(jax.random.key(seed), max_new_tokens)
+    temperature = jnp.float32(temperature)
+    token, cache = _prefill(params, jnp.asarray(prompt, jnp.int32), keys[0], temperature,
+                            max_len=length + max_new_tokens, **static)
+    tokens = [token]
+    for i in range(1, max_new_tokens):
+        if stop_id is not None and bool(jnp.all(jnp.any(jnp.stack(tokens) == stop_id, axis=0))):
+            break
+        token, cache = _step(params, token, cache, jnp.int32(length + i - 1), keys[i], temperature, **static)
+        tokens.append(token)
+    return np.asarray(jax.device_get(jnp.stack(tokens, axis=1)))
+
+
+def _pick(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:
+    """[batch] next tokens from the last position's logits [batch, length, vocab]: the most likely
+    one when ``temperature`` is 0, else a sample of ``softmax(logits / temperature)``."""
+    logits = logits[:, -1].astype(jnp.float32)
+    sampled = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6), axis=-1)
+    return jnp.where(temperature == 0, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+
+
+# Jitted once per (model, shapes, constraint): repeated calls reuse the compilation.
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "shard"))
+def _prefill(params: nnx.State, prompt: jax.Array, key: jax.Array, temperature: jax.Array, *,
+             graphdef: nnx.GraphDef, max_len: int, shard: ActivationSharding) -> tuple[jax.Array, KVCache]:
+    model = nnx.merge(graphdef, params)
+    logits, cache = model.cached_forward(prompt, model.init_cache(prompt.shape[0], max_len), jnp.int32(0), shard)
+    return _pick(logits, key, temperature), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "shard"))
+def _step(params: nnx.State, token: jax.Array, cache: KVCache, position: jax.Array, key: jax.Array,
+          temperature: jax.Array, *, graphdef: nnx.GraphDef, shard: ActivationSharding
+          ) -> tuple[jax.Array, KVCache]:
+    logits, cache = nnx.merge(graphdef, params).cached_forward(token[:, None], cache, position, shard)
+    return _pick(logits, key, temperature), cache
+
+
+def generate_text(model: LoadedModel, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, *,
+                  temperature: float = 0.0, seed: int = 0) -> str:
+    """The text ``model`` continues ``prompt`` with (up to the end-of-sequence token)."""
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise ConfigError("--prompt", "encodes to no tokens; give a non-empty prompt")
+    if max(ids) >= model.cfg.vocab_size:
+        raise ConfigError("--tokenizer", f"gives id {max(ids)}, outside the model's vocabulary "
+                          f"[0, {model.cfg.vocab_size})")
+    rows = data_parallel_size(model.rules, model.mesh)  # the batch is split that many ways
+    new = generate_tokens(model.graphdef, model.params, np.asarray([ids] * rows), max_new_tokens,
+                          temperature=temperature, seed=seed, stop_id=tokenizer.eos_id, shard=model.shard)[0]
+    new = list(new)
+    if tokenizer.eos_id is not None and tokenizer.eos_id in new:
+        new = new[:new.index(tokenizer.eos_id)]
+    return tokenizer.decode(new)
+
+
+def _parse_args(argv: list[str] | None):
+    parser = _ArgumentParser(prog="python -m meshtrain.generate", description=__doc__.split("\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="meshtrain run directory, step directory or export")
+    source.add_argument("--hf", help="Hugging Face model directory")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--tokenizer", default="auto", help="auto, bytes or a tokenizer.json path")
+    parser.add_argument("--step", type=int, help="checkpoint step of a run (default: the latest)")
+    add_mesh_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, print_fn: Callable[[str], None] = print) -> int:
+    try:
+        args = _parse_args(argv)
+        if args.max_new_tokens < 1:
+            raise ConfigError("--max-new-tokens", f"must be a positive integer, got {args.max_new_tokens}")
+        if args.temperature < 0:
+            raise ConfigError("--temperature", f"must be >= 0 (0 = greedy), got {args.temperature}")
+        mesh, rules = mesh_from_args(args)
+        model = load_model(args.run or args.hf, mesh, rules, step=args.step,
+                           field="--run" if args.run else "--hf")
+        tokenizer = make_tokenizer(args.tokenizer, model)
+        text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens,
+                             temperature=args.temperature, seed=args.seed)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if jax.process_index() == 0:
+        print_fn(args.prompt + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""``python -m meshtrain.logits --model DIR --tokens ids.npy --out logits.npy [--host-devices N] [mesh.*=...]``
+
+Writes the fp32 logits ``[batch, length, vocab]`` of a batch of token ids (``.npy``, integer,
+``[batch, length]`` or ``[length]``) for a meshtrain run, step directory, export or HF directory:
+for comparing with other implementations and for evaluation scripts. The model is loaded onto the
+mesh (default ``fsdp`` over every device) and run in fp32 with full-precision matmuls. Bad input
+prints one ``error: field: what is wrong`` line and exits 2.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from meshtrain.convert import LoadedModel, add_mesh_arguments, load_model, mesh_from_args
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.sharding import BATCH_AXES, data_parallel_size
+from meshtrain.train import _ArgumentParser
+
+
+def read_tokens(path: str, vocab_size: int, *, field: str = "--tokens") -> np.ndarray:
+    """int32 [batch, length] token ids from an ``.npy`` file, checked against the vocabulary."""
+    try:
+        tokens = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise ConfigError(field, f"cannot read {path} as .npy: {err}") from None
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ConfigError(field, f"{path} holds {tokens.dtype}; token ids must be integers")
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2 or tokens.size == 0:
+        raise ConfigError(field, f"{path} has shape {list(tokens.shape)}; expected [batch, length] or [length]")
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise ConfigError(field, f"{path} holds ids in [{tokens.min()}, {tokens.max()}], outside the "
+                          f"model's vocabulary [0, {vocab_size})")
+    return tokens.astype(np.int32)
+
+
+def compute_logits(model: LoadedModel, tokens: np.ndarray) -> np.ndarray:
+    """fp32 logits [batch, length, vocab] of ``tokens`` [batch, length].
+
+    Rows are padded to a multiple of the data-parallel size (the padding is dropped again).
+    """
+    batch = tokens.shape[0]
+    rows = data_parallel_size(model.rules, model.mesh)
+    padded = np.zeros((-(-batch // rows) * rows, tokens.shape[1]), np.int32)
+    padded[:batch] = tokens
+    sharding = NamedSharding(model.mesh, model.rules.activation_spec(BATCH_AXES))
+    graphdef, shard = model.graphdef, model.shard
+
+    @jax.jit
+    def forward(params: nnx.State, tokens: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, params)(tokens, shard).astype(jnp.float32)
+
+    with jax.default_matmul_precision("highest"):
+        logits = forward(model.params, jax.device_put(padded, sharding))
+    return np.asarray(jax.device_get(logits))[:batch]
+
+
+def _parse_args(argv: list[str] | None):
+    parser = _ArgumentParser(prog="python -m meshtrain.logits", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="run directory, step directory, export or HF directory")
+    parser.add_argument("--tokens", required=True, help=".npy of integer token ids, [batch, length] or [length]")
+    parser.add_argument("--out", required=True, help=".npy file to write the fp32 logits to")
+    parser.add_argument("--step", type=int, help="checkpoint step of a run (default: the latest)")
+    add_mesh_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parse_args(argv)
+        mesh, rules = mesh_from_args(args)
+        out = pathlib.Path(args.out)
+        if not out.parent.is_dir():
+            raise ConfigError("--out", f"directory {out.parent} does not exist")
+        model = load_model(args.model, mesh, rules, step=args.step)
+        tokens = read_tokens(args.tokens, model.cfg.vocab_size)
+        logits = compute_logits(model, tokens)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if jax.process_index() == 0:
+        np.save(out, logits)
+        print(f"wrote fp32 logits {list(logits.shape)} to {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
