@@ -44,11 +44,9 @@ from meshtrain.mesh import make_mesh
 from meshtrain.parallel.pipeline import LayerOrder
 from meshtrain.parallel.rules import ShardingRules
 from meshtrain.parallel.sharding import activation_sharding, param_shardings
-from meshtrain.train import _ArgumentParser, use_host_devices
+from meshtrain.train import _ArgumentParser, stored_layer_order, use_host_devices
 from models.common import ActivationSharding
 from models.llama import Llama, LlamaConfig
-
-HF_PREFIX = "hf:"  # checkpoint.init_from=hf:DIR
 
 
 class SourceKind(str, enum.Enum):
@@ -168,12 +166,9 @@ def _load_run(root: pathlib.Path, mesh: Mesh, rules: ShardingRules, step: int | 
             raise ConfigError(field, f"checkpoint {source.path(step)} is unreadable ({err})") from None
     finally:
         source.close()
-    saved_stages = int(meta.get("mesh", {}).get("stage", 1))
-    order = LayerOrder(saved_stages, cfg.pipeline.chunks_per_stage if saved_stages > 1 else 1,
-                       cfg.model.num_layers)
-    params = restored.state.params
+    params = stored_layer_order(meta).convert(restored.state.params, LayerOrder(num_layers=cfg.model.num_layers))
     del restored
-    return LoadedModel(cfg.model, trainer.graphdef, order.to_logical(params), mesh, rules, SourceKind.RUN,
+    return LoadedModel(cfg.model, trainer.graphdef, params, mesh, rules, SourceKind.RUN,
                        source.path(step))
 
 
@@ -286,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "from-hf":
             written = from_hf(args.hf, args.out, mesh, rules)
             message = (f"imported {args.hf} to {written}; fine-tune with checkpoint.init_from={written} "
-                       f"(or checkpoint.init_from={HF_PREFIX}{args.hf})")
+                       f"(or checkpoint.init_from={hf.INIT_PREFIX}{args.hf})")
         else:
             files = to_hf(args.source, args.out, mesh, rules, step=args.step, dtype=args.dtype,
                           max_shard_bytes=parse_size(args.max_shard_size))

@@ -43,6 +43,7 @@ from meshtrain.errors import ConfigError
 from models.common import logical_axes_of
 from models.llama import LlamaConfig, RopeScaling, RopeScalingConfig
 
+INIT_PREFIX = "hf:"  # checkpoint.init_from=hf:DIR
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -392,6 +393,27 @@ def load_params(files: SafetensorsFiles, abstract_params: nnx.State, shardings: 
         array = jax.make_array_from_callback(shape, sharding.get_value(), shard)
         loaded.append((path, variable.replace(array)))
     return nnx.from_flat_state(loaded)
+
+
+def init_loader(hf_dir: str, trainer: Any, *, field: str = "checkpoint.init_from") -> Callable[[], dict]:
+    """For ``checkpoint.init_from=hf:DIR``: checks ``config.json`` and the tensors' shapes against the
+    trainer's model (reading no weights) and returns the loader of the weights, a plain nested dict
+    of arrays in model layer order and in ``trainer.param_shardings``.
+
+    Raises:
+      ConfigError: on ``field`` when the checkpoint is unsupported or does not fit the model section.
+    """
+    try:
+        hf_cfg = llama_config(read_config(hf_dir, field=field))
+    except ConfigError as err:
+        if err.field == field:
+            raise
+        raise ConfigError(field, f"{hf_dir}: {err}") from None
+    check_architecture(trainer.model_cfg, hf_cfg, field=field, where=f"{INIT_PREFIX}{hf_dir}")
+    files = SafetensorsFiles(hf_dir, field=field)
+    check_tensors(files, tensor_maps(trainer.abstract_params), hf_cfg.num_layers, field=field)
+    return lambda: nnx.to_pure_dict(load_params(files, trainer.abstract_params, trainer.param_shardings,
+                                                field=field))
 
 
 def tensor_dtypes(files: SafetensorsFiles) -> dict[str, str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import pathlib
 import shlex
@@ -29,6 +30,7 @@ import numpy as np
 import yaml
 from flax import nnx
 
+from meshtrain import hf
 from meshtrain.checkpoint import (CHECKPOINT_DIR, NonFinitePolicy, Restored, RunCheckpoints,
                                   UnreadableCheckpoint, check_params, checkpoint_meta, config_differences, load_params,
                                   resolve_restore_path, warn)
@@ -250,17 +252,20 @@ def _initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | 
         return (trainer.adopt_layer_order(restored.state, stored_layer_order(restored.meta)), restored.step,
                 restored, note)
     init_from = cfg.checkpoint.init_from
-    target = None
-    if init_from is not None:  # checked before anything compiles
+    load = None
+    if init_from is not None and init_from.startswith(hf.INIT_PREFIX):  # checked before anything compiles
+        load = hf.init_loader(init_from.removeprefix(hf.INIT_PREFIX), trainer)
+    elif init_from is not None:  # checked before anything compiles
         target = check_params(init_from, trainer.abstract_params, trainer.param_shardings,
                               model_config=config["model"])
+        load = functools.partial(load_params, init_from, target)
     state = trainer.init_state(cfg.train.seed)
-    if target is not None:
+    if load is not None:
         jax.tree.map(lambda array: array.delete(), state.params)  # free the fresh ones before loading
-        nnx.replace_by_pure_dict(state.params, load_params(init_from, target))
+        nnx.replace_by_pure_dict(state.params, load())
         # Exported parameters are in model order; an interleaved pipeline stores stage order.
         state = trainer.adopt_layer_order(state, LayerOrder(num_layers=cfg.model.num_layers))
-    note = f"parameters initialised from {init_from}" if target is not None else None
+    note = f"parameters initialised from {init_from}" if load is not None else None
     return state, 0, None, note
 
 
