@@ -423,12 +423,26 @@ def tensor_dtypes(files: SafetensorsFiles) -> dict[str, str]:
 
 # --- writing -----------------------------------------------------------------------------------------
 
-def _cast(value: np.ndarray, dtype: str) -> np.ndarray:
+def _numpy_dtype(dtype: str) -> np.dtype:
     if dtype == "bfloat16":
         import ml_dtypes
 
-        return value.astype(ml_dtypes.bfloat16)
-    return value.astype(np.dtype(dtype))
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def _shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names grouped, in order, into files of at most ``max_shard_bytes`` (a larger tensor
+    gets a file of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes.items():
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
 
 
 def save(out: str | pathlib.Path, cfg: LlamaConfig, params: nnx.State, *, dtype: str | Callable[[str], str],
@@ -437,42 +451,41 @@ def save(out: str | pathlib.Path, cfg: LlamaConfig, params: nnx.State, *, dtype:
     or numbered shards of at most ``max_shard_bytes`` each plus ``model.safetensors.index.json``.
 
     ``dtype``: the file dtype of every tensor (``float32``, ``bfloat16``, ``float16``), or a function
-    of the HF tensor name. Each parameter is copied to the host one at a time. Only process 0 writes.
-    Returns the names of the files written.
+    of the HF tensor name. Parameters are copied to the host one at a time and each file is written
+    as soon as it is complete, so the host holds at most one stacked parameter and one file's tensors.
+    Single-process only; returns the names of the files written.
     """
     from safetensors.numpy import save_file
 
     out = pathlib.Path(out)
     dtype_of = dtype if callable(dtype) else (lambda name: dtype)
-    tensors: dict[str, np.ndarray] = {}
-    for tensor_map, (_, variable) in zip(tensor_maps(params), nnx.to_flat_state(params)):
+    maps = list(zip(tensor_maps(params), nnx.to_flat_state(params)))
+    names = [(tensor_map, tensor_map.hf_tensor(layer)) for tensor_map, (_, variable) in maps
+             for layer in (range(variable.shape[0]) if tensor_map.stacked else [None])]
+    sizes = {name: math.prod(tensor_map.hf_shape) * _numpy_dtype(dtype_of(name)).itemsize
+             for tensor_map, name in names}
+    plan = _shard_plan(sizes, max_shard_bytes)
+    files = ([SINGLE_FILE] if len(plan) == 1 else
+             [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
+    file_of = {name: file_name for file_name, shard in zip(files, plan) for name in shard}
+    last_of = {shard[-1]: file_name for file_name, shard in zip(files, plan)}
+    out.mkdir(parents=True, exist_ok=True)
+    dtypes = set(map(dtype_of, sizes))
+    config = hf_config(cfg, dtype=dtypes.pop() if len(dtypes) == 1 else "float32", base=base_config)
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    pending: dict[str, np.ndarray] = {}
+    for tensor_map, (_, variable) in maps:
         value = np.asarray(jax.device_get(variable.get_value()))
         for layer in range(value.shape[0]) if tensor_map.stacked else [None]:
             name = tensor_map.hf_tensor(layer)
             hf_value = tensor_map.to_hf(value[layer] if tensor_map.stacked else value)
-            tensors[name] = np.ascontiguousarray(_cast(hf_value, dtype_of(name)))
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, value in tensors.items():
-        if shards[-1] and size + value.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = value
-        size += value.nbytes
-    if jax.process_index() != 0:
-        return []
-    out.mkdir(parents=True, exist_ok=True)
-    dtypes = {dtype_of(name) for name in tensors}
-    config = hf_config(cfg, dtype=dtypes.pop() if len(dtypes) == 1 else "float32", base=base_config)
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    metadata = {"format": "pt"}  # what transformers expects of the files it loads
-    if len(shards) == 1:
-        save_file(shards[0], str(out / SINGLE_FILE), metadata=metadata)
+            pending[name] = np.ascontiguousarray(hf_value.astype(_numpy_dtype(dtype_of(name))))
+            if name in last_of:  # its file is complete
+                # "format: pt" is what transformers expects of the files it loads.
+                save_file(pending, str(out / last_of[name]), metadata={"format": "pt"})
+                pending = {}
+    if len(files) == 1:
         return [CONFIG_FILE, SINGLE_FILE]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for file_name, shard in zip(names, shards):
-        save_file(shard, str(out / file_name), metadata=metadata)
-    index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
-             "weight_map": {name: file_name for file_name, shard in zip(names, shards) for name in shard}}
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": file_of}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return [CONFIG_FILE, *names, INDEX_FILE]
+    return [CONFIG_FILE, *files, INDEX_FILE]
