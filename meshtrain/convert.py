@@ -216,9 +216,9 @@ def _copy_side_files(source: pathlib.Path, out: pathlib.Path) -> list[str]:
 def from_hf(hf_dir: str, out: str, mesh: Mesh, rules: ShardingRules) -> pathlib.Path:
     """Imports the HF checkpoint ``hf_dir`` into a meshtrain export at ``out``."""
     out_dir = _new_dir(out)
-    model = load_model(hf_dir, mesh, rules, field="--hf")
-    if model.kind is not SourceKind.HF:
+    if source_kind(hf_dir, field="--hf") is not SourceKind.HF:
         raise ConfigError("--hf", f"{hf_dir} has no {hf.CONFIG_FILE}; give a Hugging Face model directory")
+    model = load_model(hf_dir, mesh, rules, field="--hf")
     meta = {"source": str(pathlib.Path(hf_dir).absolute()), "model": to_dict(model.cfg),
             "hf": {"config": model.hf_config, "dtypes": model.hf_dtypes}}
     written = save_params(out_dir, model.params, meta)

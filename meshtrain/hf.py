@@ -179,7 +179,7 @@ def hf_config(cfg: LlamaConfig, *, dtype: str, base: dict | None = None) -> dict
         "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling,
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "attention_dropout": 0.0, "torch_dtype": dtype,
+        "attention_dropout": 0.0, "torch_dtype": dtype, "dtype": dtype,  # transformers 4 and 5 spellings
     })
     original = cfg.rope_scaling.original_max_len if rope_scaling else 0
     config.setdefault("max_position_embeddings", max(cfg.seq_len, original))
