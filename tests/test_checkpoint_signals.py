@@ -24,7 +24,7 @@ from meshtrain.train import train
 from test_checkpoint import (REPO, TINY, cache_dir, compilation_cache, complete_steps, config, losses,
                              overrides, records)
 
-LONG = 40
+LONG = 30
 KILLS = 10
 TMP_MARK = ".orbax-checkpoint-tmp"
 
