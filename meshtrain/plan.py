@@ -1,0 +1,323 @@
+"""Choose the layout that fits: ``python -m meshtrain.plan --config X.yaml --devices N --device-memory 80GiB``.
+
+Enumerates every ``(data, fsdp, tensor, stage)`` factorisation of N devices x ZeRO stage 0-3 x remat
+policy x pipeline microbatches (when ``stage`` > 1) [x optimizer offload, when ``--host-memory`` is
+given], estimates each one's per-device memory and step time analytically
+(``meshtrain.memory_model``, docs/memory.md), and prints them ranked: layouts that fit first, by
+estimated step time. Layouts that cannot run say why. ``--verify K`` compiles the K best with the
+real train step ahead of time on N simulated CPU devices and prints XLA's memory analysis beside the
+estimate.
+
+Bad input prints one ``error: field: what is wrong`` line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+import sys
+import time
+
+import numpy as np
+
+from meshtrain.config import Config, load_config
+from meshtrain.errors import ConfigError
+from meshtrain.memory_model import (ACTIVATION_COEFFICIENTS, MESH_AXES, Estimate, Hardware, Layout,
+                                    estimate, model_params)
+from meshtrain.metrics import peak_bf16_tflops
+from models.common import RematPolicy
+
+GB = 1e9
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15,
+          "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30, "ti": 2 ** 40, "pi": 2 ** 50}
+DEFAULT_REMATS = (RematPolicy.NONE, RematPolicy.FULL, RematPolicy.DOTS)
+
+
+def parse_bytes(text: str, field: str) -> float:
+    """``"80GiB"`` -> 85899345920.0; ``40GB``, ``1TiB``, ``512MB``, ``2.5G``, plain bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgtp]i?)?b?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ConfigError(field, f"cannot read {text!r} as a size; use e.g. 80GiB, 40GB, 1TiB or a byte count")
+    value = float(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+    if value <= 0:
+        raise ConfigError(field, f"must be > 0, got {text!r}")
+    return value
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """Reports bad arguments as a ``ConfigError`` (one line, exit 2) instead of usage + exit."""
+
+    def error(self, message: str):
+        raise ConfigError("arguments", message)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = _ArgumentParser(prog="python -m meshtrain.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--config", help="YAML config (default: the dataclass defaults)")
+    p.add_argument("--devices", type=int, required=True, help="number of devices N")
+    p.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GiB or 40GB")
+    p.add_argument("--host-memory", help="host memory per device for optimizer offload, e.g. 1TiB/8")
+    p.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="compile the K best layouts on N simulated CPU devices and compare")
+    p.add_argument("--top", type=int, default=20, help="rows of layouts that fit to print")
+    p.add_argument("--show-infeasible", type=int, default=8, metavar="K",
+                   help="rows of layouts that do not fit (and distinct structural reasons) to print")
+    p.add_argument("--mesh", action="append", default=[], metavar="D,F,T,S",
+                   help="only this mesh (data,fsdp,tensor,stage); repeatable")
+    p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (comma list)")
+    p.add_argument("--remat", default="none,full,dots", help="remat policies to consider (comma list)")
+    p.add_argument("--device-kind", default="H100", help="device for the peak FLOP/s table (meshtrain.metrics)")
+    p.add_argument("--peak-tflops", type=float, help="dense bf16 peak TFLOP/s per device (overrides --device-kind)")
+    p.add_argument("--intra-node-bandwidth", default="450GB",
+                   help="bytes/s per device over links inside a node (NVLink; default 450GB)")
+    p.add_argument("--inter-node-bandwidth", default="50GB",
+                   help="bytes/s per device across nodes (one 400 Gb/s NIC per GPU; default 50GB)")
+    p.add_argument("--node-size", type=int, default=8, help="devices per node (default 8)")
+    p.add_argument("overrides", nargs="*", metavar="section.field=value")
+    return p.parse_args(argv)
+
+
+@dataclasses.dataclass
+class Plan:
+    """Every enumerated layout's estimate, and the limits they were judged against."""
+
+    cfg: Config
+    devices: int
+    device_memory: float
+    host_memory: float | None
+    hardware: Hardware
+    estimates: list[Estimate]
+
+    def fits(self, est: Estimate) -> bool:
+        return not self.problems(est)
+
+    def problems(self, est: Estimate) -> list[str]:
+        """Why ``est`` cannot run: structural reasons, else memory over the limits."""
+        if est.reasons:
+            return est.reasons
+        out = []
+        if est.total > self.device_memory:
+            out.append(f"needs {est.total / GB:.1f} GB > {self.device_memory / GB:.4g} GB")
+        if self.host_memory is not None and est.optimizer_host > self.host_memory:
+            out.append(f"host needs {est.optimizer_host / GB:.1f} GB > {self.host_memory / GB:.4g} GB")
+        return out
+
+    def ranked(self) -> tuple[list[Estimate], list[Estimate], list[Estimate]]:
+        """(fit, by step time), (too big, by memory needed), (cannot be built)."""
+        fit = sorted((e for e in self.estimates if self.fits(e)), key=lambda e: (e.step_s, e.total))
+        big = sorted((e for e in self.estimates if not e.reasons and not self.fits(e)), key=lambda e: e.total)
+        broken = [e for e in self.estimates if e.reasons]
+        return fit, big, broken
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _meshes(devices: int) -> list[tuple[int, int, int, int]]:
+    out = []
+    for data in _divisors(devices):
+        for fsdp in _divisors(devices // data):
+            for tensor in _divisors(devices // data // fsdp):
+                out.append((data, fsdp, tensor, devices // data // fsdp // tensor))
+    return out
+
+
+def _parse_list(text: str, field: str, parse) -> list:
+    try:
+        return [parse(item.strip()) for item in text.split(",") if item.strip()]
+    except (ValueError, KeyError):
+        raise ConfigError(field, f"cannot read {text!r}; give a comma-separated list") from None
+
+
+def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: float | None = None, *,
+              hardware: Hardware = Hardware(), meshes: list[tuple[int, int, int, int]] | None = None,
+              zero_stages: list[int] = (0, 1, 2, 3), remats: list[RematPolicy] = DEFAULT_REMATS) -> Plan:
+    """Estimates of every candidate layout of ``cfg`` on ``devices`` devices."""
+    if devices < 1:
+        raise ConfigError("--devices", f"must be a positive integer, got {devices}")
+    for remat in remats:
+        if remat not in ACTIVATION_COEFFICIENTS:
+            raise ConfigError("--remat", f"{remat.value!r} is not modelled; use one of "
+                              f"{[r.value for r in ACTIVATION_COEFFICIENTS]}")
+    rules = cfg.sharding.resolve()
+    params = model_params(cfg.model)
+    compute_bytes = np.dtype(cfg.train.precision.compute_dtype).itemsize
+    offloads = sorted({False, True} if host_memory is not None else {cfg.offload.optimizer})
+    estimates = []
+    for mesh in meshes if meshes is not None else _meshes(devices):
+        if math.prod(mesh) != devices:
+            raise ConfigError("--mesh", f"{mesh} multiplies to {math.prod(mesh)}, not --devices {devices}")
+        data, fsdp, tensor, stage = mesh
+        zeros = sorted(set(zero_stages)) if fsdp > 1 else [min(zero_stages)]  # no fsdp: stages equal
+        dp = data * fsdp
+        rows = cfg.train.batch_size // (dp * cfg.train.grad_accum) if dp else 0
+        micros = [cfg.pipeline.microbatches]
+        if stage > 1:
+            micros = [m for m in (stage, 2 * stage, 4 * stage, 8 * stage) if rows and rows % m == 0] or micros
+        for zero in zeros:
+            for remat in remats:
+                for micro in micros:
+                    for offload in offloads:
+                        layout = Layout(data, fsdp, tensor, stage, zero, remat, micro, offload)
+                        estimates.append(estimate(
+                            cfg.model, params, rules, layout, batch_size=cfg.train.batch_size,
+                            grad_accum=cfg.train.grad_accum, compute_bytes=compute_bytes,
+                            schedule=cfg.pipeline.schedule, virtual_stages=cfg.pipeline.virtual_stages,
+                            hw=hardware))
+    return Plan(cfg, devices, device_memory, host_memory, hardware, estimates)
+
+
+def _gb(nbytes: float) -> str:
+    """GB with 3 significant digits (``0.00352`` for tiny models, ``40.1`` for large ones)."""
+    return f"{nbytes / GB:.3g}" if nbytes < 100 * GB else f"{nbytes / GB:.0f}"
+
+
+def _row(rank: str, est: Estimate, verdict: str) -> list[str]:
+    lay = est.layout
+    return [rank, lay.label(), str(lay.zero), lay.remat.value, str(lay.microbatches) if lay.stage > 1 else "-",
+            "yes" if lay.offload else "-", _gb(est.params), _gb(est.grads),
+            _gb(est.offload_transient) + "*" if lay.offload else _gb(est.optimizer),
+            _gb(est.activations), _gb(est.temporaries + est.batch), _gb(est.total),
+            _gb(est.optimizer_host) if lay.offload else "-", f"{est.step_s:.3g}", f"{est.compute_s:.3g}",
+            f"{sum(est.comm_s.values()):.3g}", verdict]
+
+
+HEADER = ["#", "mesh d,f,t,s", "zero", "remat", "mb", "offl", "params", "grads", "optim", "activ",
+          "temps", "total GB", "host GB", "step s", "comp s", "comm s", "verdict"]
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) if i not in (1, 3, 16) else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows)
+
+
+def format_plan(plan: Plan, top: int, show_infeasible: int) -> str:
+    fit, big, broken = plan.ranked()
+    m = plan.cfg.model
+    hw = plan.hardware
+    lines = [f"model: {m.num_params / 1e9:.2f}B parameters ({m.num_layers} layers, embed {m.embed_dim}, "
+             f"heads {m.num_heads}/{m.num_kv_heads} kv, mlp {m.mlp_dim}, vocab {m.vocab_size}); batch "
+             f"{plan.cfg.train.batch_size} x {m.seq_len} tokens, grad_accum {plan.cfg.train.grad_accum}, "
+             f"{plan.cfg.train.precision.value}, pipeline {plan.cfg.pipeline.schedule.value}",
+             f"devices: {plan.devices} x {plan.device_memory / GB:.4g} GB"
+             + (f", host {plan.host_memory / GB:.4g} GB per device" if plan.host_memory is not None else ""),
+             f"roofline: {hw.peak_flops / 1e12:.0f} TFLOP/s per device, {hw.intra_node_bandwidth / GB:.0f} GB/s "
+             f"inside a node of {hw.node_size}, {hw.inter_node_bandwidth / GB:.0f} GB/s across nodes; "
+             "step = compute / (1 - bubble) + collectives (no overlap)",
+             f"layouts: {len(plan.estimates)} enumerated, {len(fit)} fit, {len(big)} need too much memory, "
+             f"{len(broken)} cannot be built",
+             "per device, GB (temps = compute copy, gathered weights, one layer's working set, logits, batch;"
+             " optim* = offloaded, only one leaf's moments on the device during the update):",
+             ""]
+    rows = [HEADER] + [_row(str(i + 1), e, "fits") for i, e in enumerate(fit[:top])]
+    rows += [_row("-", e, "; ".join(plan.problems(e))) for e in big[:show_infeasible]]
+    if len(rows) > 1:
+        lines.append(_table(rows))
+    if broken and show_infeasible:
+        seen: dict[str, str] = {}
+        for est in broken:
+            seen.setdefault(f"{est.layout.label()}: {'; '.join(est.reasons)}", "")
+        reasons = list(seen)
+        lines.append(f"\ncannot be built ({len(reasons)} distinct, first {min(show_infeasible, len(reasons))}):")
+        lines += [f"  {reason}" for reason in reasons[:show_infeasible]]
+    return "\n".join(lines)
+
+
+def _start_devices(count: int) -> None:
+    """N simulated CPU devices for --verify, set before JAX's backends start."""
+    import jax
+
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        pass
+    if len(jax.devices()) < count or jax.devices()[0].platform != "cpu":
+        raise ConfigError("--verify", f"JAX already started with {len(jax.devices())} "
+                          f"{jax.devices()[0].platform} devices; run the plan in a fresh process")
+
+
+def verify(config_path: str | None, overrides: list[str], est: Estimate, devices: int) -> dict:
+    """XLA's memory analysis of the real train step of ``est.layout`` (AOT, abstract shapes)."""
+    import jax
+
+    from meshtrain.mesh import make_mesh
+    from meshtrain.trainer import Trainer
+
+    cfg = load_config(config_path, list(overrides) + est.layout.overrides())
+    mesh = make_mesh(cfg.mesh, jax.devices()[:devices])
+    start = time.perf_counter()
+    trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(), mesh, cfg.pipeline,
+                      cfg.zero, cfg.offload)
+    analysis = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile() \
+        .memory_analysis()
+    return {"argument": analysis.argument_size_in_bytes, "output": analysis.output_size_in_bytes,
+            "temp": analysis.temp_size_in_bytes, "seconds": time.perf_counter() - start}
+
+
+def format_verify(results: list[tuple[Estimate, dict]], devices: int) -> str:
+    def cell(estimated: float, measured: float) -> str:
+        err = (estimated - measured) / measured if measured else float("nan")
+        return f"{_gb(estimated)} / {_gb(measured)} ({err:+.1%})"
+
+    rows = [["#", "mesh d,f,t,s", "zero", "remat", "mb", "argument GB est / xla", "output GB est / xla",
+             "temp GB est / xla", "compile s"]]
+    for i, (est, xla) in enumerate(results):
+        lay = est.layout
+        rows.append([str(i + 1), lay.label(), str(lay.zero), lay.remat.value,
+                     str(lay.microbatches) if lay.stage > 1 else "-", cell(est.argument_bytes, xla["argument"]),
+                     cell(est.output_bytes, xla["output"]), cell(est.temp_bytes, xla["temp"]),
+                     f"{xla['seconds']:.1f}"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return (f"\nverify: the real train step compiled ahead of time on {devices} simulated CPU devices "
+            f"(XLA:CPU memory_analysis, per device):\n{table}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parse_args(argv)
+        if args.devices < 1:
+            raise ConfigError("--devices", f"must be a positive integer, got {args.devices}")
+        for name in ("top", "show_infeasible", "verify", "node_size"):
+            if getattr(args, name) < (1 if name in ("top", "node_size") else 0):
+                raise ConfigError(f"--{name.replace('_', '-')}", f"must be a positive integer, got "
+                                  f"{getattr(args, name)}")
+        device_memory = parse_bytes(args.device_memory, "--device-memory")
+        host_memory = None if args.host_memory is None else parse_bytes(args.host_memory, "--host-memory")
+        peak = args.peak_tflops or peak_bf16_tflops(args.device_kind)
+        if peak is None or peak <= 0:
+            raise ConfigError("--device-kind", f"no peak FLOP/s known for {args.device_kind!r}; give --peak-tflops")
+        hardware = Hardware(peak * 1e12, parse_bytes(args.intra_node_bandwidth, "--intra-node-bandwidth"),
+                            parse_bytes(args.inter_node_bandwidth, "--inter-node-bandwidth"), args.node_size)
+        meshes = None
+        if args.mesh:
+            meshes = [tuple(_parse_list(text, "--mesh", int)) for text in args.mesh]
+            if any(len(m) != 4 or min(m) < 1 for m in meshes):
+                raise ConfigError("--mesh", f"give four positive sizes data,fsdp,tensor,stage; got {args.mesh}")
+        zeros = _parse_list(args.zero, "--zero", int)
+        if not zeros or any(z not in (0, 1, 2, 3) for z in zeros):
+            raise ConfigError("--zero", f"ZeRO stages are 0, 1, 2, 3; got {args.zero!r}")
+        remats = _parse_list(args.remat, "--remat", RematPolicy)
+        if args.verify:
+            _start_devices(args.devices)
+        cfg = load_config(args.config, args.overrides)
+        plan = make_plan(cfg, args.devices, device_memory, host_memory, hardware=hardware, meshes=meshes,
+                         zero_stages=zeros, remats=remats)
+        print(format_plan(plan, args.top, args.show_infeasible), flush=True)
+        if args.verify:
+            best = plan.ranked()[0][:args.verify]
+            results = [(est, verify(args.config, args.overrides, est, args.devices)) for est in best]
+            print(format_verify(results, args.devices))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
