@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 train: $(STAMP)
-	$(VENV)/bin/python -m meshtrain.train --config configs/tiny.yaml --host-devices 8
+	$(VENV)/bin/python -m meshtrain.train --config configs/tiny.yaml --host-devices 8 run.dir=runs/tiny-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

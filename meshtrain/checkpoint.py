@@ -24,7 +24,6 @@ state (parameter init is seeded by ``train.seed`` and only used for a fresh star
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import pathlib
 import sys
@@ -46,19 +45,12 @@ _TMP_MARK = ".orbax-checkpoint-tmp"
 _UNREADABLE = ".unreadable"
 
 
-class NonFinitePolicy(str, enum.Enum):
-    """What a non-finite loss or gradient norm does to the run (the step skips its update either way)."""
-
-    SKIP = "skip"  # keep going; the skipped steps are counted in the metrics
-    STOP = "stop"  # save the last good state and exit non-zero
-
-
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Saving, resuming and fault handling of a run (``checkpoint`` section).
 
-    ``on_nonfinite`` is the issue's ``train.on_nonfinite`` and ``init_from`` its ``model.init_from``:
-    they live here because ``TrainConfig`` and ``LlamaConfig`` are owned by other components.
+    ``init_from`` is the issue's ``model.init_from``: it lives here because ``LlamaConfig`` describes
+    a model's shape, not where its weights come from.
     """
 
     enabled: bool = True  # false: no saves and no automatic resume
@@ -68,7 +60,6 @@ class CheckpointConfig:
     async_save: bool = True  # write in a background thread; the step loop only waits for the D2H copy
     restore_from: str | None = None  # start from this checkpoint when run.dir has none of its own
     init_from: str | None = None  # parameters only (an export dir): fine-tune start, fresh optimizer
-    on_nonfinite: NonFinitePolicy = NonFinitePolicy.SKIP
 
     def __post_init__(self):
         if self.every < 0:

@@ -75,7 +75,7 @@ class Config:
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 _DACITE = dacite.Config(strict=True, cast=[enum.Enum, tuple, float])
 # Fields the checkpoints issue names in sections whose dataclasses other components own.
-_MOVED = {("train", "on_nonfinite"): "checkpoint.on_nonfinite", ("model", "init_from"): "checkpoint.init_from"}
+_MOVED = {("model", "init_from"): "checkpoint.init_from"}
 
 
 def _suggest(name: str, valid: list[str]) -> str:

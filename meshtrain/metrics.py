@@ -35,7 +35,6 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-from tensorboardX import SummaryWriter
 
 # Dense (non-sparse) bf16 peak TFLOP/s per device, most specific pattern first.
 # Patterns are matched case-insensitively against JAX's ``device.device_kind``.
@@ -162,6 +161,14 @@ def _plot_loss(
     fig.savefig(path, format="png")
 
 
+def _summary_writer(logdir: Path):
+    """A TensorBoard writer; imported here because tensorboardX imports torch when it is installed
+    (seconds at every start-up of a run that does not want TensorBoard)."""
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(logdir=str(logdir))
+
+
 class MetricsLogger:
     """Logs per-step metrics to JSONL, TensorBoard and stderr; summarises the run at close.
 
@@ -202,7 +209,7 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        self._writer = SummaryWriter(logdir=str(self.run_dir / "tensorboard")) if tensorboard else None
+        self._writer = _summary_writer(self.run_dir / "tensorboard") if tensorboard else None
         self._progress: Progress | None = None
         if live if live is not None else sys.stderr.isatty():
             self._progress = Progress(

@@ -7,7 +7,7 @@ Bad input prints one ``error: field: what is wrong`` line and exits 2.
 
 A run resumes from the latest complete checkpoint in ``run.dir/checkpoints`` (see
 ``meshtrain/checkpoint.py``). SIGTERM/SIGINT finish the current step, save, and exit 0 with one line
-saying how to resume. With ``checkpoint.on_nonfinite=stop`` a non-finite loss or gradient norm saves
+saying how to resume. With ``train.on_nonfinite=stop`` a non-finite loss or gradient norm saves
 the last good state and exits 3.
 """
 
@@ -31,7 +31,7 @@ import yaml
 from flax import nnx
 
 from meshtrain import hf
-from meshtrain.checkpoint import (CHECKPOINT_DIR, NonFinitePolicy, Restored, RunCheckpoints,
+from meshtrain.checkpoint import (CHECKPOINT_DIR, Restored, RunCheckpoints,
                                   UnreadableCheckpoint, check_params, checkpoint_meta, config_differences, load_params,
                                   resolve_restore_path, warn)
 from meshtrain.config import Config, config_from_dict, load_config, to_dict
@@ -42,7 +42,7 @@ from meshtrain.metrics import (MetricsLogger, format_bytes, mfu, peak_bf16_tflop
                                train_flops_per_token)
 from meshtrain.parallel.pipeline import LayerOrder
 from meshtrain.parallel.sharding import parameter_table, replicated_parameters
-from meshtrain.trainer import Trainer
+from meshtrain.trainer import NonFinitePolicy, Trainer
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -83,7 +83,7 @@ def _log(message: str) -> None:
 
 
 class NonFiniteStop(Exception):
-    """``checkpoint.on_nonfinite=stop`` met a non-finite loss or gradient norm (exit status 3)."""
+    """``train.on_nonfinite=stop`` met a non-finite loss or gradient norm (exit status 3)."""
 
 
 EXIT_NONFINITE = 3
@@ -287,7 +287,7 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
 
     Raises:
       ConfigError: bad input, found before anything is compiled.
-      NonFiniteStop: ``checkpoint.on_nonfinite=stop`` met a non-finite loss or gradient norm.
+      NonFiniteStop: ``train.on_nonfinite=stop`` met a non-finite loss or gradient norm.
     """
     mesh = make_mesh(cfg.mesh, devices)
     rules = cfg.sharding.resolve()
@@ -348,7 +348,7 @@ def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, ch
     reporter = _StepReporter(cfg, logger, num_devices=len(devices),
                              peak_tflops=peak_bf16_tflops(devices[0].device_kind), start=start)
     saver = _Saver(cfg, checkpoints, mesh)
-    stop_on_nonfinite = cfg.checkpoint.on_nonfinite is NonFinitePolicy.STOP
+    stop_on_nonfinite = cfg.train.on_nonfinite is NonFinitePolicy.STOP
     previous, saved, preempted = None, None, False
     with contextlib.ExitStack() as on_exit:
         on_exit.callback(logger.close)  # idempotent; the normal path closes it with the summary
@@ -371,7 +371,7 @@ def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, ch
                 values = ", ".join(f"{key} {value}" for key, value in bad.items()) or "non-finite values"
                 where = (f"the last good state was saved to {path}" if path is not None
                          else "nothing was saved (checkpoint.enabled=false)")
-                raise NonFiniteStop(f"checkpoint.on_nonfinite=stop: step {done} had {values}; its update "
+                raise NonFiniteStop(f"train.on_nonfinite=stop: step {done} had {values}; its update "
                                     f"was skipped and {where}")
             preempted = done < steps and preemption.requested  # the last step ends the run anyway
             if preempted or done == steps or saver.due(done):

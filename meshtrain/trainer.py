@@ -9,6 +9,7 @@ the parameters' sharding -> unscale/finite check -> AdamW update.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,13 @@ from models.llama import Llama, LlamaConfig
 Metrics = dict[str, jax.Array]
 
 
+class NonFinitePolicy(str, enum.Enum):
+    """What a non-finite loss or gradient norm does to the run (the step skips its update either way)."""
+
+    SKIP = "skip"  # keep going; the skipped steps are counted in the metrics
+    STOP = "stop"  # save the last good state and exit non-zero
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The training loop: length, global batch, accumulation, precision, seed, logging cadence."""
@@ -42,6 +50,7 @@ class TrainConfig:
     dynamic_loss_scale: bool | None = None  # None: on for fp16 only
     seed: int = 0
     log_every: int = 10
+    on_nonfinite: NonFinitePolicy = NonFinitePolicy.SKIP
 
     @property
     def uses_dynamic_loss_scale(self) -> bool:

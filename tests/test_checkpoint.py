@@ -209,7 +209,7 @@ def test_nonfinite_skip_leaves_state_unchanged(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_nonfinite_stop_saves_last_good_state(tmp_path, monkeypatch, capsys):
     _inject_nan(monkeypatch, BAD)
-    rc = main(["--config", TINY, *overrides(tmp_path, "checkpoint.on_nonfinite=stop", "checkpoint.every=1",
+    rc = main(["--config", TINY, *overrides(tmp_path, "train.on_nonfinite=stop", "checkpoint.every=1",
                                             "checkpoint.keep=10")])
     assert rc == EXIT_NONFINITE
     error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
@@ -308,8 +308,8 @@ def _one_line_error(rc, err, field, *hints):
 BAD_INPUTS = [
     (["checkpoint.restore_from=/nonexistent/run"], "checkpoint.restore_from", ["no such directory"]),
     (["checkpoint.keep=0"], "checkpoint.keep", ["positive integer"]),
-    (["checkpoint.on_nonfinite=ignore"], "checkpoint.on_nonfinite", ["'ignore' is not valid", "skip | stop"]),
-    (["train.on_nonfinite=stop"], "train.on_nonfinite", ["checkpoint.on_nonfinite"]),
+    (["train.on_nonfinite=ignore"], "train.on_nonfinite", ["'ignore' is not valid", "skip | stop"]),
+    (["model.init_from=x"], "model.init_from", ["checkpoint.init_from"]),
     (["model.init_from=/x"], "model.init_from", ["checkpoint.init_from"]),
     (["checkpoint.restore_from=/a", "checkpoint.init_from=/b"], "checkpoint.init_from", ["not both"]),
     (["checkpoint.every=-1"], "checkpoint.every", [">= 0"]),

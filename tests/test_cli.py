@@ -74,7 +74,6 @@ BAD_INPUTS = [
     _case(["train.steps=[1"], "train.steps", "cannot parse value", id="override-bad-yaml"),
     pytest.param(["--config", TINY, "sharding.rules.vocab={params: [tensor, tensor]}"],
                  "sharding.rules.vocab.params", ("tensor",), id="rule-repeats-mesh-axis"),
-    _case(["mesh.stage=2", "mesh.data=1"], "mesh.stage", "set mesh.stage=1", id="stage-without-pipeline"),
     _case([], "arguments", "invalid int value", flags=("--host-devices", "abc"), id="argparse-bad-int"),
 ]
 
