@@ -13,6 +13,7 @@ Sections and their owners::
     offload    meshtrain.parallel.offload.OffloadConfig
     run        meshtrain.config.RunConfig
     checkpoint meshtrain.checkpoint.CheckpointConfig
+    distributed meshtrain.distributed.DistributedConfig
 
 An override ``a.b=value`` parses ``value`` as YAML (``mesh.data=2``, ``train.precision=bf16``,
 ``sharding.rules.vocab={params: null, activations: tensor}``) and replaces ``a.b``.
@@ -33,6 +34,7 @@ import yaml
 
 from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.data import DataConfig
+from meshtrain.distributed import DistributedConfig
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import MeshConfig
 from meshtrain.optim import OptimizerConfig
@@ -70,6 +72,7 @@ class Config:
     offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)

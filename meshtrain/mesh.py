@@ -22,6 +22,7 @@ MESH_AXES = ("data", "fsdp", "tensor", "stage")
 # Device-array order (slowest to fastest varying), and its permutation back to MESH_AXES.
 _LAYOUT_ORDER = ("data", "stage", "fsdp", "tensor")
 _TO_MESH_AXES = tuple(_LAYOUT_ORDER.index(axis) for axis in MESH_AXES)
+DCN_AXES = ("data", "fsdp", "stage")  # axes that may cross hosts (never tensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +33,29 @@ class MeshConfig:
     fsdp: int = -1
     tensor: int = 1
     stage: int = 1
+    # Multi-host: how many hosts (processes; TPU slices) each axis spans over the slow network.
+    # The axis size above is the total; ``dcn_data=2, data=4`` puts 2 data groups on each of 2
+    # hosts. Their product must equal the number of hosts. ``tensor`` always stays within a host.
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
+    dcn_stage: int = 1
+
+    @property
+    def dcn(self) -> dict[str, int]:
+        return {"data": self.dcn_data, "fsdp": self.dcn_fsdp, "tensor": 1, "stage": self.dcn_stage}
+
+    @property
+    def hybrid(self) -> bool:
+        return math.prod(self.dcn.values()) > 1
 
     def __post_init__(self):
+        for axis in DCN_AXES:
+            size = getattr(self, f"dcn_{axis}")
+            if size < 1:
+                raise ConfigError(f"dcn_{axis}", f"must be a positive integer, got {size}")
+            if getattr(self, axis) != -1 and getattr(self, axis) % size:
+                raise ConfigError(f"dcn_{axis}", f"is {size}, which does not divide {axis}={getattr(self, axis)} "
+                                  f"(the total size of the axis; each host holds {axis}/dcn_{axis} of it)")
         for axis in MESH_AXES:
             size = getattr(self, axis)
             if size == 0 or size < -1:
@@ -65,8 +87,50 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     devices = list(jax.devices() if devices is None else devices)
     sizes = cfg.resolve(len(devices))
     layout_shape = tuple(sizes[axis] for axis in _LAYOUT_ORDER)
-    device_array = mesh_utils.create_device_mesh(layout_shape, devices, allow_split_physical_axes=True)
+    if cfg.hybrid:
+        device_array = _hybrid_device_array(cfg, sizes, devices)
+    else:
+        device_array = mesh_utils.create_device_mesh(layout_shape, devices, allow_split_physical_axes=True)
     return Mesh(np.transpose(device_array, _TO_MESH_AXES), MESH_AXES)
+
+
+def _granule_key(devices: Sequence[jax.Device]) -> str:
+    """What a host is for the slow network: the TPU slice when devices have several, else the process."""
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    return "slice_index" if None not in slices and len(slices) > 1 else "process_index"
+
+
+def _hybrid_device_array(cfg: MeshConfig, sizes: dict[str, int], devices: list[jax.Device]) -> np.ndarray:
+    """The devices in layout order, each ``dcn_*`` axis laid over hosts and the rest within a host
+    (``mesh_utils.create_hybrid_device_mesh``), with its errors turned into ``ConfigError``s."""
+    dcn = cfg.dcn
+    for axis in DCN_AXES:
+        if sizes[axis] % dcn[axis]:
+            raise ConfigError(f"mesh.dcn_{axis}", f"is {dcn[axis]}, which does not divide the resolved "
+                              f"{axis}={sizes[axis]}")
+    key = _granule_key(devices)
+    hosts: dict[int, int] = {}
+    for device in devices:
+        hosts[getattr(device, key)] = hosts.get(getattr(device, key), 0) + 1
+    unit = "slices" if key == "slice_index" else "processes"
+    dcn_text = ", ".join(f"dcn_{axis}={dcn[axis]}" for axis in DCN_AXES)
+    if math.prod(dcn.values()) != len(hosts):
+        raise ConfigError("mesh", f"{dcn_text} multiply to {math.prod(dcn.values())} hosts, but the devices "
+                          f"belong to {len(hosts)} {unit}; make the product {len(hosts)}")
+    if len(set(hosts.values())) > 1:
+        raise ConfigError("mesh", f"a hybrid mesh needs the same number of devices on every host; "
+                          f"devices per {unit[:-2] if unit == 'processes' else unit[:-1]}: {hosts}")
+    ici = tuple(sizes[axis] // dcn[axis] for axis in _LAYOUT_ORDER)
+    per_host = next(iter(hosts.values()))
+    if math.prod(ici) != per_host:
+        raise ConfigError("mesh", f"within a host the axes are {dict(zip(_LAYOUT_ORDER, ici))} = "
+                          f"{math.prod(ici)} devices, but each host has {per_host}")
+    try:
+        return mesh_utils.create_hybrid_device_mesh(
+            ici, tuple(dcn[axis] for axis in _LAYOUT_ORDER), devices,
+            process_is_granule=key == "process_index", allow_split_physical_axes=True)
+    except ValueError as err:
+        raise ConfigError("mesh", f"cannot lay the mesh over the hosts: {err}") from None
 
 
 def mesh_shape(mesh: Mesh) -> tuple[int, ...]:

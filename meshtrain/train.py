@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import math
 import pathlib
+import re
 import shlex
 import signal
 import sys
@@ -30,7 +32,7 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from meshtrain import hf
+from meshtrain import distributed, hf
 from meshtrain.checkpoint import (CHECKPOINT_DIR, Restored, RunCheckpoints,
                                   UnreadableCheckpoint, check_params, checkpoint_meta, config_differences, load_params,
                                   resolve_restore_path, warn)
@@ -62,8 +64,28 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="print the per-parameter sharding table and exit")
     parser.add_argument("--fresh", action="store_true",
                         help="refuse to resume: fail if run.dir already holds checkpoints")
+    multi = parser.add_argument_group("multi-process (see docs/multihost.md; the distributed section)")
+    multi.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's coordinator address")
+    multi.add_argument("--num-processes", type=int, metavar="N", help="number of processes of the run")
+    multi.add_argument("--process-id", type=int, metavar="I", help="this process's rank, 0..N-1")
+    multi.add_argument("--local-device-ids", metavar="I,J,...",
+                       help="local accelerators this process uses (among the visible ones)")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value")
     return parser.parse_args(argv)
+
+
+def _distributed_flags(args: argparse.Namespace, cfg: distributed.DistributedConfig) -> distributed.DistributedConfig:
+    """The ``distributed`` section with the multi-process flags applied. The flags stay out of the
+    run's config (and so out of the ``config.yaml`` a resume reads): they differ per process."""
+    flags = {"coordinator": args.coordinator, "num_processes": args.num_processes, "process_id": args.process_id}
+    if args.local_device_ids is not None:
+        if not re.fullmatch(r"\d+(,\d+)*", args.local_device_ids):
+            raise ConfigError("--local-device-ids", f"must be comma-separated integers, got {args.local_device_ids!r}")
+        flags["local_device_ids"] = tuple(int(i) for i in args.local_device_ids.split(","))
+    try:
+        return dataclasses.replace(cfg, **{key: value for key, value in flags.items() if value is not None})
+    except ConfigError as err:
+        raise ConfigError("--" + err.field.replace("_", "-"), err.message) from None
 
 
 def use_host_devices(count: int) -> None:
@@ -290,6 +312,8 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
       NonFiniteStop: ``train.on_nonfinite=stop`` met a non-finite loss or gradient norm.
     """
     mesh = make_mesh(cfg.mesh, devices)
+    if jax.process_count() > 1:
+        distributed.print_startup(mesh)  # one line per process: rank, local devices, global mesh
     rules = cfg.sharding.resolve()
     trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, rules, mesh, cfg.pipeline, cfg.zero, cfg.offload)
     if print_sharding:
@@ -410,10 +434,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.host_devices is not None:
             use_host_devices(args.host_devices)
             command += f" --host-devices {args.host_devices}"
+        else:  # GPU runs: the recommended XLA flags (meshtrain/xla_flags.py), before backends start
+            from meshtrain.xla_flags import apply_recommended
+            apply_recommended()
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
             print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
             return 0
+        distributed.initialize(_distributed_flags(args, cfg.distributed))  # before JAX's backends start
         train(cfg, print_sharding=args.print_sharding, fresh=args.fresh, command=command)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,0 +1,276 @@
+"""Multi-process start-up through JAX's own distributed runtime (``jax.distributed.initialize``).
+
+Where the four numbers come from, first match wins for each:
+
+1. the ``distributed`` config section (or the CLI flags ``--coordinator``, ``--num-processes``,
+   ``--process-id``, ``--local-device-ids``, which set it);
+2. the environment variables ``JAX_COORDINATOR_ADDRESS`` (host:port) and ``JAX_LOCAL_DEVICE_IDS``,
+   which JAX itself reads, and ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, which JAX 0.10 does *not*
+   read and meshtrain reads for it (Kubernetes and other hand-made launches);
+3. JAX's cluster detection, in its order: Open MPI (``OMPI_MCA_orte_hnp_uri``), SLURM
+   (``SLURM_JOB_ID``, ``SLURM_STEP_NODELIST``, ``SLURM_NTASKS``, ``SLURM_PROCID``,
+   ``SLURM_LOCALID``; coordinator = first node of the step, port from the job id or
+   ``JAX_COORDINATOR_PORT``), mpi4py (only with ``distributed.cluster_detection=mpi4py``), Cloud TPU,
+   Kubernetes (needs the ``kubernetes`` package).
+
+With none of them (no flags, no variables, not inside a multi-task SLURM/MPI job) the run is one
+process and nothing is initialised. A SLURM step with one task is one process too.
+
+Failure: every process sends heartbeats to the coordinator service (on process 0). A process that
+misses them for ``heartbeat_timeout_s`` seconds is declared dead and the coordinator makes every
+other process exit with an error that names the lost task (``/job:jax_worker/replica:0/task:<id>``
+is process ``<id>``); when the coordinator itself dies the others notice within the same timeout.
+A collective that is waiting on a dead peer also fails as soon as its connection drops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import sys
+import threading
+
+import jax
+
+from meshtrain.errors import ConfigError
+
+# Variables meshtrain reads for JAX (JAX 0.10 reads only the coordinator and the local device ids).
+NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
+PROCESS_ID_ENV = "JAX_PROCESS_ID"
+COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
+LOCAL_DEVICE_IDS_ENV = "JAX_LOCAL_DEVICE_IDS"
+_DETECTION_METHODS = ("ompi", "slurm", "mpi4py", "gke_tpu_cluster", "gce_tpu_cluster", "k8s", "deactivate")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """The ``distributed`` section: how this process joins the others (all optional).
+
+    Attributes:
+      coordinator: ``host:port`` of process 0's coordinator service (every process gives the same).
+      num_processes: how many processes the run has.
+      process_id: this process's rank in ``[0, num_processes)``; rank 0 runs the coordinator.
+      local_device_ids: the local accelerators this process uses (indices among those that
+        ``CUDA_VISIBLE_DEVICES`` leaves visible); default: all of them, or one per process under
+        SLURM/Open MPI on GPUs (the task's local rank).
+      cluster_detection: force one of JAX's detection methods (``slurm``, ``ompi``, ``mpi4py``,
+        ``k8s``, ...), or ``deactivate`` to use only what is given explicitly.
+      initialization_timeout_s: how long processes wait for each other at start-up.
+      heartbeat_timeout_s: a process silent this long is declared dead and the others exit.
+      shutdown_timeout_s: how long a finishing process waits for the others at exit.
+    """
+
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None
+    cluster_detection: str | None = None
+    initialization_timeout_s: int = 300
+    heartbeat_timeout_s: int = 60
+    shutdown_timeout_s: int = 60
+
+    def __post_init__(self):
+        if self.coordinator is not None and not re.fullmatch(r"\S+:\d{1,5}", self.coordinator):
+            raise ConfigError("coordinator", f"must be host:port, got {self.coordinator!r}")
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ConfigError("num_processes", f"must be a positive integer, got {self.num_processes}")
+        if self.process_id is not None and self.process_id < 0:
+            raise ConfigError("process_id", f"must be a non-negative integer, got {self.process_id}")
+        if (self.process_id is not None and self.num_processes is not None
+                and self.process_id >= self.num_processes):
+            raise ConfigError("process_id", f"is {self.process_id}, but num_processes is {self.num_processes}; "
+                              f"ranks run from 0 to {self.num_processes - 1}")
+        if self.local_device_ids is not None and any(i < 0 for i in self.local_device_ids):
+            raise ConfigError("local_device_ids", f"must be non-negative, got {list(self.local_device_ids)}")
+        if self.cluster_detection is not None and self.cluster_detection not in _DETECTION_METHODS:
+            raise ConfigError("cluster_detection", f"{self.cluster_detection!r} is not one of "
+                              f"{' | '.join(_DETECTION_METHODS)}")
+        for name in ("initialization_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be at least 1 second, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What ``initialize`` decided: the arguments handed to ``jax.distributed.initialize``, or
+    ``None`` for a single process, and where they came from."""
+
+    kwargs: dict | None
+    source: str
+
+
+def _env_int(environ, name: str) -> int | None:
+    value = environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(name, f"must be an integer, got {value!r}") from None
+
+
+def _cluster_tasks(environ) -> tuple[str, int] | None:
+    """(name, number of tasks) of the SLURM step or Open MPI job this process runs in, if any."""
+    if "OMPI_MCA_orte_hnp_uri" in environ and environ.get("OMPI_COMM_WORLD_SIZE"):
+        return "Open MPI", int(environ["OMPI_COMM_WORLD_SIZE"])
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(name in environ for name in slurm):
+        return "SLURM", int(environ["SLURM_NTASKS"])
+    return None
+
+
+def plan(cfg: DistributedConfig, environ=None) -> Launch:
+    """Decides, without starting anything, whether and how to call ``jax.distributed.initialize``."""
+    environ = os.environ if environ is None else environ
+    coordinator = cfg.coordinator or environ.get(COORDINATOR_ENV) or None
+    num_processes = cfg.num_processes if cfg.num_processes is not None else _env_int(environ, NUM_PROCESSES_ENV)
+    process_id = cfg.process_id if cfg.process_id is not None else _env_int(environ, PROCESS_ID_ENV)
+    local_ids = cfg.local_device_ids
+    explicit = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    given = [name for name, value in explicit.items() if value is not None]
+    cluster = _cluster_tasks(environ)
+    detect = cfg.cluster_detection
+
+    if not given and detect in (None, "deactivate") and (cluster is None or cluster[1] == 1):
+        where = f"a {cluster[0]} job with one task" if cluster else "nothing configured"
+        return Launch(None, f"single process ({where})")
+    if num_processes is not None and process_id is not None and process_id >= num_processes:
+        raise ConfigError("distributed.process_id", f"is {process_id}, but num_processes is {num_processes}")
+    if num_processes == 1 and not cluster and detect is None:
+        return Launch(None, "single process (num_processes=1)")
+    missing = [name for name, value in explicit.items() if value is None]
+    if missing and (detect == "deactivate" or (cluster is None and detect is None)):
+        raise ConfigError(f"distributed.{missing[0]}",
+                          f"is not set, but {', '.join(given)} {'is' if len(given) == 1 else 'are'}: give all of "
+                          f"coordinator, num_processes and process_id (flags --coordinator, --num-processes, "
+                          f"--process-id, or {COORDINATOR_ENV}, {NUM_PROCESSES_ENV}, {PROCESS_ID_ENV}), or run "
+                          "under SLURM / Open MPI, whose variables JAX reads")
+    kwargs = {"coordinator_address": coordinator, "num_processes": num_processes, "process_id": process_id,
+              "initialization_timeout": cfg.initialization_timeout_s,
+              "heartbeat_timeout_seconds": cfg.heartbeat_timeout_s,
+              "shutdown_timeout_seconds": cfg.shutdown_timeout_s}
+    if local_ids is not None:
+        kwargs["local_device_ids"] = list(local_ids)
+    if detect is not None:
+        kwargs["cluster_detection_method"] = detect
+    source = "explicit" if not missing else f"{cluster[0] if cluster else detect} cluster detection"
+    return Launch(kwargs, source)
+
+
+def check_visible_devices(local_device_ids, environ=None) -> None:
+    """The ``CUDA_VISIBLE_DEVICES`` trap, caught before the GPU backend gives a cryptic error.
+
+    ``local_device_ids`` index into the GPUs that ``CUDA_VISIBLE_DEVICES`` leaves visible, not into
+    the machine's. SLURM with ``--gpus-per-task=1`` (or a launcher that sets ``CUDA_VISIBLE_DEVICES``
+    per process) leaves each process exactly one GPU, number 0.
+    """
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if local_device_ids is None or visible is None or visible.strip() == "":
+        return
+    count = len([v for v in visible.split(",") if v.strip()])
+    bad = [i for i in local_device_ids if i >= count]
+    if bad:
+        raise ConfigError("distributed.local_device_ids", (
+            f"{list(local_device_ids)} asks for GPU {bad[0]}, but CUDA_VISIBLE_DEVICES={visible} leaves this "
+            f"process {count} GPU(s), numbered 0..{count - 1}: local_device_ids index into the visible GPUs. "
+            "Either drop local_device_ids (or use 0) when the launcher already gives each process its own "
+            "GPU, or unset CUDA_VISIBLE_DEVICES and let local_device_ids choose"))
+
+
+def initialize(cfg: DistributedConfig | None = None, environ=None) -> Launch:
+    """Joins the other processes (``jax.distributed.initialize``) when there are any.
+
+    Must run before anything starts JAX's backends (``jax.devices()``, any computation).
+
+    Raises:
+      ConfigError: inconsistent settings, backends already started, or the coordinator not reached.
+    """
+    cfg = cfg or DistributedConfig()
+    launch = plan(cfg, environ)
+    if launch.kwargs is None:
+        return launch
+    check_visible_devices(launch.kwargs.get("local_device_ids"), environ)
+    if jax.distributed.is_initialized():
+        return launch
+    from jax._src import xla_bridge  # the public initialize() raises the same check, less clearly
+    if xla_bridge.backends_are_initialized():
+        raise ConfigError("distributed", "JAX's backends already started in this process; "
+                          "meshtrain.distributed.initialize must run before any JAX computation")
+    try:
+        jax.distributed.initialize(**launch.kwargs)
+        _install_failure_hook(cfg.heartbeat_timeout_s)
+    except Exception as err:  # the runtime raises XlaRuntimeError / ValueError with long texts
+        address = launch.kwargs.get("coordinator_address") or "the detected coordinator"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError("distributed", f"could not join the run through {address} "
+                          f"({launch.source}): {first}") from None
+    return launch
+
+
+def lost_processes(timeout_s: float) -> list[int] | None:
+    """The processes the coordination service no longer counts as alive (None: could not ask).
+
+    Asking waits for every live process to ask too, or for the dead to be declared dead (one
+    heartbeat timeout), so it runs in a thread bounded by ``timeout_s``.
+    """
+    from jax._src import distributed as jax_distributed
+    client, count = jax_distributed.global_state.client, jax.process_count()
+    if client is None:
+        return None
+    answer: list = []
+
+    def ask():
+        try:
+            answer.append(client.get_live_nodes(list(range(count))))
+        except Exception:  # the coordinator itself is gone
+            answer.append(None)
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not answer or answer[0] is None:
+        return None
+    return sorted(set(range(count)) - set(answer[0]))
+
+
+def _install_failure_hook(heartbeat_timeout_s: int) -> None:
+    """An uncaught error in a multi-process run (typically a collective failing because a peer's
+    connection dropped) is reported with the processes that were lost, and this process exits at
+    once with status 1 instead of waiting at JAX's shutdown barrier for the dead peer."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        if issubclass(kind, KeyboardInterrupt):
+            os._exit(130)
+        me, count = jax.process_index(), jax.process_count()
+        lost = lost_processes(heartbeat_timeout_s + 10)
+        if lost is None:
+            who = "the coordinator (process 0) is unreachable, or the lost process is not known yet"
+        elif lost:
+            who = f"lost process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} of {count}"
+        else:
+            who = f"all {count} processes are still alive, so the error is this process's own"
+        print(f"error: process {me}/{count} stops after {kind.__name__} ({who}); a multi-process run "
+              "cannot continue without all of its processes: resume it from its last checkpoint",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
+def startup_line(mesh) -> str:
+    """The one line every process prints at start-up: rank, host, local devices, global mesh."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    ids = ",".join(str(d.id) for d in local)
+    shape = ", ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+    return (f"meshtrain: rank {jax.process_index()}/{jax.process_count()} on {socket.gethostname()}: "
+            f"{len(local)} local {local[0].platform if local else '?'} devices [{ids}] of "
+            f"{mesh.devices.size}, global mesh ({shape})")
+
+
+def print_startup(mesh) -> None:
+    print(startup_line(mesh), file=sys.stderr, flush=True)
