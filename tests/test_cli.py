@@ -75,6 +75,8 @@ BAD_INPUTS = [
     pytest.param(["--config", TINY, "sharding.rules.vocab={params: [tensor, tensor]}"],
                  "sharding.rules.vocab.params", ("tensor",), id="rule-repeats-mesh-axis"),
     _case([], "arguments", "invalid int value", flags=("--host-devices", "abc"), id="argparse-bad-int"),
+    _case(["mesh.stage=4", "mesh.data=1", "mesh.fsdp=1"], "model.num_layers", "cannot be split into mesh.stage=4",
+          id="stage-does-not-split-layers"),
 ]
 
 
