@@ -1,0 +1,377 @@
+"""Benchmark meshtrain's train step: step time, tokens/s, TFLOP/s per device, MFU, compile time, memory.
+
+    python scripts/bench.py --config configs/tiny.yaml --host-devices 8 [--steps 10] [--vs-baseline]
+        [--attention xla|cudnn] [--json FILE] [section.field=value ...]
+    python scripts/bench.py --sweep layouts --host-devices 8 [--out docs/img/layout_bench.png]
+    python scripts/bench.py --sweep depth --host-devices 8
+
+Batches are random tokens of the config's shape (no data file is read). After one warm-up step,
+``--steps`` steps are timed one by one (each waits for its result); the median is reported.
+
+``--vs-baseline`` builds, in the same process and on the same mesh, a minimal hand-written train step
+of the same model: plain ``jax.jit`` of value_and_grad + the same optax AdamW over the same parameter
+pytree, with the same parameter, optimizer-state, batch and activation shardings, the same loss and the
+same compute dtype. Its steps are interleaved with meshtrain's (ABBA order), so machine noise hits
+both, and ``overhead_ratio`` = median meshtrain / median baseline is printed.
+
+Every result is printed as ``name: value`` lines and, last, one ``json: {...}`` line.
+MFU is ``null`` when the device's peak is unknown (CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def collective_counts(hlo_text: str) -> dict[str, int]:
+    """Collective ops (``-start`` forms included) in optimized HLO text."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for line in hlo_text.splitlines():
+        for op in COLLECTIVES:
+            if f" {op}(" in line or f" {op}-start(" in line:
+                counts[op] += 1
+    return counts
+
+
+def use_cudnn_attention() -> None:
+    """Route the model's ``jax.nn.dot_product_attention`` calls to cuDNN's fused (flash) kernel.
+
+    A benchmark-only switch: the model has no config field for the attention implementation yet.
+    """
+    import functools
+
+    import jax
+
+    original = jax.nn.dot_product_attention
+    if getattr(original, "_meshtrain_cudnn", False):
+        return
+    patched = functools.partial(original, implementation="cudnn")
+    patched._meshtrain_cudnn = True
+    patched._meshtrain_original = original
+    jax.nn.dot_product_attention = patched
+
+
+def use_xla_attention() -> None:
+    """Undo :func:`use_cudnn_attention`."""
+    import jax
+
+    jax.nn.dot_product_attention = getattr(jax.nn.dot_product_attention, "_meshtrain_original",
+                                           jax.nn.dot_product_attention)
+
+
+def random_batch(trainer, seed: int = 0):
+    """A global batch of uniform random tokens in the trainer's batch sharding."""
+    import jax
+    import jax.numpy as jnp
+
+    shape = (trainer.train_cfg.batch_size, trainer.model_cfg.seq_len)
+    vocab = trainer.model_cfg.vocab_size
+    sharding = trainer.batch_sharding
+
+    def make():
+        tokens = jax.random.randint(jax.random.key(seed), (shape[0], shape[1] + 1), 0, vocab, jnp.int32)
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones(shape, jnp.float32)}
+
+    return jax.jit(make, out_shardings={"inputs": sharding, "targets": sharding, "mask": sharding})()
+
+
+def memory_of(compiled) -> dict[str, int | None]:
+    """Per-device bytes from XLA's ``memory_analysis()`` (None where this backend gives none)."""
+    analysis = compiled.memory_analysis()
+    names = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+             "alias_size_in_bytes", "generated_code_size_in_bytes", "host_argument_size_in_bytes",
+             "host_output_size_in_bytes", "host_temp_size_in_bytes", "peak_memory_in_bytes")
+    if analysis is None:
+        return dict.fromkeys(names)
+    return {name.replace("_size_in_bytes", "_bytes").replace("_in_bytes", "_bytes"): getattr(analysis, name, None)
+            for name in names}
+
+
+def baseline_step(trainer):
+    """The hand-written reference: jit(value_and_grad + optax update) with the trainer's shardings."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from meshtrain.parallel.sharding import activation_sharding
+    from meshtrain.precision import cast_floating
+    from meshtrain.trainer import cross_entropy_sum
+
+    if trainer.mesh.shape["stage"] > 1 or trainer.train_cfg.grad_accum > 1 or trainer.offload_cfg.optimizer:
+        raise SystemExit("error: --vs-baseline needs mesh.stage=1, train.grad_accum=1 and "
+                         "offload.optimizer=false (the baseline is a plain step)")
+    graphdef, tx = trainer.graphdef, trainer.tx
+    dtype = trainer.train_cfg.precision.compute_dtype
+    shard = activation_sharding(trainer.rules, trainer.mesh)
+
+    def loss_fn(params, batch):
+        model = nnx.merge(graphdef, cast_floating(params, dtype))
+        logits = model(batch["inputs"], shard)
+        count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+        return cross_entropy_sum(logits, batch["targets"], batch["mask"]) / count
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    replicated = trainer.metrics_sharding
+    shardings = (trainer.param_shardings, trainer.optimizer_compute_shardings)
+    return jax.jit(step, in_shardings=(*shardings, trainer.batch_sharding),
+                   out_shardings=(*shardings, replicated), donate_argnums=(0, 1))
+
+
+def _timed(fn):
+    import jax
+
+    start = time.perf_counter()
+    out = fn()
+    jax.block_until_ready(out)
+    return time.perf_counter() - start, out
+
+
+def prepare(cfg, devices=None):
+    """``(trainer, compiled train step, compile seconds)`` for ``cfg`` on ``devices`` (default: all)."""
+    from meshtrain.mesh import make_mesh
+    from meshtrain.trainer import Trainer
+
+    mesh = make_mesh(cfg.mesh, devices)
+    trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(), mesh, cfg.pipeline,
+                      cfg.zero, cfg.offload)
+    start = time.perf_counter()
+    compiled = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+    return trainer, compiled, time.perf_counter() - start
+
+
+def run(cfg, *, steps: int = 10, vs_baseline: bool = False, devices=None, prepared=None) -> dict:
+    """Compile (unless ``prepared`` by :func:`prepare`), warm up and time ``cfg``'s train step."""
+    import jax
+
+    from meshtrain.mesh import mesh_shape
+    from meshtrain.metrics import mfu, peak_bf16_tflops, train_flops_per_token
+
+    trainer, compiled, compile_s = prepared or prepare(cfg, devices)
+    mesh = trainer.mesh
+    state = trainer.init_state(seed=cfg.train.seed)
+    batch = random_batch(trainer)
+    state, metrics = compiled(state, batch)  # warm-up
+    first_loss = float(metrics["loss"])
+
+    base = None
+    if vs_baseline:
+        base_step = baseline_step(trainer)
+        fresh = trainer.init_state(seed=cfg.train.seed)
+        params, opt_state = fresh.params, jax.device_put(fresh.opt_state, trainer.optimizer_compute_shardings)
+        start = time.perf_counter()
+        base_compiled = base_step.lower(params, opt_state, batch).compile()
+        base = {"compile_s": time.perf_counter() - start, "times": [], "memory": memory_of(base_compiled),
+                "collectives": collective_counts(base_compiled.as_text())}
+        params, opt_state, base_loss = base_compiled(params, opt_state, batch)  # warm-up
+        base["first_loss"] = float(base_loss)
+
+    times = []
+    for i in range(steps):
+        def ours():
+            nonlocal state, metrics
+            elapsed, (state, metrics) = _timed(lambda: compiled(state, batch))
+            times.append(elapsed)
+
+        def theirs():
+            nonlocal params, opt_state
+            elapsed, (params, opt_state, _) = _timed(lambda: base_compiled(params, opt_state, batch))
+            base["times"].append(elapsed)
+
+        order = (ours, theirs) if i % 2 == 0 else (theirs, ours)
+        for fn in order:
+            if fn is ours or base is not None:
+                fn()
+
+    num_devices = mesh.devices.size
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    flops = tokens * train_flops_per_token(matmul_params=cfg.model.matmul_params,
+                                           num_layers=cfg.model.num_layers, seq_len=cfg.model.seq_len,
+                                           attention_dim=cfg.model.attention_dim)
+    median = statistics.median(times)
+    tflops = flops / median / num_devices / 1e12
+    device_kind = mesh.devices.flat[0].device_kind
+    peak = peak_bf16_tflops(device_kind)
+    result = {
+        "device_kind": device_kind, "platform": mesh.devices.flat[0].platform, "devices": num_devices,
+        "mesh": dict(zip(("data", "fsdp", "tensor", "stage"), mesh_shape(mesh))),
+        "rules": cfg.sharding.preset.value if hasattr(cfg.sharding.preset, "value") else str(cfg.sharding.preset),
+        "parameters": cfg.model.num_params, "tokens_per_step": tokens, "steps_timed": steps,
+        "compile_s": compile_s, "step_time_s_median": median, "step_time_s_min": min(times),
+        "tokens_per_sec": tokens / median, "tflops_per_device": tflops, "mfu": mfu(tflops, peak),
+        "loss_first": first_loss, "loss_last": float(metrics["loss"]),
+        "memory_per_device": memory_of(compiled), "collectives": collective_counts(compiled.as_text()),
+    }
+    if base is not None:
+        base_median = statistics.median(base["times"])
+        result["baseline"] = {"compile_s": base["compile_s"], "step_time_s_median": base_median,
+                              "loss_first": base["first_loss"], "memory_per_device": base["memory"],
+                              "collectives": base["collectives"]}
+        result["overhead_ratio"] = median / base_median
+    return result
+
+
+def print_result(result: dict, out=None) -> None:
+    out = out or sys.stdout
+    for key, value in result.items():
+        if isinstance(value, dict):
+            value = json.dumps(value)
+        elif value is None:
+            value = "null"
+        elif isinstance(value, float):
+            value = f"{value:.6g}"
+        print(f"{key}: {value}", file=out)
+    print("json: " + json.dumps(result), file=out, flush=True)
+
+
+# Layouts of the sweep on 8 devices: (name, mesh (data, fsdp, tensor, stage), preset, extra overrides).
+LAYOUTS = (
+    ("DP 8", (8, 1, 1, 1), "dp", []),
+    ("FSDP 8", (1, 8, 1, 1), "fsdp", []),
+    ("TP 8", (1, 1, 8, 1), "tp", []),
+    ("FSDP 4 x TP 2", (1, 4, 2, 1), "fsdp_tp", []),
+    ("DP 2 x FSDP 2 x TP 2", (2, 2, 2, 1), "fsdp_tp", []),
+    ("PP 4 (1f1b, M=8) x FSDP 2", (1, 2, 1, 4), "fsdp_tp",
+     ["pipeline.microbatches=8", "pipeline.schedule=1f1b"]),
+)
+# The sweep model: tiny's shape, 8 heads and 4 layers so that every layout divides it.
+SWEEP_MODEL = ["model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=8", "model.head_dim=16",
+               "model.embed_dim=128", "model.mlp_dim=512", "model.seq_len=128", "model.vocab_size=256",
+               "train.batch_size=32", "train.precision=fp32"]
+
+
+def sweep_layouts(config: str, overrides: list[str], steps: int, out: str | None) -> list[dict]:
+    from meshtrain.config import load_config
+
+    rows = []
+    for name, (data, fsdp, tensor, stage), preset, extra in LAYOUTS:
+        cfg = load_config(config, [*SWEEP_MODEL, *overrides, f"mesh.data={data}", f"mesh.fsdp={fsdp}",
+                                   f"mesh.tensor={tensor}", f"mesh.stage={stage}", f"sharding.preset={preset}",
+                                   *extra])
+        result = run(cfg, steps=steps)
+        rows.append({"layout": name, **result})
+        mem = result["memory_per_device"]
+        print(f"{name:<28} step {result['step_time_s_median'] * 1e3:8.1f} ms  args "
+              f"{mem['argument_bytes'] / 1e6:6.2f} MB  temp {mem['temp_bytes'] / 1e6:6.2f} MB  "
+              f"compile {result['compile_s']:5.1f} s  {json.dumps(result['collectives'])}", flush=True)
+    if out:
+        _plot_layouts(rows, out)
+        print(f"plot: {out}")
+    return rows
+
+
+def sweep_depth(config: str, overrides: list[str], depths: list[int]) -> list[dict]:
+    """Compile time of the scanned model's train step vs number of layers (no steps run)."""
+    from meshtrain.config import load_config
+    from meshtrain.mesh import make_mesh
+    from meshtrain.trainer import Trainer
+
+    rows = []
+    for depth in depths:
+        cfg = load_config(config, [*overrides, f"model.num_layers={depth}"])
+        trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(), make_mesh(cfg.mesh),
+                          cfg.pipeline, cfg.zero, cfg.offload)
+        start = time.perf_counter()
+        lowered = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch())
+        lower_s = time.perf_counter() - start
+        lowered.compile()
+        total = time.perf_counter() - start
+        rows.append({"layers": depth, "lower_s": lower_s, "compile_s": total - lower_s, "total_s": total,
+                     "parameters": cfg.model.num_params})
+        print(f"layers {depth:>3}: trace+lower {lower_s:6.2f} s, compile {total - lower_s:6.2f} s, "
+              f"total {total:6.2f} s", flush=True)
+    print(f"ratio {depths[-1]} vs {depths[0]} layers (total): {rows[-1]['total_s'] / rows[0]['total_s']:.2f}")
+    return rows
+
+
+def _plot_layouts(rows, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [row["layout"] for row in rows]
+    fig, (time_ax, mem_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    time_ax.barh(names, [row["step_time_s_median"] * 1e3 for row in rows])
+    time_ax.set_xlabel("median step time, ms (8 simulated CPU devices)")
+    args = [row["memory_per_device"]["argument_bytes"] / 1e6 for row in rows]
+    temp = [row["memory_per_device"]["temp_bytes"] / 1e6 for row in rows]
+    mem_ax.barh(names, args, label="arguments")
+    mem_ax.barh(names, temp, left=args, label="temporaries")
+    mem_ax.set_xlabel("per-device memory, MB (XLA memory_analysis)")
+    mem_ax.legend()
+    mem_ax.set_yticklabels([])
+    for ax in (time_ax, mem_ax):
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (after one warm-up)")
+    parser.add_argument("--host-devices", type=int, metavar="N", help="simulate N CPU devices")
+    parser.add_argument("--vs-baseline", action="store_true",
+                        help="also time a hand-written jax.jit step, interleaved, and print the ratio")
+    parser.add_argument("--attention", choices=("xla", "cudnn"), default="xla",
+                        help="jax.nn.dot_product_attention implementation (cudnn: GPU only)")
+    parser.add_argument("--sweep", choices=("layouts", "depth"), help="run a sweep instead of one config")
+    parser.add_argument("--depths", type=int, nargs="+", default=[2, 32], help="layer counts of --sweep depth")
+    parser.add_argument("--out", help="--sweep layouts: PNG plot path")
+    parser.add_argument("--json", dest="json_path", help="also write the result(s) as JSON to this file")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+
+    from meshtrain import xla_flags
+    from meshtrain.train import use_host_devices
+
+    if args.host_devices is not None:
+        use_host_devices(args.host_devices)
+    else:
+        added = xla_flags.apply_recommended()
+        if added:
+            print(f"xla_flags_added: {' '.join(added)}", flush=True)
+    if args.attention == "cudnn":
+        use_cudnn_attention()
+    import jax
+
+    from meshtrain.config import load_config
+
+    header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "jax": jax.__version__, "command": " ".join(["python scripts/bench.py", *(argv or sys.argv[1:])])}
+    if args.sweep == "layouts":
+        results = sweep_layouts(args.config, args.overrides, args.steps, args.out)
+    elif args.sweep == "depth":
+        results = sweep_depth(args.config, args.overrides, args.depths)
+    else:
+        cfg = load_config(args.config, args.overrides)
+        results = run(cfg, steps=args.steps, vs_baseline=args.vs_baseline)
+        results = {**header, "attention": args.attention, **results}
+        print_result(results)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({**header, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

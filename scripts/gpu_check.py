@@ -1,0 +1,190 @@
+"""One prepared GPU check (run by ``scripts/gpu_check.sh``; < 8 minutes on one H100/H200 is the aim).
+
+    scripts/gpu_check.sh [--dry-run] [--steps N] [--remat R --batch B]
+
+1. correctness: the tiny config (fp32, one device, highest matmul precision) trains 3 steps on the
+   GPU and on the host CPU from the same init and batch; the losses must match (``--loss-tol``).
+2. throughput: a ~1B Llama (configs/llama_1b.yaml: bf16, seq 2048) on one device with cuDNN fused
+   attention and the recommended XLA flags (meshtrain/xla_flags.py). The remat policy and batch are
+   the first candidate whose compiled footprint (XLA memory_analysis) fits 90 % of the device's
+   memory; prints step time, tokens/s, TFLOP/s and MFU.
+3. offload: the same model with ``offload.optimizer=true model.remat=offload``: memory_analysis
+   (device and host bytes) and the step time.
+
+``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs everything on the CPU with tiny shapes, in seconds;
+the test suite runs that. Exit status 1 when the loss check fails. Last line: ``json: {...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+# (remat, global batch) tried in order on the device: fastest first.
+CANDIDATES = (("none", 16), ("dots", 16), ("full", 32), ("full", 16), ("full", 8), ("full", 4))
+TINY_1B = ["model.num_layers=2", "model.embed_dim=64", "model.num_heads=4", "model.num_kv_heads=2",
+           "model.head_dim=16", "model.mlp_dim=192", "model.seq_len=64", "model.vocab_size=256"]
+DRY_CANDIDATES = (("dots", 4), ("full", 2))
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def loss_check(load_config, bench, steps: int, tol: float, dry_run: bool) -> dict:
+    """Tiny model, fp32: per-step losses on the accelerator vs the host CPU."""
+    import jax
+    import numpy as np
+
+    cfg = load_config("configs/tiny.yaml", ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.stage=1",
+                                            "train.precision=fp32", "train.batch_size=8"])
+    targets = {"reference (cpu)": jax.devices("cpu")[0], "device": jax.devices()[0]}
+    losses = {}
+    with jax.default_matmul_precision("highest"):
+        for name, device in targets.items():
+            if name == "device" and device == targets["reference (cpu)"]:  # dry run: same device
+                losses[name] = losses["reference (cpu)"]
+                log("loss check, device: the reference CPU itself (dry run), not run twice")
+                continue
+            trainer, compiled, _ = bench.prepare(cfg, [device])
+            state = trainer.init_state(seed=0)
+            batch = bench.random_batch(trainer)
+            values = []
+            for _ in range(steps):
+                state, metrics = compiled(state, batch)
+                values.append(float(metrics["loss"]))
+            losses[name] = values
+            log(f"loss check, {name} ({device.platform}): {', '.join(f'{v:.6f}' for v in values)}")
+    diff = float(np.max(np.abs(np.array(losses["device"]) - np.array(losses["reference (cpu)"]))))
+    ok = diff <= tol
+    log(f"loss check: max |device - cpu| = {diff:.2e} (tolerance {tol:.0e}): {'PASS' if ok else 'FAIL'}")
+    return {"losses": losses, "max_abs_diff": diff, "tolerance": tol, "passed": ok}
+
+
+def fits(compiled, limit: int | None) -> tuple[bool, int]:
+    memory = compiled.memory_analysis()
+    need = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes)
+    return (limit is None or need <= limit), need
+
+
+def throughput(load_config, bench, args, limit: int | None) -> dict:
+    """The ~1B model on one device: first fitting (remat, batch), then timed steps."""
+    import jax
+
+    base = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.stage=1", "train.precision=bf16",
+            "model.seq_len=2048" if not args.dry_run else "model.seq_len=64", *args.dry_overrides]
+    candidates = [(args.remat, args.batch)] if args.remat else (DRY_CANDIDATES if args.dry_run else CANDIDATES)
+    device = jax.devices()[:1]
+    for remat, batch in candidates:
+        cfg = load_config("configs/llama_1b.yaml", [*base, f"model.remat={remat}", f"train.batch_size={batch}"])
+        prepared = bench.prepare(cfg, device)
+        ok, need = fits(prepared[1], limit)
+        log(f"candidate remat={remat} batch={batch}: compiled in {prepared[2]:.1f} s, needs "
+            f"{need / 2**30:.2f} GiB of {'?' if limit is None else f'{limit / 2**30:.1f}'} GiB: "
+            f"{'fits' if ok else 'too big'}")
+        if ok:
+            result = bench.run(cfg, steps=args.steps, prepared=prepared)
+            result.update(remat=remat, batch_size=batch)
+            mfu = result["mfu"]
+            log(f"1B: {result['parameters'] / 1e9:.2f}B params, remat={remat}, batch {batch} x "
+                f"{cfg.model.seq_len}: step {result['step_time_s_median'] * 1e3:.1f} ms, "
+                f"{result['tokens_per_sec']:,.0f} tokens/s, {result['tflops_per_device']:.1f} TFLOP/s, "
+                f"MFU {'null' if mfu is None else f'{mfu:.1%}'}, compile {result['compile_s']:.1f} s")
+            return result
+        del prepared
+    raise SystemExit("error: no (remat, batch) candidate fits this device")
+
+
+def offload(load_config, bench, args, batch: int) -> dict:
+    """The same model with optimizer-state and activation offload to pinned host memory."""
+    import jax
+
+    cfg = load_config("configs/llama_1b.yaml", [
+        "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.stage=1", "train.precision=bf16",
+        "model.seq_len=2048" if not args.dry_run else "model.seq_len=64", *args.dry_overrides,
+        "offload.optimizer=true", "model.remat=offload", f"train.batch_size={batch}"])
+    result = bench.run(cfg, steps=max(2, args.steps // 3), devices=jax.devices()[:1])
+    memory = result["memory_per_device"]
+    log("offload (optimizer + remat=offload), memory_analysis: "
+        + ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in memory.items() if v is not None))
+    log(f"offload: batch {batch}, step {result['step_time_s_median'] * 1e3:.1f} ms, "
+        f"{result['tflops_per_device']:.1f} TFLOP/s")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY_RUN") == "1",
+                        help="CPU, tiny shapes (also GPU_CHECK_DRY_RUN=1)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps of the 1B model")
+    parser.add_argument("--remat", help="skip the search: this remat policy ...")
+    parser.add_argument("--batch", type=int, default=16, help="... with this global batch")
+    parser.add_argument("--loss-tol", type=float, default=2e-4)
+    parser.add_argument("--skip-offload", action="store_true")
+    args = parser.parse_args(argv)
+    args.dry_overrides = TINY_1B if args.dry_run else []
+    started = time.perf_counter()
+
+    from meshtrain import xla_flags
+    from meshtrain.train import use_host_devices
+
+    if args.dry_run:
+        use_host_devices(1)
+        args.steps = min(args.steps, 2)
+    else:
+        added = xla_flags.apply_recommended()
+        log(f"XLA_FLAGS += {' '.join(added) or '(nothing: not a CUDA run, or already set)'}")
+    import bench
+    import jax
+
+    from meshtrain.config import load_config
+
+    device = jax.devices()[0]
+    log(f"jax {jax.__version__}, {len(jax.devices())} x {device.device_kind} ({device.platform})"
+        f"{', DRY RUN' if args.dry_run else ''}")
+    if not args.dry_run and device.platform != "gpu":
+        log(f"warning: no GPU found (platform {device.platform}); use --dry-run for a CPU check")
+    stats = device.memory_stats() or {}
+    limit = int(0.9 * stats["bytes_limit"]) if "bytes_limit" in stats else None
+    report = {"device_kind": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+              "dry_run": args.dry_run, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+    phase = time.perf_counter()
+    report["loss_check"] = loss_check(load_config, bench, 3, args.loss_tol, args.dry_run)
+    if device.platform == "gpu":
+        bench.use_cudnn_attention()
+        report["attention"] = "cudnn"
+    else:
+        report["attention"] = "xla"
+    report["loss_check"]["wall_s"] = time.perf_counter() - phase
+    phase = time.perf_counter()
+    try:
+        report["throughput"] = throughput(load_config, bench, args, limit)
+    except Exception as err:
+        if report["attention"] != "cudnn":
+            raise
+        log(f"cuDNN attention failed ({type(err).__name__}: {str(err)[:300]}); retrying with XLA attention")
+        bench.use_xla_attention()
+        report["attention"] = "xla (cudnn failed)"
+        report["throughput"] = throughput(load_config, bench, args, limit)
+    report["throughput"]["wall_s"] = time.perf_counter() - phase
+    if not args.skip_offload:
+        phase = time.perf_counter()
+        report["offload"] = offload(load_config, bench, args, max(1, report["throughput"]["batch_size"] // 2))
+        report["offload"]["wall_s"] = time.perf_counter() - phase
+    report["wall_s"] = time.perf_counter() - started
+    log(f"gpu_check done in {report['wall_s']:.1f} s")
+    print("json: " + json.dumps(report), flush=True)
+    return 0 if report["loss_check"]["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

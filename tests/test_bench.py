@@ -1,0 +1,102 @@
+"""The benchmark harness, the GPU check's CPU dry run and the recommended XLA flags keep working.
+
+No timing assertions: only that the fields are printed and the numbers are sane.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench
+
+from meshtrain import xla_flags
+
+FIELDS = ("step_time_s_median", "tokens_per_sec", "tflops_per_device", "mfu", "compile_s",
+          "memory_per_device", "collectives", "overhead_ratio", "baseline")
+
+
+def test_bench_vs_baseline_prints_fields(capsys):
+    assert bench.main(["--config", str(ROOT / "configs/tiny.yaml"), "--steps", "2", "--vs-baseline"]) == 0
+    out = capsys.readouterr().out
+    for field in FIELDS:
+        assert f"\n{field}: " in out
+    result = json.loads(out.strip().splitlines()[-1].removeprefix("json: "))
+    assert result["devices"] == 8 and result["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1}
+    assert result["mfu"] is None  # CPU: no known peak
+    assert result["step_time_s_median"] > 0 and result["overhead_ratio"] > 0
+    assert result["memory_per_device"]["argument_bytes"] > 0
+    # Same init, same batch, same loss: the baseline's first step computes the same loss.
+    assert result["baseline"]["loss_first"] == pytest.approx(result["loss_first"], rel=1e-5)
+    assert result["collectives"]["all-gather"] > 0  # FSDP gathers parameters
+
+
+def test_collective_counts():
+    text = "  %a = f32[4] all-gather(x)\n  %b = f32[4] all-reduce-start(y)\n  %c = f32[4] add(x, y)\n"
+    assert bench.collective_counts(text) == {"all-gather": 1, "all-reduce": 1, "reduce-scatter": 0,
+                                             "collective-permute": 0, "all-to-all": 0}
+
+
+def test_gpu_check_dry_run():
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([str(ROOT / "scripts/gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("json: "))
+    assert report["dry_run"] and report["loss_check"]["passed"]
+    assert report["throughput"]["tokens_per_sec"] > 0 and "mfu" in report["throughput"]
+    assert "host_temp_bytes" in report["offload"]["memory_per_device"]
+    assert "TFLOP/s" in proc.stdout and "MFU" in proc.stdout
+
+
+def test_xla_flags_keep_user_values():
+    merged = xla_flags.merge_flags("--xla_gpu_enable_triton_gemm=true --foo=1", xla_flags.recommended_flags())
+    assert "--xla_gpu_enable_triton_gemm=true" in merged and "--xla_gpu_enable_triton_gemm=false" not in merged
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in merged
+    assert all(why for _, _, why in xla_flags.RECOMMENDED_GPU_FLAGS)
+
+
+def test_xla_flags_not_applied_on_cpu(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert xla_flags.apply_recommended() == []  # the tests run with jax_platforms=cpu
+    assert os.environ["XLA_FLAGS"] == ""
+
+
+def test_xla_flags_known_to_xla():
+    """An unknown flag aborts XLA at start-up: every recommended flag must parse in this jaxlib."""
+    env = {**os.environ, "XLA_FLAGS": " ".join(xla_flags.recommended_flags()), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "3.0", proc.stderr[-2000:]
+
+
+def test_cudnn_attention_switch_is_reversible():
+    import jax
+
+    original = jax.nn.dot_product_attention
+    try:
+        bench.use_cudnn_attention()
+        bench.use_cudnn_attention()  # idempotent
+        assert jax.nn.dot_product_attention.keywords == {"implementation": "cudnn"}
+        bench.use_xla_attention()
+        assert jax.nn.dot_product_attention is original
+    finally:
+        jax.nn.dot_product_attention = original
+
+
+def test_xla_flags_applied_for_gpu_runs(monkeypatch):
+    monkeypatch.setattr(xla_flags, "gpu_run_expected", lambda: True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=false")
+    added = xla_flags.apply_recommended()
+    assert len(added) == len(xla_flags.RECOMMENDED_GPU_FLAGS) - 1  # the user's value is kept
+    assert os.environ["XLA_FLAGS"].startswith("--xla_gpu_enable_latency_hiding_scheduler=false ")
+    monkeypatch.setenv(xla_flags.DISABLE_ENV, "0")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert xla_flags.apply_recommended() == [] and os.environ["XLA_FLAGS"] == ""
