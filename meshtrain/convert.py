@@ -44,7 +44,8 @@ from meshtrain.mesh import make_mesh
 from meshtrain.parallel.pipeline import LayerOrder
 from meshtrain.parallel.rules import ShardingRules
 from meshtrain.parallel.sharding import activation_sharding, param_shardings
-from meshtrain.train import _ArgumentParser, stored_layer_order, use_host_devices
+from meshtrain.cli import ArgumentParser, run, use_host_devices
+from meshtrain.train import stored_layer_order
 from models.common import ActivationSharding
 from models.llama import Llama, LlamaConfig
 
@@ -257,8 +258,8 @@ def to_hf(source: str, out: str, mesh: Mesh, rules: ShardingRules, *, step: int 
 
 
 def _parse_args(argv: list[str] | None):
-    parser = _ArgumentParser(prog="python -m meshtrain.convert", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
+    parser = ArgumentParser(prog="python -m meshtrain.convert", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     importer = commands.add_parser("from-hf", help="HF checkpoint -> meshtrain export")
     importer.add_argument("--hf", required=True, help="HF model directory (config.json + *.safetensors)")
     exporter = commands.add_parser("to-hf", help="meshtrain run or export -> HF checkpoint")
@@ -274,24 +275,23 @@ def _parse_args(argv: list[str] | None):
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = _parse_args(argv)
-        mesh, rules = mesh_from_args(args)
-        if args.command == "from-hf":
-            written = from_hf(args.hf, args.out, mesh, rules)
-            message = (f"imported {args.hf} to {written}; fine-tune with checkpoint.init_from={written} "
-                       f"(or checkpoint.init_from={hf.INIT_PREFIX}{args.hf})")
-        else:
-            files = to_hf(args.source, args.out, mesh, rules, step=args.step, dtype=args.dtype,
-                          max_shard_bytes=parse_size(args.max_shard_size))
-            message = f"wrote {args.out}: {', '.join(files)}"
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+def _convert(argv: list[str] | None) -> None:
+    args = _parse_args(argv)
+    mesh, rules = mesh_from_args(args)
+    if args.command == "from-hf":
+        written = from_hf(args.hf, args.out, mesh, rules)
+        message = (f"imported {args.hf} to {written}; fine-tune with checkpoint.init_from={written} "
+                   f"(or checkpoint.init_from={hf.INIT_PREFIX}{args.hf})")
+    else:
+        files = to_hf(args.source, args.out, mesh, rules, step=args.step, dtype=args.dtype,
+                      max_shard_bytes=parse_size(args.max_shard_size))
+        message = f"wrote {args.out}: {', '.join(files)}"
     if jax.process_index() == 0:
         print(message, file=sys.stderr)
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(_convert, argv)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,13 @@ from meshtrain.config import config_from_dict, to_dict
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh
 from meshtrain.parallel.pipeline import LayerOrder
-from meshtrain.train import _ArgumentParser, stored_layer_order, use_host_devices
+from meshtrain.cli import ArgumentParser, run, use_host_devices
+from meshtrain.train import stored_layer_order
 from meshtrain.trainer import Trainer
 
 
 def _parse_args(argv: list[str] | None):
-    parser = _ArgumentParser(prog="python -m meshtrain.export", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m meshtrain.export", description=__doc__.split("\n")[0])
     parser.add_argument("--run", required=True, help="run directory (or its checkpoints/ or one step directory)")
     parser.add_argument("--out", required=True, help="new directory for the parameters")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
@@ -76,16 +77,15 @@ def export(run: str, out: str, step: int | None = None) -> pathlib.Path:
     return written
 
 
+def _export(argv: list[str] | None) -> None:
+    args = _parse_args(argv)
+    if args.host_devices is not None:
+        use_host_devices(args.host_devices)
+    export(args.run, args.out, args.step)
+
+
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = _parse_args(argv)
-        if args.host_devices is not None:
-            use_host_devices(args.host_devices)
-        export(args.run, args.out, args.step)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return run(_export, argv)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from flax import nnx
 from meshtrain.convert import LoadedModel, add_mesh_arguments, load_model, mesh_from_args
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.sharding import data_parallel_size
-from meshtrain.train import _ArgumentParser
+from meshtrain.cli import ArgumentParser, run
 from models.common import ActivationSharding, unconstrained
 from models.llama import KVCache
 
@@ -178,7 +178,7 @@ def generate_text(model: LoadedModel, tokenizer: Tokenizer, prompt: str, max_new
 
 
 def _parse_args(argv: list[str] | None):
-    parser = _ArgumentParser(prog="python -m meshtrain.generate", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m meshtrain.generate", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", help="meshtrain run directory, step directory or export")
     source.add_argument("--hf", help="Hugging Face model directory")
@@ -193,7 +193,8 @@ def _parse_args(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None, print_fn: Callable[[str], None] = print) -> int:
-    try:
+
+    def generate(argv: list[str] | None) -> None:
         args = _parse_args(argv)
         if args.max_new_tokens < 1:
             raise ConfigError("--max-new-tokens", f"must be a positive integer, got {args.max_new_tokens}")
@@ -205,12 +206,10 @@ def main(argv: list[str] | None = None, print_fn: Callable[[str], None] = print)
         tokenizer = make_tokenizer(args.tokenizer, model)
         text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens,
                              temperature=args.temperature, seed=args.seed)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if jax.process_index() == 0:
-        print_fn(args.prompt + text)
-    return 0
+        if jax.process_index() == 0:
+            print_fn(args.prompt + text)
+
+    return run(generate, argv)
 
 
 if __name__ == "__main__":

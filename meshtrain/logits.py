@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from meshtrain.convert import LoadedModel, add_mesh_arguments, load_model, mesh_from_args
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.sharding import BATCH_AXES, data_parallel_size
-from meshtrain.train import _ArgumentParser
+from meshtrain.cli import ArgumentParser, run
 
 
 def read_tokens(path: str, vocab_size: int, *, field: str = "--tokens") -> np.ndarray:
@@ -64,7 +64,7 @@ def compute_logits(model: LoadedModel, tokens: np.ndarray) -> np.ndarray:
 
 
 def _parse_args(argv: list[str] | None):
-    parser = _ArgumentParser(prog="python -m meshtrain.logits", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m meshtrain.logits", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="run directory, step directory, export or HF directory")
     parser.add_argument("--tokens", required=True, help=".npy of integer token ids, [batch, length] or [length]")
     parser.add_argument("--out", required=True, help=".npy file to write the fp32 logits to")
@@ -73,23 +73,22 @@ def _parse_args(argv: list[str] | None):
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = _parse_args(argv)
-        mesh, rules = mesh_from_args(args)
-        out = pathlib.Path(args.out)
-        if not out.parent.is_dir():
-            raise ConfigError("--out", f"directory {out.parent} does not exist")
-        model = load_model(args.model, mesh, rules, step=args.step)
-        tokens = read_tokens(args.tokens, model.cfg.vocab_size)
-        logits = compute_logits(model, tokens)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+def _write_logits(argv: list[str] | None) -> None:
+    args = _parse_args(argv)
+    mesh, rules = mesh_from_args(args)
+    out = pathlib.Path(args.out)
+    if not out.parent.is_dir():
+        raise ConfigError("--out", f"directory {out.parent} does not exist")
+    model = load_model(args.model, mesh, rules, step=args.step)
+    tokens = read_tokens(args.tokens, model.cfg.vocab_size)
+    logits = compute_logits(model, tokens)
     if jax.process_index() == 0:
         np.save(out, logits)
         print(f"wrote fp32 logits {list(logits.shape)} to {out}", file=sys.stderr)
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(_write_logits, argv)
 
 
 if __name__ == "__main__":

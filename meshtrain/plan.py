@@ -22,9 +22,10 @@ import time
 
 import numpy as np
 
+from meshtrain.cli import ArgumentParser, run
 from meshtrain.config import Config, load_config
 from meshtrain.errors import ConfigError
-from meshtrain.memory_model import (ACTIVATION_COEFFICIENTS, MESH_AXES, Estimate, Hardware, Layout,
+from meshtrain.memory_model import (ACTIVATION_COEFFICIENTS, Estimate, Hardware, Layout,
                                     estimate, model_params)
 from meshtrain.metrics import peak_bf16_tflops
 from models.common import RematPolicy
@@ -46,15 +47,8 @@ def parse_bytes(text: str, field: str) -> float:
     return value
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """Reports bad arguments as a ``ConfigError`` (one line, exit 2) instead of usage + exit."""
-
-    def error(self, message: str):
-        raise ConfigError("arguments", message)
-
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _ArgumentParser(prog="python -m meshtrain.plan", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m meshtrain.plan", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="YAML config (default: the dataclass defaults)")
     p.add_argument("--devices", type=int, required=True, help="number of devices N")
     p.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GiB or 40GB")
@@ -278,45 +272,44 @@ def format_verify(results: list[tuple[Estimate, dict]], devices: int) -> str:
             f"(XLA:CPU memory_analysis, per device):\n{table}")
 
 
+def _plan(argv: list[str] | None) -> None:
+    args = _parse_args(argv)
+    if args.devices < 1:
+        raise ConfigError("--devices", f"must be a positive integer, got {args.devices}")
+    for name in ("top", "show_infeasible", "verify", "node_size"):
+        if getattr(args, name) < (1 if name in ("top", "node_size") else 0):
+            raise ConfigError(f"--{name.replace('_', '-')}", f"must be a positive integer, got "
+                              f"{getattr(args, name)}")
+    device_memory = parse_bytes(args.device_memory, "--device-memory")
+    host_memory = None if args.host_memory is None else parse_bytes(args.host_memory, "--host-memory")
+    peak = args.peak_tflops or peak_bf16_tflops(args.device_kind)
+    if peak is None or peak <= 0:
+        raise ConfigError("--device-kind", f"no peak FLOP/s known for {args.device_kind!r}; give --peak-tflops")
+    hardware = Hardware(peak * 1e12, parse_bytes(args.intra_node_bandwidth, "--intra-node-bandwidth"),
+                        parse_bytes(args.inter_node_bandwidth, "--inter-node-bandwidth"), args.node_size)
+    meshes = None
+    if args.mesh:
+        meshes = [tuple(_parse_list(text, "--mesh", int)) for text in args.mesh]
+        if any(len(m) != 4 or min(m) < 1 for m in meshes):
+            raise ConfigError("--mesh", f"give four positive sizes data,fsdp,tensor,stage; got {args.mesh}")
+    zeros = _parse_list(args.zero, "--zero", int)
+    if not zeros or any(z not in (0, 1, 2, 3) for z in zeros):
+        raise ConfigError("--zero", f"ZeRO stages are 0, 1, 2, 3; got {args.zero!r}")
+    remats = _parse_list(args.remat, "--remat", RematPolicy)
+    if args.verify:
+        _start_devices(args.devices)
+    cfg = load_config(args.config, args.overrides)
+    plan = make_plan(cfg, args.devices, device_memory, host_memory, hardware=hardware, meshes=meshes,
+                     zero_stages=zeros, remats=remats)
+    print(format_plan(plan, args.top, args.show_infeasible), flush=True)
+    if args.verify:
+        best = plan.ranked()[0][:args.verify]
+        results = [(est, verify(args.config, args.overrides, est, args.devices)) for est in best]
+        print(format_verify(results, args.devices))
+
+
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = _parse_args(argv)
-        if args.devices < 1:
-            raise ConfigError("--devices", f"must be a positive integer, got {args.devices}")
-        for name in ("top", "show_infeasible", "verify", "node_size"):
-            if getattr(args, name) < (1 if name in ("top", "node_size") else 0):
-                raise ConfigError(f"--{name.replace('_', '-')}", f"must be a positive integer, got "
-                                  f"{getattr(args, name)}")
-        device_memory = parse_bytes(args.device_memory, "--device-memory")
-        host_memory = None if args.host_memory is None else parse_bytes(args.host_memory, "--host-memory")
-        peak = args.peak_tflops or peak_bf16_tflops(args.device_kind)
-        if peak is None or peak <= 0:
-            raise ConfigError("--device-kind", f"no peak FLOP/s known for {args.device_kind!r}; give --peak-tflops")
-        hardware = Hardware(peak * 1e12, parse_bytes(args.intra_node_bandwidth, "--intra-node-bandwidth"),
-                            parse_bytes(args.inter_node_bandwidth, "--inter-node-bandwidth"), args.node_size)
-        meshes = None
-        if args.mesh:
-            meshes = [tuple(_parse_list(text, "--mesh", int)) for text in args.mesh]
-            if any(len(m) != 4 or min(m) < 1 for m in meshes):
-                raise ConfigError("--mesh", f"give four positive sizes data,fsdp,tensor,stage; got {args.mesh}")
-        zeros = _parse_list(args.zero, "--zero", int)
-        if not zeros or any(z not in (0, 1, 2, 3) for z in zeros):
-            raise ConfigError("--zero", f"ZeRO stages are 0, 1, 2, 3; got {args.zero!r}")
-        remats = _parse_list(args.remat, "--remat", RematPolicy)
-        if args.verify:
-            _start_devices(args.devices)
-        cfg = load_config(args.config, args.overrides)
-        plan = make_plan(cfg, args.devices, device_memory, host_memory, hardware=hardware, meshes=meshes,
-                         zero_stages=zeros, remats=remats)
-        print(format_plan(plan, args.top, args.show_infeasible), flush=True)
-        if args.verify:
-            best = plan.ranked()[0][:args.verify]
-            results = [(est, verify(args.config, args.overrides, est, args.devices)) for est in best]
-            print(format_verify(results, args.devices))
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return run(_plan, argv)
 
 
 if __name__ == "__main__":

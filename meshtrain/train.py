@@ -36,6 +36,7 @@ from meshtrain import distributed, hf
 from meshtrain.checkpoint import (CHECKPOINT_DIR, Restored, RunCheckpoints,
                                   UnreadableCheckpoint, check_params, checkpoint_meta, config_differences, load_params,
                                   resolve_restore_path, warn)
+from meshtrain.cli import EXIT_USER_ERROR, ArgumentParser, use_host_devices
 from meshtrain.config import Config, config_from_dict, load_config, to_dict
 from meshtrain.data import global_batch, make_dataset
 from meshtrain.errors import ConfigError
@@ -45,17 +46,11 @@ from meshtrain.metrics import (MetricsLogger, format_bytes, mfu, peak_bf16_tflop
 from meshtrain.parallel.pipeline import LayerOrder
 from meshtrain.parallel.sharding import parameter_table, replicated_parameters
 from meshtrain.trainer import NonFinitePolicy, Trainer
-
-
-class _ArgumentParser(argparse.ArgumentParser):
-    """Reports bad arguments as a ``ConfigError`` (one line, exit 2) instead of usage + exit."""
-
-    def error(self, message: str):
-        raise ConfigError("arguments", message)
+from meshtrain.xla_flags import apply_recommended
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _ArgumentParser(prog="python -m meshtrain.train", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m meshtrain.train", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="YAML config file (default: the dataclass defaults of every section)")
     parser.add_argument("--host-devices", type=int, metavar="N",
                         help="simulate N CPU devices (must be given before JAX starts)")
@@ -86,17 +81,6 @@ def _distributed_flags(args: argparse.Namespace, cfg: distributed.DistributedCon
         return dataclasses.replace(cfg, **{key: value for key, value in flags.items() if value is not None})
     except ConfigError as err:
         raise ConfigError("--" + err.field.replace("_", "-"), err.message) from None
-
-
-def use_host_devices(count: int) -> None:
-    """Run on ``count`` simulated CPU devices; only possible before JAX's backends start."""
-    if count < 1:
-        raise ConfigError("--host-devices", f"must be a positive integer, got {count}")
-    try:
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError as err:
-        raise ConfigError("--host-devices", f"JAX already started its backends: {err}") from None
 
 
 def _log(message: str) -> None:
@@ -435,7 +419,6 @@ def main(argv: list[str] | None = None) -> int:
             use_host_devices(args.host_devices)
             command += f" --host-devices {args.host_devices}"
         else:  # GPU runs: the recommended XLA flags (meshtrain/xla_flags.py), before backends start
-            from meshtrain.xla_flags import apply_recommended
             apply_recommended()
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
@@ -445,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg, print_sharding=args.print_sharding, fresh=args.fresh, command=command)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     except NonFiniteStop as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_NONFINITE

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be >= 1")
 
     from meshtrain import xla_flags
-    from meshtrain.train import use_host_devices
+    from meshtrain.cli import use_host_devices
 
     if args.host_devices is not None:
         use_host_devices(args.host_devices)

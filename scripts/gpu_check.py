@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     from meshtrain import xla_flags
-    from meshtrain.train import use_host_devices
+    from meshtrain.cli import use_host_devices
 
     if args.dry_run:
         use_host_devices(1)

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (a test extr
 
 from meshtrain import convert, generate, hf
 from meshtrain.checkpoint import save_params
-from meshtrain.config import load_config, to_dict
+from meshtrain.config import to_dict
 from meshtrain.errors import ConfigError
 from meshtrain.logits import compute_logits
 from meshtrain.mesh import MeshConfig, make_mesh

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import pathlib
 
-import jax
 import pytest
 
 from meshtrain import plan as planner
 from meshtrain.config import load_config
-from meshtrain.mesh import make_mesh
-from meshtrain.trainer import Trainer
 from models.common import RematPolicy
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
