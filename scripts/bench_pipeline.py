@@ -12,7 +12,6 @@ and overhead, not a multi-device speed-up; the memory column is XLA's own per-de
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import statistics
