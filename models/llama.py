@@ -43,6 +43,22 @@ BATCH_LENGTH_EMBED = ("batch", "length", "embed")
 KV_AXES = ("batch", "length", "kv_heads", "head_dim")
 
 
+class AttentionKernel(str, enum.Enum):
+    """The ``implementation`` of ``jax.nn.dot_product_attention`` for training.
+
+    AUTO: JAX's choice (cuDNN's fused kernel on GPUs where it supports the shapes, else XLA).
+    XLA: the plain XLA einsum-softmax-einsum. CUDNN: cuDNN's fused kernel, an error where unsupported.
+    """
+
+    AUTO = "auto"
+    XLA = "xla"
+    CUDNN = "cudnn"
+
+    @property
+    def implementation(self) -> str | None:
+        return None if self is AttentionKernel.AUTO else self.value
+
+
 class RopeScaling(str, enum.Enum):
     """How rotary frequencies are rescaled for long contexts.
 
@@ -95,6 +111,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    attention: AttentionKernel = AttentionKernel.AUTO
     remat: RematPolicy = RematPolicy.NONE
     remat_names: tuple[str, ...] = ("attention", "mlp_hidden")
 
@@ -203,6 +220,7 @@ class Attention(nnx.Module):
         self.key = logical_param(_normal(rngs, (d, k, h), in_std), ("embed", "kv_heads", "head_dim"))
         self.value = logical_param(_normal(rngs, (d, k, h), in_std), ("embed", "kv_heads", "head_dim"))
         self.out = logical_param(_normal(rngs, (n, h, d), out_std), ("heads", "head_dim", "embed"))
+        self.implementation = cfg.attention.implementation
 
     def _project(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
                  shard: ActivationSharding) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -223,7 +241,8 @@ class Attention(nnx.Module):
                  shard: ActivationSharding) -> jax.Array:
         """x: [batch, length, embed] -> [batch, length, embed]."""
         q, k, v = self._project(x, rotary, shard)
-        return self._output(jax.nn.dot_product_attention(q, k, v, is_causal=True), shard)
+        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+        return self._output(attended, shard)
 
     def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
                values: jax.Array, start: jax.Array, shard: ActivationSharding

@@ -1,7 +1,7 @@
 """Benchmark meshtrain's train step: step time, tokens/s, TFLOP/s per device, MFU, compile time, memory.
 
     python scripts/bench.py --config configs/tiny.yaml --host-devices 8 [--steps 10] [--vs-baseline]
-        [--attention xla|cudnn] [--json FILE] [section.field=value ...]
+        [--attention auto|xla|cudnn] [--json FILE] [section.field=value ...]
     python scripts/bench.py --sweep layouts --host-devices 8 [--out docs/img/layout_bench.png]
     python scripts/bench.py --sweep depth --host-devices 8
 
@@ -41,32 +41,6 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
             if f" {op}(" in line or f" {op}-start(" in line:
                 counts[op] += 1
     return counts
-
-
-def use_cudnn_attention() -> None:
-    """Route the model's ``jax.nn.dot_product_attention`` calls to cuDNN's fused (flash) kernel.
-
-    A benchmark-only switch: the model has no config field for the attention implementation yet.
-    """
-    import functools
-
-    import jax
-
-    original = jax.nn.dot_product_attention
-    if getattr(original, "_meshtrain_cudnn", False):
-        return
-    patched = functools.partial(original, implementation="cudnn")
-    patched._meshtrain_cudnn = True
-    patched._meshtrain_original = original
-    jax.nn.dot_product_attention = patched
-
-
-def use_xla_attention() -> None:
-    """Undo :func:`use_cudnn_attention`."""
-    import jax
-
-    jax.nn.dot_product_attention = getattr(jax.nn.dot_product_attention, "_meshtrain_original",
-                                           jax.nn.dot_product_attention)
 
 
 def random_batch(trainer, seed: int = 0):
@@ -330,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-devices", type=int, metavar="N", help="simulate N CPU devices")
     parser.add_argument("--vs-baseline", action="store_true",
                         help="also time a hand-written jax.jit step, interleaved, and print the ratio")
-    parser.add_argument("--attention", choices=("xla", "cudnn"), default="xla",
-                        help="jax.nn.dot_product_attention implementation (cudnn: GPU only)")
+    parser.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
+                        help="model.attention: jax.nn.dot_product_attention's implementation (cudnn: GPU only)")
     parser.add_argument("--sweep", choices=("layouts", "depth"), help="run a sweep instead of one config")
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 32], help="layer counts of --sweep depth")
     parser.add_argument("--out", help="--sweep layouts: PNG plot path")
@@ -350,8 +324,6 @@ def main(argv: list[str] | None = None) -> int:
         added = xla_flags.apply_recommended()
         if added:
             print(f"xla_flags_added: {' '.join(added)}", flush=True)
-    if args.attention == "cudnn":
-        use_cudnn_attention()
     import jax
 
     from meshtrain.config import load_config
@@ -363,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.sweep == "depth":
         results = sweep_depth(args.config, args.overrides, args.depths)
     else:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, [*args.overrides, f"model.attention={args.attention}"])
         results = run(cfg, steps=args.steps, vs_baseline=args.vs_baseline)
         results = {**header, "attention": args.attention, **results}
         print_result(results)

@@ -75,12 +75,13 @@ def fits(compiled, limit: int | None) -> tuple[bool, int]:
     return (limit is None or need <= limit), need
 
 
-def throughput(load_config, bench, args, limit: int | None) -> dict:
+def throughput(load_config, bench, args, limit: int | None, attention: str) -> dict:
     """The ~1B model on one device: first fitting (remat, batch), then timed steps."""
     import jax
 
     base = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.stage=1", "train.precision=bf16",
-            "model.seq_len=2048" if not args.dry_run else "model.seq_len=64", *args.dry_overrides]
+            "model.seq_len=2048" if not args.dry_run else "model.seq_len=64", f"model.attention={attention}",
+            *args.dry_overrides]
     candidates = [(args.remat, args.batch)] if args.remat else (DRY_CANDIDATES if args.dry_run else CANDIDATES)
     device = jax.devices()[:1]
     for remat, batch in candidates:
@@ -159,22 +160,17 @@ def main(argv: list[str] | None = None) -> int:
 
     phase = time.perf_counter()
     report["loss_check"] = loss_check(load_config, bench, 3, args.loss_tol, args.dry_run)
-    if device.platform == "gpu":
-        bench.use_cudnn_attention()
-        report["attention"] = "cudnn"
-    else:
-        report["attention"] = "xla"
+    report["attention"] = "cudnn" if device.platform == "gpu" else "xla"
     report["loss_check"]["wall_s"] = time.perf_counter() - phase
     phase = time.perf_counter()
     try:
-        report["throughput"] = throughput(load_config, bench, args, limit)
+        report["throughput"] = throughput(load_config, bench, args, limit, report["attention"])
     except Exception as err:
         if report["attention"] != "cudnn":
             raise
         log(f"cuDNN attention failed ({type(err).__name__}: {str(err)[:300]}); retrying with XLA attention")
-        bench.use_xla_attention()
         report["attention"] = "xla (cudnn failed)"
-        report["throughput"] = throughput(load_config, bench, args, limit)
+        report["throughput"] = throughput(load_config, bench, args, limit, "xla")
     report["throughput"]["wall_s"] = time.perf_counter() - phase
     if not args.skip_offload:
         phase = time.perf_counter()

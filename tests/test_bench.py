@@ -77,18 +77,21 @@ def test_xla_flags_known_to_xla():
     assert proc.returncode == 0 and proc.stdout.strip() == "3.0", proc.stderr[-2000:]
 
 
-def test_cudnn_attention_switch_is_reversible():
+def test_model_attention_picks_the_dot_product_attention_implementation():
+    """model.attention reaches jax.nn.dot_product_attention: 'cudnn' is rejected on CPU, 'xla' runs."""
     import jax
+    import jax.numpy as jnp
+    from flax import nnx
 
-    original = jax.nn.dot_product_attention
-    try:
-        bench.use_cudnn_attention()
-        bench.use_cudnn_attention()  # idempotent
-        assert jax.nn.dot_product_attention.keywords == {"implementation": "cudnn"}
-        bench.use_xla_attention()
-        assert jax.nn.dot_product_attention is original
-    finally:
-        jax.nn.dot_product_attention = original
+    from models.llama import AttentionKernel, Llama, LlamaConfig
+
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    logits = {kernel: None for kernel in AttentionKernel}
+    for kernel in (AttentionKernel.AUTO, AttentionKernel.XLA):
+        logits[kernel] = Llama(LlamaConfig(attention=kernel), rngs=nnx.Rngs(0))(tokens)
+    assert jnp.array_equal(logits[AttentionKernel.AUTO], logits[AttentionKernel.XLA])
+    with pytest.raises(Exception):  # no cuDNN on CPU
+        jax.block_until_ready(Llama(LlamaConfig(attention=AttentionKernel.CUDNN), rngs=nnx.Rngs(0))(tokens))
 
 
 def test_xla_flags_applied_for_gpu_runs(monkeypatch):
