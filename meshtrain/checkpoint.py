@@ -177,6 +177,15 @@ class RunCheckpoints:
         """Steps of the complete checkpoints, ascending."""
         return sorted(self._manager.all_steps())
 
+    def pick_step(self, requested: int | None, given: int | None = None) -> int:
+        """``requested`` (``--step``), else ``given`` (a step directory), else the latest; a
+        ConfigError on ``--step`` when that checkpoint is not there."""
+        steps = self.steps()
+        step = requested if requested is not None else given if given is not None else steps[-1]
+        if step not in steps:
+            raise ConfigError("--step", f"no complete checkpoint {step} in {self.root}; there are {steps}")
+        return step
+
     def path(self, step: int) -> pathlib.Path:
         return self.root / str(step)
 

@@ -149,10 +149,7 @@ def _load_run(root: pathlib.Path, mesh: Mesh, rules: ShardingRules, step: int | 
     checkpoints, given_step = resolve_restore_path(str(root), field=field)
     source = RunCheckpoints(checkpoints, read_only=True)
     try:
-        steps = source.steps()
-        step = step if step is not None else given_step if given_step is not None else steps[-1]
-        if step not in steps:
-            raise ConfigError("--step", f"no complete checkpoint {step} in {checkpoints}; there are {steps}")
+        step = source.pick_step(step, given_step)
         try:
             meta = source.read_meta(step)
             cfg = config_from_dict(meta["config"])

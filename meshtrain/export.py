@@ -44,17 +44,14 @@ def export(run: str, out: str, step: int | None = None) -> pathlib.Path:
     root, given_step = resolve_restore_path(run, field="--run")
     source = RunCheckpoints(root, read_only=True)
     try:
-        steps = source.steps()
-        step = step if step is not None else given_step if given_step is not None else steps[-1]
-        if step not in steps:
-            raise ConfigError("--step", f"no complete checkpoint {step} in {root}; there are {steps}")
+        step = source.pick_step(step, given_step)
         path = source.path(step)
         try:
             meta = source.read_meta(step)
             cfg = config_from_dict(meta["config"])
         except UnreadableCheckpoint as err:
             raise ConfigError("--run", f"checkpoint {path} is unreadable ({err}); pass --step to export "
-                              f"another of {steps}") from None
+                              f"another of {source.steps()}") from None
         mesh_cfg = cfg.mesh
         if int(meta.get("devices", 0)) != len(jax.devices()):
             mesh_cfg = dataclasses.replace(cfg.mesh, data=1, fsdp=-1, tensor=1, stage=1)
@@ -64,7 +61,7 @@ def export(run: str, out: str, step: int | None = None) -> pathlib.Path:
             restored = source.restore(step, trainer.abstract_state(), field="--run", config=config)
         except UnreadableCheckpoint as err:
             raise ConfigError("--run", f"checkpoint {path} is unreadable ({err}); pass --step to export "
-                              f"another of {steps}") from None
+                              f"another of {source.steps()}") from None
     finally:
         source.close()
     # Exports hold the layers in model order, whatever pipeline layout wrote the checkpoint.
