@@ -77,8 +77,9 @@ class Config:
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 _DACITE = dacite.Config(strict=True, cast=[enum.Enum, tuple, float])
-# Fields the checkpoints issue names in sections whose dataclasses other components own.
-_MOVED = {("model", "init_from"): "checkpoint.init_from"}
+# Spellings users know from the issues, stored where their owner reads them: ``model.init_from``
+# (where the model's weights come from) is read by the checkpoint component.
+_ALIASES = {("model", "init_from"): ("checkpoint", "init_from")}
 
 
 def _suggest(name: str, valid: list[str]) -> str:
@@ -223,9 +224,14 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
 
 def config_from_dict(raw: dict) -> Config:
     """Validates a raw ``{section: {field: value}}`` mapping (YAML, a checkpoint's saved config)."""
-    for (section, field), new in _MOVED.items():
+    for (section, field), (owner, owned) in _ALIASES.items():
         if isinstance(raw.get(section), dict) and field in raw[section]:
-            raise ConfigError(f"{section}.{field}", f"is spelled {new} in meshtrain; use {new}=...")
+            target = raw.setdefault(owner, {})
+            if not isinstance(target, dict) or target.get(owned) is not None:
+                raise ConfigError(f"{section}.{field}", f"give it once: as {section}.{field} or as "
+                                  f"{owner}.{owned}, not both")
+            raw = {**raw, section: {k: v for k, v in raw[section].items() if k != field},
+                   owner: {**target, owned: raw[section][field]}}
     for name in raw:
         if name not in SECTIONS:
             raise ConfigError(str(name), f"unknown section{_suggest(str(name), list(SECTIONS))}; "
