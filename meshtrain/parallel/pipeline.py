@@ -149,9 +149,7 @@ class LayerOrder:
     def _permute(self, params: nnx.State, take: np.ndarray) -> nnx.State:
         if self.virtual_stages == 1:
             return params
-        params = jax.tree.map(lambda x: x, params)  # a shallow copy of the tree
-        params["layers"] = jax.tree.map(lambda x: x[take], params["layers"])
-        return params
+        return _map_layers(params, lambda x: x[take])
 
 
 def _stage_specs(params: nnx.State) -> nnx.State:
@@ -177,12 +175,16 @@ def _merge(x: jax.Array) -> jax.Array:
     return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
 
 
+def _map_layers(params: nnx.State, fn: Callable[[jax.Array], jax.Array]) -> nnx.State:
+    """``params`` with ``fn`` applied to every stacked layer array (the rest untouched)."""
+    params = jax.tree.map(lambda x: x, params)  # a shallow copy of the tree
+    params["layers"] = jax.tree.map(fn, params["layers"])
+    return params
+
+
 def _slice_layers(params: nnx.State, start: jax.Array, count: int) -> nnx.State:
     """The stage-local chunk of ``count`` layers beginning at ``start``."""
-    params = jax.tree.map(lambda x: x, params)
-    params["layers"] = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, count),
-                                    params["layers"])
-    return params
+    return _map_layers(params, lambda x: jax.lax.dynamic_slice_in_dim(x, start, count))
 
 
 def sequential(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, loss_of_logits: LossOfLogits,
