@@ -1,10 +1,11 @@
 # Two commands on a fresh machine: `make train` (set up, then train the embedded default)
-# and `make test` (set up, then run the test suite). Both create .venv if it is missing.
+# and `make test` (set up, then run the test suite; `make test-fast` for the fast tier).
+# All create .venv if it is missing.
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test clean
+.PHONY: setup train test test-fast clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +20,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
+
+# The fast tier (under 4 minutes on 2 cores): run before every commit.
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

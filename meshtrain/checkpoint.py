@@ -36,6 +36,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline import LayerOrder
 
 CHECKPOINT_DIR = "checkpoints"  # under run.dir
 PARAMS_DIR = "params"  # under an export directory
@@ -217,8 +218,10 @@ class RunCheckpoints:
         except Exception as err:
             raise UnreadableCheckpoint(_one_line(err)) from err
 
-    def restore(self, step: int, abstract_state: Any, *, field: str, config: dict) -> Restored:
-        """Checkpoint ``step`` restored into ``abstract_state``'s shardings.
+    def restore(self, step: int, abstract_state: Any, *, field: str, config: dict,
+                layer_order: LayerOrder) -> Restored:
+        """Checkpoint ``step`` restored into ``abstract_state``'s shardings, its stacked layers
+        converted from the order the checkpoint stores them in to ``layer_order``.
 
         Raises:
           ConfigError: on ``field`` when the checkpoint holds a different model or optimizer state.
@@ -234,9 +237,11 @@ class RunCheckpoints:
             jax.block_until_ready(state)
         except Exception as err:
             raise UnreadableCheckpoint(_one_line(err)) from err
-        return Restored(state=state, step=step, meta=meta, path=self.path(step))
+        stored = LayerOrder.of_config(meta.get("config", config), int(meta.get("mesh", {}).get("stage", 1)))
+        return Restored(state=reorder_layers(state, stored, layer_order), step=step, meta=meta,
+                        path=self.path(step))
 
-    def restore_latest(self, abstract_state: Any, *, field: str, config: dict,
+    def restore_latest(self, abstract_state: Any, *, field: str, config: dict, layer_order: LayerOrder,
                        move_unreadable: bool) -> Restored | None:
         """The newest checkpoint that restores, or None when there is none.
 
@@ -254,7 +259,7 @@ class RunCheckpoints:
         skipped = []
         for step in reversed(steps):
             try:
-                return self.restore(step, abstract_state, field=field, config=config)
+                return self.restore(step, abstract_state, field=field, config=config, layer_order=layer_order)
             except UnreadableCheckpoint as err:
                 path = self.path(step)
                 kept = path
@@ -269,6 +274,15 @@ class RunCheckpoints:
             raise ConfigError(field, f"no readable checkpoint in {self.root}: every one failed to restore "
                               f"({', '.join(skipped)}); see the warnings above")
         return None
+
+
+def reorder_layers(state: Any, stored: LayerOrder, target: LayerOrder) -> Any:
+    """``state`` (sharded arrays; any tree holding parameter-like States) with its stacked layers
+    moved from ``stored`` order to ``target`` order, in the same shardings (one jitted permutation)."""
+    if stored.same_permutation(target):
+        return state
+    shardings = jax.tree.map(lambda array: array.sharding, state)
+    return jax.jit(lambda s: stored.convert(s, target), out_shardings=shardings, donate_argnums=0)(state)
 
 
 def _move_aside(path: pathlib.Path) -> pathlib.Path:

@@ -15,10 +15,23 @@ EXIT_USER_ERROR = 2
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """Reports bad arguments as a ``ConfigError`` (one line, exit 2) instead of usage + exit."""
+    """Reports bad arguments as a ``ConfigError`` (one line, exit 2) instead of usage + exit.
+
+    ``section.field=value`` overrides may stand anywhere among the flags (``--config X a.b=1
+    --host-devices 8 c.d=2``): every argument that is neither a flag nor a flag's value is collected,
+    in order, into ``args.overrides``.
+    """
 
     def error(self, message: str):
         raise ConfigError("arguments", message)
+
+    def parse_args(self, args=None, namespace=None) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        flags = [extra for extra in extras if extra.startswith("-")]
+        if flags:
+            self.error(f"unrecognized arguments: {' '.join(flags)}")
+        parsed.overrides = extras
+        return parsed
 
 
 def use_host_devices(count: int) -> None:
@@ -39,3 +52,18 @@ def run(tool: Callable[[list[str] | None], int | None], argv: list[str] | None) 
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--host-devices N``; ``mesh.*=`` / ``sharding.*=`` overrides may stand anywhere (see
+    ``ArgumentParser.parse_args``)."""
+    parser.add_argument("--host-devices", type=int, metavar="N", help="simulate N CPU devices")
+
+
+def mesh_from_args(args: argparse.Namespace):
+    """Starts JAX on ``--host-devices`` when given, then the mesh and rules of the overrides."""
+    from meshtrain.loading import mesh_and_rules
+
+    if args.host_devices is not None:
+        use_host_devices(args.host_devices)
+    return mesh_and_rules(args.overrides)

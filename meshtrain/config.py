@@ -4,7 +4,8 @@ Sections and their owners::
 
     mesh       meshtrain.mesh.MeshConfig
     sharding   meshtrain.parallel.rules.ShardingConfig
-    model      models.llama.LlamaConfig
+    model      the model family's config class (``model.family``, default ``llama``; ``model.plugin``
+               names a module to import that registers more families: ``models/api.py``)
     optimizer  meshtrain.optim.OptimizerConfig
     data       meshtrain.data.DataConfig
     train      meshtrain.trainer.TrainConfig
@@ -42,9 +43,12 @@ from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.pipeline import PipelineConfig
 from meshtrain.parallel.rules import ShardingConfig
 from meshtrain.parallel.zero import ZeroConfig
-from meshtrain.trainer import TrainConfig
+from meshtrain.train_config import TrainConfig
+from models.api import DEFAULT_FAMILY, UnknownFamily, family_named, family_of, import_plugin, plugin_of
 from models.common import InvalidField
-from models.llama import LlamaConfig
+
+# The model section's own fields; the rest belong to the family's config class.
+FAMILY_FIELD, PLUGIN_FIELD = "family", "plugin"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +67,7 @@ class RunConfig:
 class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
-    model: LlamaConfig = dataclasses.field(default_factory=LlamaConfig)
+    model: Any = dataclasses.field(default_factory=lambda: family_named(DEFAULT_FAMILY).config_class())
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -236,21 +240,51 @@ def config_from_dict(raw: dict) -> Config:
         if name not in SECTIONS:
             raise ConfigError(str(name), f"unknown section{_suggest(str(name), list(SECTIONS))}; "
                               f"valid: {list(SECTIONS)}")
-    return Config(**{name: _section(name, cls, raw.get(name)) for name, cls in SECTIONS.items()})
+    model_raw = raw.get("model") or {}
+    if not isinstance(model_raw, dict):
+        raise ConfigError("model", f"must be a mapping of fields, got {model_raw!r}")
+    family = _family(model_raw)
+    model_fields = {k: v for k, v in model_raw.items() if k not in (FAMILY_FIELD, PLUGIN_FIELD)}
+    sections = {name: _section(name, family.config_class if name == "model" else cls,
+                               model_fields if name == "model" else raw.get(name))
+                for name, cls in SECTIONS.items()}
+    sections["sharding"].resolve().completed(family.axis_roles)  # rules naming axes the family lacks
+    return Config(**sections)
+
+
+def _family(model_raw: dict):
+    """The family ``model.family`` names, after importing ``model.plugin`` when given."""
+    try:
+        plugin = model_raw.get(PLUGIN_FIELD)
+        if plugin is not None:
+            if not isinstance(plugin, str) or not plugin:
+                raise ConfigError("model.plugin", f"must be a module name such as my_models.gpt, got {plugin!r}")
+            import_plugin(plugin)
+        name = model_raw.get(FAMILY_FIELD, DEFAULT_FAMILY)
+        return family_named(str(name))
+    except UnknownFamily as err:
+        raise ConfigError(f"model.{err.field}", err.message) from None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value):
+        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def model_dict(model_cfg: Any) -> dict:
+    """The ``model`` section of a model config: its family (and plugin), then its fields."""
+    family = family_of(model_cfg)
+    plugin = plugin_of(family)
+    return {FAMILY_FIELD: family.name, **({PLUGIN_FIELD: plugin} if plugin else {}), **_plain(model_cfg)}
 
 
 def to_dict(cfg: Config) -> dict:
-    """A YAML-ready plain dict of ``cfg`` (enums as their values)."""
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, enum.Enum):
-            return value.value
-        if dataclasses.is_dataclass(value):
-            return {field.name: plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
-        if isinstance(value, dict):
-            return {key: plain(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [plain(item) for item in value]
-        return value
-
-    return plain(cfg)
+    """A YAML-ready plain dict of ``cfg`` (enums as their values, the model section with its family)."""
+    return {**_plain(cfg), "model": model_dict(cfg.model)}

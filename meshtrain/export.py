@@ -17,14 +17,12 @@ import sys
 
 import jax
 
-from meshtrain.checkpoint import (RunCheckpoints, UnreadableCheckpoint, resolve_restore_path, save_params)
+from meshtrain.checkpoint import RunCheckpoints, UnreadableCheckpoint, resolve_restore_path, save_params
+from meshtrain.cli import ArgumentParser, run, use_host_devices
 from meshtrain.config import config_from_dict, to_dict
 from meshtrain.errors import ConfigError
+from meshtrain.loading import restore_run
 from meshtrain.mesh import make_mesh
-from meshtrain.parallel.pipeline import LayerOrder
-from meshtrain.cli import ArgumentParser, run, use_host_devices
-from meshtrain.train import stored_layer_order
-from meshtrain.trainer import Trainer
 
 
 def _parse_args(argv: list[str] | None):
@@ -33,44 +31,44 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument("--out", required=True, help="new directory for the parameters")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
     parser.add_argument("--host-devices", type=int, metavar="N", help="simulate N CPU devices")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.overrides:
+        parser.error(f"unrecognized arguments: {' '.join(args.overrides)}")
+    return args
 
 
-def export(run: str, out: str, step: int | None = None) -> pathlib.Path:
-    """Exports the parameters of checkpoint ``step`` (default latest) of ``run`` to ``out``."""
-    out_dir = pathlib.Path(out)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ConfigError("--out", f"{out} exists and is not empty; choose a new directory")
+def _written_mesh(run: str, step: int | None):
+    """The mesh the checkpoint was written on when this process has as many devices, else fsdp over all."""
     root, given_step = resolve_restore_path(run, field="--run")
     source = RunCheckpoints(root, read_only=True)
     try:
         step = source.pick_step(step, given_step)
-        path = source.path(step)
         try:
             meta = source.read_meta(step)
-            cfg = config_from_dict(meta["config"])
         except UnreadableCheckpoint as err:
-            raise ConfigError("--run", f"checkpoint {path} is unreadable ({err}); pass --step to export "
-                              f"another of {source.steps()}") from None
-        mesh_cfg = cfg.mesh
-        if int(meta.get("devices", 0)) != len(jax.devices()):
-            mesh_cfg = dataclasses.replace(cfg.mesh, data=1, fsdp=-1, tensor=1, stage=1)
-        trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(), make_mesh(mesh_cfg))
-        config = to_dict(cfg)
-        try:
-            restored = source.restore(step, trainer.abstract_state(), field="--run", config=config)
-        except UnreadableCheckpoint as err:
-            raise ConfigError("--run", f"checkpoint {path} is unreadable ({err}); pass --step to export "
-                              f"another of {source.steps()}") from None
+            raise ConfigError("--run", f"checkpoint {source.path(step)} is unreadable ({err}); pass --step to "
+                              f"export another of {source.steps()}") from None
     finally:
         source.close()
-    # Exports hold the layers in model order, whatever pipeline layout wrote the checkpoint.
-    params = stored_layer_order(meta).convert(restored.state.params, LayerOrder(num_layers=cfg.model.num_layers))
-    written = save_params(out_dir, params,
-                          {"step": step, "source": str(path), "model": config["model"], "config": config})
+    mesh_cfg = config_from_dict(meta["config"]).mesh
+    if int(meta.get("devices", 0)) != len(jax.devices()):
+        mesh_cfg = dataclasses.replace(mesh_cfg, data=1, fsdp=-1, tensor=1, stage=1)
+    return make_mesh(mesh_cfg)
+
+
+def export(run: str, out: str, step: int | None = None) -> pathlib.Path:
+    """Exports the parameters of checkpoint ``step`` (default latest) of ``run`` to ``out``, in model
+    layer order (whatever pipeline layout wrote the checkpoint)."""
+    out_dir = pathlib.Path(out)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError("--out", f"{out} exists and is not empty; choose a new directory")
+    cfg, restored = restore_run(run, _written_mesh(run, step), step=step, field="--run")
+    config = to_dict(cfg)
+    written = save_params(out_dir, restored.state.params, {"step": restored.step, "source": str(restored.path),
+                                                           "model": config["model"], "config": config})
     if jax.process_index() == 0:
-        print(f"exported the parameters of {path} (step {step}, {cfg.model.num_params:,} parameters) to "
-              f"{written}; fine-tune with checkpoint.init_from={written}", file=sys.stderr)
+        print(f"exported the parameters of {restored.path} (step {restored.step}, {cfg.model.num_params:,} "
+              f"parameters) to {written}; fine-tune with checkpoint.init_from={written}", file=sys.stderr)
     return written
 
 

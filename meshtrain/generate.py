@@ -16,19 +16,19 @@ import json
 import pathlib
 import sys
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from meshtrain.convert import LoadedModel, add_mesh_arguments, load_model, mesh_from_args
+from meshtrain.loading import LoadedModel, load_model
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.sharding import data_parallel_size
-from meshtrain.cli import ArgumentParser, run
+from meshtrain.cli import ArgumentParser, add_mesh_arguments, mesh_from_args, run
+from models.api import CachedDecoder, family_of
 from models.common import ActivationSharding, unconstrained
-from models.llama import KVCache
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -145,16 +145,16 @@ def _pick(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Arra
 # Jitted once per (model, shapes, constraint): repeated calls reuse the compilation.
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "shard"))
 def _prefill(params: nnx.State, prompt: jax.Array, key: jax.Array, temperature: jax.Array, *,
-             graphdef: nnx.GraphDef, max_len: int, shard: ActivationSharding) -> tuple[jax.Array, KVCache]:
+             graphdef: nnx.GraphDef, max_len: int, shard: ActivationSharding) -> tuple[jax.Array, Any]:
     model = nnx.merge(graphdef, params)
     logits, cache = model.cached_forward(prompt, model.init_cache(prompt.shape[0], max_len), jnp.int32(0), shard)
     return _pick(logits, key, temperature), cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "shard"))
-def _step(params: nnx.State, token: jax.Array, cache: KVCache, position: jax.Array, key: jax.Array,
+def _step(params: nnx.State, token: jax.Array, cache: Any, position: jax.Array, key: jax.Array,
           temperature: jax.Array, *, graphdef: nnx.GraphDef, shard: ActivationSharding
-          ) -> tuple[jax.Array, KVCache]:
+          ) -> tuple[jax.Array, Any]:
     logits, cache = nnx.merge(graphdef, params).cached_forward(token[:, None], cache, position, shard)
     return _pick(logits, key, temperature), cache
 
@@ -162,6 +162,9 @@ def _step(params: nnx.State, token: jax.Array, cache: KVCache, position: jax.Arr
 def generate_text(model: LoadedModel, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, *,
                   temperature: float = 0.0, seed: int = 0) -> str:
     """The text ``model`` continues ``prompt`` with (up to the end-of-sequence token)."""
+    if not isinstance(model.module(), CachedDecoder):
+        raise ConfigError("--run", f"model family {family_of(model.cfg).name!r} has no KV-cache path "
+                          "(init_cache / cached_forward); generation needs one")
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ConfigError("--prompt", "encodes to no tokens; give a non-empty prompt")

@@ -1,25 +1,11 @@
-"""Hugging Face Llama-family checkpoints <-> meshtrain's Llama: config.json, safetensors, weights.
+"""Hugging Face checkpoints <-> meshtrain models: config.json, safetensors, weights, for any model
+family with an HF adapter (``models.api.HFAdapter``).
 
 An HF directory holds ``config.json`` and either ``model.safetensors`` or sharded
 ``model-0000k-of-0000n.safetensors`` files listed in ``model.safetensors.index.json``
-(``{"metadata": {"total_size": bytes}, "weight_map": {tensor name: file name}}``).
-
-Weight mapping (HF ``nn.Linear`` weights are ``[out_features, in_features]``; ``L`` = layer)::
-
-    model.embed_tokens.weight                [vocab, embed]        -> embedding [vocab, embed]
-    model.layers.L.input_layernorm.weight    [embed]               -> layers.attn_norm.scale [L, embed]
-    model.layers.L.self_attn.q_proj.weight   [heads*head_dim, embed]    -> layers.attention.query [L, embed, heads, head_dim]
-    model.layers.L.self_attn.k_proj.weight   [kv_heads*head_dim, embed] -> layers.attention.key   [L, embed, kv_heads, head_dim]
-    model.layers.L.self_attn.v_proj.weight   [kv_heads*head_dim, embed] -> layers.attention.value [L, embed, kv_heads, head_dim]
-    model.layers.L.self_attn.o_proj.weight   [embed, heads*head_dim]    -> layers.attention.out   [L, heads, head_dim, embed]
-    model.layers.L.post_attention_layernorm.weight [embed]         -> layers.mlp_norm.scale [L, embed]
-    model.layers.L.mlp.gate_proj.weight / up_proj  [mlp, embed]    -> layers.mlp.gate / up [L, embed, mlp]
-    model.layers.L.mlp.down_proj.weight      [embed, mlp]          -> layers.mlp.down [L, mlp, embed]
-    model.norm.weight                        [embed]               -> final_norm.scale [embed]
-    lm_head.weight                           [vocab, embed]        -> head [embed, vocab] (absent when tied)
-
-No rotary permutation is needed: HF stores q/k rows in the layout its ``rotate_half`` (half-split)
-expects, which is the convention of ``models.llama.apply_rotary``.
+(``{"metadata": {"total_size": bytes}, "weight_map": {tensor name: file name}}``). The family is
+chosen by ``config.json``'s ``model_type``; its adapter maps the config and names each tensor and
+the logical axes of each of its dimensions (``TensorSpec``).
 
 Loading builds every global array with ``jax.make_array_from_callback`` in its target
 ``NamedSharding``; each callback reads only its shard's slice from the safetensors files
@@ -40,8 +26,8 @@ import numpy as np
 from flax import nnx
 
 from meshtrain.errors import ConfigError
-from models.common import logical_axes_of
-from models.llama import LlamaConfig, RopeScaling, RopeScalingConfig
+from models.api import LAYERS_KEY, HFAdapter, ModelFamily, families, family_named, family_of
+from models.common import InvalidField, logical_axes_of
 
 INIT_PREFIX = "hf:"  # checkpoint.init_from=hf:DIR
 CONFIG_FILE = "config.json"
@@ -50,15 +36,9 @@ INDEX_FILE = "model.safetensors.index.json"
 # Files copied along with the weights (tokenizer and generation defaults) when present.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "generation_config.json", "tokenizer.model")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9
-# Fields that fix the weights' meaning; a fine-tune's model section must agree on all of them.
-ARCHITECTURE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                       "mlp_dim", "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings")
-
-
-# --- config.json <-> LlamaConfig -------------------------------------------------------------------
+# --- config.json <-> the family's config -------------------------------------------------------------------
 
 def _field(key: str) -> str:
     return f"{CONFIG_FILE}:{key}"
@@ -78,136 +58,51 @@ def read_config(hf_dir: str | pathlib.Path, *, field: str = "--hf") -> dict:
     return config
 
 
-def _rope_parameters(config: dict) -> tuple[float, RopeScalingConfig]:
-    """rope_theta and the scaling, from the transformers 4 (``rope_theta`` + ``rope_scaling``) or
-    the transformers 5 (``rope_parameters``) spelling."""
-    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-    rope = config.get(key) or {}
-    if not isinstance(rope, dict):
-        raise ConfigError(_field(key), f"must be an object or null, got {rope!r}")
-    if rope and all(isinstance(value, dict) for value in rope.values()):
-        raise ConfigError(_field(key), "per-layer-type rotary parameters are not supported")
-    theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError(_field("partial_rotary_factor"), "partial rotary embeddings are not supported "
-                          "(only 1.0)")
-    if kind == "default":
-        return theta, RopeScalingConfig()
-    if kind != "llama3":
-        raise ConfigError(_field(f"{key}.rope_type"), f"{kind!r} is not supported; supported: "
-                          "none (default) and 'llama3'")
-    try:
-        original = rope.get("original_max_position_embeddings") or config["max_position_embeddings"]
-        return theta, RopeScalingConfig(
-            kind=RopeScaling.LLAMA3, factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]), original_max_len=int(original))
-    except KeyError as err:
-        raise ConfigError(_field(key), f"llama3 rotary scaling needs {err.args[0]!r}") from None
+def adapter_of(family: ModelFamily, *, field: str) -> HFAdapter:
+    """``family``'s HF adapter; a ConfigError on ``field`` when it has none."""
+    if family.hf is None:
+        raise ConfigError(field, f"model family {family.name!r} has no Hugging Face adapter")
+    return family.hf
 
 
-def llama_config(config: dict, *, seq_len: int | None = None) -> LlamaConfig:
-    """The ``LlamaConfig`` of an HF ``config.json`` (already parsed).
-
-    ``seq_len`` (the training length, which HF does not record) defaults to
-    ``min(max_position_embeddings, 2048)``.
+def model_config(config: dict, *, seq_len: int | None = None) -> Any:
+    """The model config (of the family whose adapter reads ``config.json``'s ``model_type``).
 
     Raises:
-      ConfigError: naming the ``config.json`` field of an architecture or option meshtrain's
-        Llama does not implement.
+      ConfigError: naming the ``config.json`` field of an architecture or option that no family
+        (or the chosen family) implements.
     """
+    supported = {model_type: name for name in families() if family_named(name).hf is not None
+                 for model_type in family_named(name).hf.model_types}
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in supported:
         raise ConfigError(_field("model_type"), f"{model_type!r} is not supported; supported: "
-                          f"{list(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)")
-    architectures = config.get("architectures") or []
-    unsupported = [name for name in architectures if not name.endswith("ForCausalLM")]
-    if unsupported:
-        raise ConfigError(_field("architectures"), f"{unsupported} is not supported; only "
-                          "*ForCausalLM checkpoints (with an lm_head) are")
-    for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            raise ConfigError(_field(key), "is true; meshtrain's Llama has no biases (only false is "
-                              "supported)")
-    if config.get("sliding_window") is not None and config.get("use_sliding_window", True):
-        raise ConfigError(_field("sliding_window"), f"is {config['sliding_window']}; sliding-window "
-                          "attention is not supported (only null)")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ConfigError(_field("hidden_act"), f"{config['hidden_act']!r} is not supported (only 'silu')")
-    if config.get("quantization_config"):
-        raise ConfigError(_field("quantization_config"), "quantized checkpoints are not supported")
-    missing = [key for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if not isinstance(config.get(key), int)]
-    if missing:
-        raise ConfigError(_field(missing[0]), "is missing or not an integer")
-    theta, scaling = _rope_parameters(config)
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    max_len = int(config.get("max_position_embeddings") or 2048)
+                          f"{sorted(supported)} (model families {sorted(set(supported.values()))})")
     try:
-        return LlamaConfig(
-            vocab_size=config["vocab_size"], embed_dim=config["hidden_size"],
-            num_layers=config["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
-            mlp_dim=config["intermediate_size"], seq_len=seq_len or min(max_len, 2048),
-            rope_theta=theta, rope_scaling=scaling, norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)))
-    except ValueError as err:  # models.common.InvalidField
-        raise ConfigError(_field(getattr(err, "field", "config")), getattr(err, "message", str(err))) from None
+        return family_named(supported[model_type]).hf.config_from_hf(config, seq_len=seq_len)
+    except InvalidField as err:  # the adapter's (a json key) or the config class's (a model field)
+        raise ConfigError(_field(err.field), err.message) from None
 
 
-def hf_config(cfg: LlamaConfig, *, dtype: str, base: dict | None = None) -> dict:
-    """A ``config.json`` for ``cfg`` (LlamaForCausalLM). Fields of ``base`` (the config an import
-    came from) that do not describe the architecture are kept: token ids, max_position_embeddings."""
-    config = {key: value for key, value in (base or {}).items()
-              if key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings",
-                         "initializer_range")}
-    if cfg.rope_scaling.kind is RopeScaling.LLAMA3:
-        scaling = cfg.rope_scaling
-        rope_scaling = {"rope_type": "llama3", "factor": scaling.factor,
-                        "low_freq_factor": scaling.low_freq_factor,
-                        "high_freq_factor": scaling.high_freq_factor,
-                        "original_max_position_embeddings": scaling.original_max_len}
-    else:
-        rope_scaling = None
-    config.update({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.embed_dim,
-        "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling,
-        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "attention_dropout": 0.0, "torch_dtype": dtype, "dtype": dtype,  # transformers 4 and 5 spellings
-    })
-    original = cfg.rope_scaling.original_max_len if rope_scaling else 0
-    config.setdefault("max_position_embeddings", max(cfg.seq_len, original))
-    return config
+def hf_config(cfg: Any, *, dtype: str, base: dict | None = None) -> dict:
+    """A ``config.json`` for the model config ``cfg``."""
+    return adapter_of(family_of(cfg), field="--to-hf").hf_config(cfg, dtype=dtype, base=base)
 
 
-def _architecture(cfg: LlamaConfig) -> dict[str, Any]:
-    return {name: getattr(cfg, name) for name in ARCHITECTURE_FIELDS}
-
-
-def check_architecture(model: LlamaConfig, hf: LlamaConfig, *, field: str, where: str) -> None:
-    """ConfigError on ``field`` when ``model`` (the run's) and ``hf`` differ in an architecture field;
-    the message lists the overrides that make the run's model section fit."""
-    ours, theirs = _architecture(model), _architecture(hf)
-    differ = [name for name in ARCHITECTURE_FIELDS if ours[name] != theirs[name]]
+def check_architecture(model: Any, hf: Any, *, field: str, where: str) -> None:
+    """ConfigError on ``field`` when ``model`` (the run's) and ``hf`` differ in family or in an
+    architecture field; the message lists the overrides that make the run's model section fit."""
+    ours, theirs = family_of(model), family_of(hf)
+    if ours is not theirs:
+        raise ConfigError(field, f"{where} is a {theirs.name!r} model, but model.family is {ours.name!r}")
+    adapter = adapter_of(ours, field=field)
+    differ = [name for name in adapter.architecture_fields if getattr(model, name) != getattr(hf, name)]
     if not differ:
         return
-
-    def overrides(name: str, value: Any) -> list[str]:
-        if isinstance(value, RopeScalingConfig):
-            return [f"model.rope_scaling.{key}={getattr(value, key).value if key == 'kind' else getattr(value, key)}"
-                    for key in ("kind", "factor", "low_freq_factor", "high_freq_factor", "original_max_len")
-                    if getattr(value, key) != getattr(ours[name], key)]
-        return [f"model.{name}={str(value).lower() if isinstance(value, bool) else value}"]
-
-    changes = " ".join(item for name in differ for item in overrides(name, theirs[name]))
-    raise ConfigError(field, f"{where} does not fit the model section: {differ[0]} is {ours[differ[0]]} "
-                      f"here but {theirs[differ[0]]} there"
+    changes = " ".join(item for name in differ
+                       for item in adapter.overrides(name, getattr(hf, name), getattr(model, name)))
+    raise ConfigError(field, f"{where} does not fit the model section: {differ[0]} is "
+                      f"{getattr(model, differ[0])} here but {getattr(hf, differ[0])} there"
                       f"{f' (and {len(differ) - 1} more)' if len(differ) > 1 else ''}; set {changes}")
 
 
@@ -260,26 +155,6 @@ class SafetensorsFiles:
 
 # --- the weight mapping ------------------------------------------------------------------------------
 
-# Each HF tensor dimension is a group of our logical axes, outermost first (q_proj's rows are
-# (heads, head_dim) flattened). Per-layer names take the layer number.
-_LAYER_TENSORS: dict[tuple[str, ...], tuple[str, tuple[tuple[str, ...], ...]]] = {
-    ("attn_norm", "scale"): ("input_layernorm.weight", (("embed",),)),
-    ("attention", "query"): ("self_attn.q_proj.weight", (("heads", "head_dim"), ("embed",))),
-    ("attention", "key"): ("self_attn.k_proj.weight", (("kv_heads", "head_dim"), ("embed",))),
-    ("attention", "value"): ("self_attn.v_proj.weight", (("kv_heads", "head_dim"), ("embed",))),
-    ("attention", "out"): ("self_attn.o_proj.weight", (("embed",), ("heads", "head_dim"))),
-    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", (("embed",),)),
-    ("mlp", "gate"): ("mlp.gate_proj.weight", (("mlp",), ("embed",))),
-    ("mlp", "up"): ("mlp.up_proj.weight", (("mlp",), ("embed",))),
-    ("mlp", "down"): ("mlp.down_proj.weight", (("embed",), ("mlp",))),
-}
-_GLOBAL_TENSORS: dict[tuple[str, ...], tuple[str, tuple[tuple[str, ...], ...]]] = {
-    ("embedding",): ("model.embed_tokens.weight", (("vocab",), ("embed",))),
-    ("final_norm", "scale"): ("model.norm.weight", (("embed",),)),
-    ("head",): ("lm_head.weight", (("vocab",), ("embed",))),
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
     """One of our parameters and the HF tensor(s) it comes from (one per layer when ``stacked``)."""
@@ -323,21 +198,22 @@ class TensorMap:
         return layer_value.transpose([self.axes.index(axis) for axis in split_axes]).reshape(self.hf_shape)
 
 
-def tensor_maps(abstract_params: nnx.State) -> list[TensorMap]:
-    """The mapping of every parameter in ``abstract_params`` (from ``nnx.eval_shape(Llama)``)."""
+def tensor_maps(abstract_params: nnx.State, adapter: HFAdapter) -> list[TensorMap]:
+    """The mapping of every parameter in ``abstract_params`` (an abstract model's state)."""
     maps = []
     for path, variable in nnx.to_flat_state(abstract_params):
         path = tuple(str(key) for key in path)
-        axes = logical_axes_of(variable)
-        stacked = path[0] == "layers"
+        axes, shape = logical_axes_of(variable), variable.shape
+        stacked = path[0] == LAYERS_KEY
         if stacked:
-            name, groups = _LAYER_TENSORS[path[1:]]
-            name, axes, shape = f"model.layers.{{layer}}.{name}", axes[1:], variable.shape[1:]
-        else:
-            name, groups = _GLOBAL_TENSORS[path]
-            shape = variable.shape
-        maps.append(TensorMap(path, name, groups, tuple(axes), dict(zip(axes, shape)), stacked))
+            axes, shape = axes[1:], shape[1:]
+        spec = adapter.tensor(path)
+        maps.append(TensorMap(path, spec.name, spec.groups, tuple(axes), dict(zip(axes, shape)), stacked))
     return maps
+
+
+def num_layers_of(abstract_params: nnx.State) -> int:
+    return jax.tree.leaves(abstract_params[LAYERS_KEY])[0].shape[0]
 
 
 def _ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[slice]:
@@ -364,7 +240,7 @@ def check_tensors(files: SafetensorsFiles, maps: list[TensorMap], num_layers: in
                                   f"but config.json implies {list(tensor_map.hf_shape)}")
 
 
-def load_params(files: SafetensorsFiles, abstract_params: nnx.State, shardings: nnx.State, *,
+def load_params(files: SafetensorsFiles, adapter: HFAdapter, abstract_params: nnx.State, shardings: nnx.State, *,
                 storage_of_logical: np.ndarray | None = None, field: str = "--hf") -> nnx.State:
     """The HF weights as fp32 global arrays in ``shardings`` (an ``nnx.State`` like ``abstract_params``).
 
@@ -372,8 +248,8 @@ def load_params(files: SafetensorsFiles, abstract_params: nnx.State, shardings: 
     ``storage_of_logical[i]`` is the logical layer stored at index i (interleaved pipelines);
     default: the identity.
     """
-    maps = tensor_maps(abstract_params)
-    num_layers = abstract_params["layers"]["attn_norm"]["scale"].shape[0]
+    maps = tensor_maps(abstract_params, adapter)
+    num_layers = num_layers_of(abstract_params)
     check_tensors(files, maps, num_layers, field=field)
     order = np.arange(num_layers) if storage_of_logical is None else storage_of_logical
     flat_shardings = nnx.to_flat_state(shardings)
@@ -404,15 +280,16 @@ def init_loader(hf_dir: str, trainer: Any, *, field: str = "checkpoint.init_from
       ConfigError: on ``field`` when the checkpoint is unsupported or does not fit the model section.
     """
     try:
-        hf_cfg = llama_config(read_config(hf_dir, field=field))
+        hf_cfg = model_config(read_config(hf_dir, field=field))
     except ConfigError as err:
         if err.field == field:
             raise
         raise ConfigError(field, f"{hf_dir}: {err}") from None
     check_architecture(trainer.model_cfg, hf_cfg, field=field, where=f"{INIT_PREFIX}{hf_dir}")
+    adapter = adapter_of(family_of(hf_cfg), field=field)
     files = SafetensorsFiles(hf_dir, field=field)
-    check_tensors(files, tensor_maps(trainer.abstract_params), hf_cfg.num_layers, field=field)
-    return lambda: nnx.to_pure_dict(load_params(files, trainer.abstract_params, trainer.param_shardings,
+    check_tensors(files, tensor_maps(trainer.abstract_params, adapter), hf_cfg.num_layers, field=field)
+    return lambda: nnx.to_pure_dict(load_params(files, adapter, trainer.abstract_params, trainer.param_shardings,
                                                 field=field))
 
 
@@ -445,7 +322,7 @@ def _shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     return shards
 
 
-def save(out: str | pathlib.Path, cfg: LlamaConfig, params: nnx.State, *, dtype: str | Callable[[str], str],
+def save(out: str | pathlib.Path, cfg: Any, params: nnx.State, *, dtype: str | Callable[[str], str],
          base_config: dict | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
     """Writes ``params`` as an HF checkpoint under ``out``: ``config.json`` and ``model.safetensors``,
     or numbered shards of at most ``max_shard_bytes`` each plus ``model.safetensors.index.json``.
@@ -459,7 +336,8 @@ def save(out: str | pathlib.Path, cfg: LlamaConfig, params: nnx.State, *, dtype:
 
     out = pathlib.Path(out)
     dtype_of = dtype if callable(dtype) else (lambda name: dtype)
-    maps = list(zip(tensor_maps(params), nnx.to_flat_state(params)))
+    adapter = adapter_of(family_of(cfg), field="--from")
+    maps = list(zip(tensor_maps(params, adapter), nnx.to_flat_state(params)))
     names = [(tensor_map, tensor_map.hf_tensor(layer)) for tensor_map, (_, variable) in maps
              for layer in (range(variable.shape[0]) if tensor_map.stacked else [None])]
     sizes = {name: math.prod(tensor_map.hf_shape) * _numpy_dtype(dtype_of(name)).itemsize
@@ -471,7 +349,7 @@ def save(out: str | pathlib.Path, cfg: LlamaConfig, params: nnx.State, *, dtype:
     last_of = {shard[-1]: file_name for file_name, shard in zip(files, plan)}
     out.mkdir(parents=True, exist_ok=True)
     dtypes = set(map(dtype_of, sizes))
-    config = hf_config(cfg, dtype=dtypes.pop() if len(dtypes) == 1 else "float32", base=base_config)
+    config = adapter.hf_config(cfg, dtype=dtypes.pop() if len(dtypes) == 1 else "float32", base=base_config)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     pending: dict[str, np.ndarray] = {}
     for tensor_map, (_, variable) in maps:

@@ -18,10 +18,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from meshtrain.convert import LoadedModel, add_mesh_arguments, load_model, mesh_from_args
+from meshtrain.loading import LoadedModel, load_model
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.sharding import BATCH_AXES, data_parallel_size
-from meshtrain.cli import ArgumentParser, run
+from meshtrain.cli import ArgumentParser, add_mesh_arguments, mesh_from_args, run
+from models.api import forward
 
 
 def read_tokens(path: str, vocab_size: int, *, field: str = "--tokens") -> np.ndarray:
@@ -55,11 +56,11 @@ def compute_logits(model: LoadedModel, tokens: np.ndarray) -> np.ndarray:
     graphdef, shard = model.graphdef, model.shard
 
     @jax.jit
-    def forward(params: nnx.State, tokens: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, params)(tokens, shard).astype(jnp.float32)
+    def logits_of(params: nnx.State, tokens: jax.Array) -> jax.Array:
+        return forward(nnx.merge(graphdef, params), tokens, shard).astype(jnp.float32)
 
     with jax.default_matmul_precision("highest"):
-        logits = forward(model.params, jax.device_put(padded, sharding))
+        logits = logits_of(model.params, jax.device_put(padded, sharding))
     return np.asarray(jax.device_get(logits))[:batch]
 
 

@@ -1,6 +1,8 @@
 """The analytic per-device memory and step-time model of one meshtrain layout (no compilation).
 
-It mirrors what ``meshtrain.trainer.Trainer`` builds (see docs/memory.md for the derivation):
+It reads the layout from the same ``ParallelPlan`` that ``meshtrain.trainer.Trainer`` builds from
+(the rules, the ZeRO stage, the pipeline, every feasibility check), so the planner and the trainer
+cannot disagree on what runs or how it is split (see docs/memory.md for the derivation):
 
 * **State** (the step's arguments and outputs; the state is donated, so outputs alias it):
   fp32 parameters (4 B), fp32 Adam ``mu`` + ``nu`` (8 B) and a few scalars, split per parameter by
@@ -12,9 +14,9 @@ It mirrors what ``meshtrain.trainer.Trainer`` builds (see docs/memory.md for the
   copy of the local parameters (bf16/fp16 only), the activations the backward pass keeps (by
   ``model.remat``), one layer's working set, and the logits' working set.
 
-Activation sizes are counted in *elements per token*; the counts per remat policy come from the
-Llama layer's structure with coefficients fitted to XLA:CPU's ``memory_analysis`` (fp32) of the real
-train step (``ACTIVATION_COEFFICIENTS``, docs/memory.md).
+Activation bytes per token and layer are the model family's (``ModelFamily.activation_bytes``),
+scaled by coefficients fitted to XLA:CPU's ``memory_analysis`` (fp32) of the real train step
+(``ACTIVATION_COEFFICIENTS``, docs/memory.md).
 """
 
 from __future__ import annotations
@@ -23,14 +25,13 @@ import dataclasses
 import math
 from typing import Mapping
 
-from meshtrain.metrics import train_flops_per_token
-from meshtrain.parallel.pipeline import Schedule, pipeline_rules
-from meshtrain.parallel.rules import ShardingRules
+from flax import nnx
+
+from meshtrain.mesh import MESH_AXES
+from meshtrain.parallel.layout import ParallelPlan
+from meshtrain.parallel.pipeline import Schedule
 from meshtrain.parallel.zero import ZERO_AXIS
 from models.common import RematPolicy
-from models.llama import LlamaConfig
-
-MESH_AXES = ("data", "fsdp", "tensor", "stage")
 # Device order, slowest to fastest varying (meshtrain.mesh): an axis is inside one node when it and
 # every faster axis together fit in a node.
 LAYOUT_ORDER = ("data", "stage", "fsdp", "tensor")
@@ -50,19 +51,6 @@ ACTIVATION_COEFFICIENTS: dict[RematPolicy, float] = {
 # (fp32 logits, softmax, their gradient); it is live before the layers' backward, so the peak
 # takes the larger of the two phases.
 LOGITS_FP32_COPIES = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class Param:
-    """One (possibly stacked) parameter: its shape and logical axes."""
-
-    name: str
-    shape: tuple[int, ...]
-    axes: tuple[str, ...]
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,113 +141,46 @@ class Estimate:
         return self.compute_s + sum(self.comm_s.values())
 
 
-def _axes_of(entry) -> tuple[str, ...]:
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-
-
-def _splits(param: Param, rules: ShardingRules, mesh: Mapping[str, int]) -> tuple[list[tuple[str, ...]], list[str]]:
-    """Mesh axes splitting each dimension, and divisibility problems (messages)."""
-    spec = rules.param_spec(param.axes)
-    entries = [_axes_of(e) for e in spec] + [()] * (len(param.shape) - len(spec))
-    problems = []
-    for size, logical, axes in zip(param.shape, param.axes, entries):
-        ways = math.prod(mesh[a] for a in axes)
-        if ways > 1 and size % ways:
-            where = "x".join(f"{a}={mesh[a]}" for a in axes if mesh[a] > 1)
-            if ways > size:
-                problems.append(f"{where} > {logical}={size}")
-            else:
-                problems.append(f"{logical} {size} not divisible by {where}")
-    return entries, problems
-
-
-def _local(param: Param, entries: list[tuple[str, ...]], mesh: Mapping[str, int], drop_fsdp: bool) -> float:
-    ways = 1
-    for axes in entries:
-        ways *= math.prod(mesh[a] for a in axes if not (drop_fsdp and a == ZERO_AXIS))
-    return param.size / ways
-
-
 def _axis_bandwidth(axis: str, mesh: Mapping[str, int], hw: Hardware) -> float:
     inner = math.prod(mesh[a] for a in LAYOUT_ORDER[LAYOUT_ORDER.index(axis):])
     return hw.intra_node_bandwidth if inner <= hw.node_size else hw.inter_node_bandwidth
 
 
-def per_layer_bytes(model: LlamaConfig, tensor: int, remat: RematPolicy, compute_bytes: int) -> tuple[float, float]:
-    """(saved, working) activation bytes per token and layer on one device.
-
-    ``saved``: what the backward pass keeps per layer under ``remat``; ``working``: the live set of
-    one layer while its backward runs (its recomputed activations and their gradients). Counts in
-    vectors per token: d = embed, q = heads*head_dim/tensor, k = kv_heads*head_dim/tensor,
-    f = mlp/tensor in the compute dtype, s = heads/tensor * seq_len attention scores in fp32.
-    """
-    d = model.embed_dim
-    q = model.num_heads * model.head_dim / tensor
-    k = model.num_kv_heads * model.head_dim / tensor
-    f = model.mlp_dim / tensor
-    s = model.num_heads / tensor * model.seq_len * FP32
-    c = compute_bytes
-    everything = (8 * d + 3 * q + 3 * k + 4 * f) * c + 2 * s
-    # The backward of the MLP holds the gradients of gate, up, silu and hidden besides them.
-    working = (8 * d + 3 * q + 3 * k + 8 * f) * c + 2 * s
-    saved = {RematPolicy.NONE: everything,
-             RematPolicy.DOTS: (d + (q + 2 * k) + 2 * d + 2 * f) * c,  # input, q/k/v, out/down, gate/up
-             RematPolicy.FULL: d * c}[remat]
-    return saved, working
-
-
-def estimate(model: LlamaConfig, params: list[Param], rules: ShardingRules, layout: Layout, *,
-             batch_size: int, grad_accum: int, compute_bytes: int, schedule: Schedule,
-             virtual_stages: int, hw: Hardware) -> Estimate:
-    """The analytic estimate of ``layout`` (see the module docstring and docs/memory.md)."""
+def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hardware) -> Estimate:
+    """The analytic estimate of ``layout``, laid out by ``plan`` (see the module docstring and
+    docs/memory.md)."""
     est = Estimate(layout)
-    mesh = layout.mesh
-    stages = layout.stage
-    if stages > 1:
-        rules = pipeline_rules(rules)
-    # Structural feasibility: the same checks the trainer makes, as short reasons.
+    model, family = plan.model, plan.family
+    mesh = plan.mesh_shape
+    stages = plan.stages
+    schedule, virtual_stages = plan.pipeline.schedule, plan.pipeline.virtual_stages
+    batch_size, grad_accum = plan.train.batch_size, plan.train.grad_accum
+    # Structural feasibility: the trainer's own checks (``ParallelPlan.problems``), as short reasons.
     if layout.remat not in ACTIVATION_COEFFICIENTS:
         est.reasons.append(f"remat {layout.remat.value} is not modelled")
-    chunks = stages * (virtual_stages if schedule is Schedule.INTERLEAVED else 1)
-    if model.num_layers % chunks:
-        est.reasons.append(f"layers {model.num_layers} not divisible by stage={stages}"
-                           + (f"x{chunks // stages} virtual" if chunks != stages else ""))
-    batch_axes = _axes_of(rules.activation_spec(("batch",))[0])
-    dp = math.prod(mesh[a] for a in batch_axes)
-    if batch_size % (dp * grad_accum):
-        est.reasons.append(f"batch {batch_size} not divisible by {'x'.join(batch_axes)}={dp}"
-                           + (f" x grad_accum {grad_accum}" if grad_accum > 1 else ""))
-    rows = batch_size // (dp * grad_accum) if batch_size % (dp * grad_accum) == 0 else 0
-    micro = layout.microbatches if stages > 1 else 1
-    if stages > 1 and rows:
-        if rows % micro:
-            est.reasons.append(f"pipeline microbatches {micro} do not divide {rows} rows")
-        if schedule is not Schedule.GPIPE and micro < stages:
-            est.reasons.append(f"{schedule.value} needs microbatches >= stage={stages}")
+    est.reasons += [problem.reason for problem in plan.problems()]
+    rows = plan.rows_per_shard
+    micro = plan.pipeline.microbatches if stages > 1 else 1
 
     zero = layout.zero
     p_local = g_local = o_local = 0.0
     layer_full = 0.0  # one layer's weights gathered over fsdp (split by tensor only)
-    outside = 0.0  # embedding/head/final norm elements per device (compute copy)
     largest = 0.0
     replicated_total = 0.0  # parameter elements per device without the fsdp split
-    for param in params:
-        entries, problems = _splits(param, rules, mesh)
-        for problem in problems:
-            if problem not in est.reasons:
-                est.reasons.append(problem)
-        sharded = _local(param, entries, mesh, drop_fsdp=False)
-        replicated = _local(param, entries, mesh, drop_fsdp=True)
+    specs = dict(nnx.to_flat_state(plan.param_specs()))
+    for path, variable in nnx.to_flat_state(plan.abstract_params):
+        size = math.prod(variable.shape)
+        spec = specs[path].get_value()
+        sharded = size / math.prod(plan.ways(spec))
+        replicated = size / math.prod(plan.ways(spec, drop=ZERO_AXIS))
         replicated_total += replicated
         p_local += sharded if zero >= 3 else replicated
         g_local += sharded if zero >= 2 else replicated
         o = sharded if zero >= 1 else replicated
         o_local += o
         largest = max(largest, o)
-        if param.axes and param.axes[0] == "layers":
-            layer_full += replicated / (param.shape[0] / (stages if stages > 1 else 1))
-        else:
-            outside += replicated
+        if path[0] == "layers":
+            layer_full += replicated / (variable.shape[0] / (stages if stages > 1 else 1))
     est.params = round(FP32 * p_local)
     est.grads = round(FP32 * g_local)
     if layout.offload:
@@ -273,7 +194,7 @@ def estimate(model: LlamaConfig, params: list[Param], rules: ShardingRules, layo
     layers_here = model.num_layers // stages if model.num_layers % stages == 0 else model.num_layers
     vocab_local = model.vocab_size / mesh["tensor"]
     a_working = ACTIVATION_COEFFICIENTS.get(layout.remat, 1.0)
-    saved, working = per_layer_bytes(model, mesh["tensor"], layout.remat, compute_bytes)
+    saved, working = family.activation_bytes(model, mesh["tensor"], layout.remat, compute_bytes)
     est.activations = round(layers_here * tokens * saved)
     if stages > 1:
         if schedule is Schedule.ONE_F_ONE_B:  # only min(M, 2S-1) stage inputs are stashed
@@ -299,12 +220,7 @@ def estimate(model: LlamaConfig, params: list[Param], rules: ShardingRules, layo
 
     # Roofline step time.
     global_tokens = batch_size * model.seq_len
-    flops = train_flops_per_token(matmul_params=model.matmul_params, num_layers=model.num_layers,
-                                  seq_len=model.seq_len, attention_dim=model.attention_dim)
-    attention_forward = 4 * model.num_layers * model.seq_len * model.attention_dim
-    layer_matmul = model.num_layers * (model.layer_params - 2 * model.embed_dim)
-    flops += {RematPolicy.NONE: 0, RematPolicy.DOTS: attention_forward,
-              RematPolicy.FULL: 2 * layer_matmul + attention_forward}.get(layout.remat, 0)
+    flops = family.flops_per_token(model) + family.recompute_flops_per_token(model, layout.remat)
     bubble = 0.0
     if stages > 1:
         v = virtual_stages if schedule is Schedule.INTERLEAVED else 1
@@ -337,15 +253,3 @@ def estimate(model: LlamaConfig, params: list[Param], rules: ShardingRules, layo
         comm["stage"] = grad_accum * 2 * ticks * working_tokens * model.embed_dim * FP32
     est.comm_s = {axis: nbytes / _axis_bandwidth(axis, mesh, hw) for axis, nbytes in comm.items()}
     return est
-
-
-def model_params(model: LlamaConfig) -> list[Param]:
-    """The model's parameters (shapes and logical axes) from an abstract init: nothing allocated."""
-    from flax import nnx
-
-    from models.common import logical_axes_of
-    from models.llama import Llama
-
-    _, state = nnx.split(nnx.eval_shape(lambda: Llama(model, rngs=nnx.Rngs(0))))
-    return [Param(".".join(map(str, path)), tuple(variable.shape), logical_axes_of(variable))
-            for path, variable in nnx.to_flat_state(state)]

@@ -1,7 +1,8 @@
 """Training metrics: FLOPs and MFU accounting, and the run's metrics logger.
 
-FLOPs per trained token follow the PaLM-paper convention (also used by MaxText
-and torchtitan)::
+FLOPs per trained token are the model family's (``ModelFamily.flops_per_token``);
+the built-in families follow the PaLM-paper convention (also used by MaxText
+and torchtitan, ``models.common.palm_train_flops_per_token``)::
 
     flops_per_token = 6 * N + 12 * L * T * (H * Dh)
 
@@ -51,20 +52,6 @@ _PEAK_BF16_TFLOPS: tuple[tuple[re.Pattern[str], float], ...] = tuple(
 )
 
 _SI_PREFIXES = ("", "k", "M", "G", "T", "P", "E")
-
-
-def train_flops_per_token(
-    *, matmul_params: int, num_layers: int, seq_len: int, attention_dim: int
-) -> float:
-    """Training (forward + backward) FLOPs per token, PaLM convention.
-
-    Args:
-      matmul_params: weights in matmuls, output head included, input embedding excluded.
-      num_layers: transformer layers.
-      seq_len: training sequence length.
-      attention_dim: ``num_heads * head_dim``.
-    """
-    return float(6 * matmul_params + 12 * num_layers * seq_len * attention_dim)
 
 
 def peak_bf16_tflops(device_kind: str) -> float | None:

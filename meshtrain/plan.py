@@ -25,9 +25,11 @@ import numpy as np
 from meshtrain.cli import ArgumentParser, run
 from meshtrain.config import Config, load_config
 from meshtrain.errors import ConfigError
-from meshtrain.memory_model import (ACTIVATION_COEFFICIENTS, Estimate, Hardware, Layout,
-                                    estimate, model_params)
+from meshtrain.memory_model import ACTIVATION_COEFFICIENTS, Estimate, Hardware, Layout, estimate
 from meshtrain.metrics import peak_bf16_tflops
+from meshtrain.parallel.layout import ParallelPlan, abstract_model
+from meshtrain.parallel.offload import OffloadConfig
+from meshtrain.parallel.zero import ZeroConfig, ZeroStage
 from models.common import RematPolicy
 
 GB = 1e9
@@ -69,7 +71,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--inter-node-bandwidth", default="50GB",
                    help="bytes/s per device across nodes (one 400 Gb/s NIC per GPU; default 50GB)")
     p.add_argument("--node-size", type=int, default=8, help="devices per node (default 8)")
-    p.add_argument("overrides", nargs="*", metavar="section.field=value")
     return p.parse_args(argv)
 
 
@@ -137,7 +138,7 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
             raise ConfigError("--remat", f"{remat.value!r} is not modelled; use one of "
                               f"{[r.value for r in ACTIVATION_COEFFICIENTS]}")
     rules = cfg.sharding.resolve()
-    params = model_params(cfg.model)
+    abstract_params = abstract_model(cfg.model)[1]
     compute_bytes = np.dtype(cfg.train.precision.compute_dtype).itemsize
     offloads = sorted({False, True} if host_memory is not None else {cfg.offload.optimizer})
     estimates = []
@@ -156,12 +157,18 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
                 for micro in micros:
                     for offload in offloads:
                         layout = Layout(data, fsdp, tensor, stage, zero, remat, micro, offload)
-                        estimates.append(estimate(
-                            cfg.model, params, rules, layout, batch_size=cfg.train.batch_size,
-                            grad_accum=cfg.train.grad_accum, compute_bytes=compute_bytes,
-                            schedule=cfg.pipeline.schedule, virtual_stages=cfg.pipeline.virtual_stages,
-                            hw=hardware))
+                        estimates.append(estimate(layout_plan(cfg, layout, abstract_params), layout,
+                                                  compute_bytes=compute_bytes, hw=hardware))
     return Plan(cfg, devices, device_memory, host_memory, hardware, estimates)
+
+
+def layout_plan(cfg: Config, layout: Layout, abstract_params=None) -> ParallelPlan:
+    """The ``ParallelPlan`` of ``cfg`` with ``layout`` applied: the object the trainer builds from."""
+    pipeline = dataclasses.replace(cfg.pipeline, microbatches=layout.microbatches) if layout.stage > 1 \
+        else cfg.pipeline
+    return ParallelPlan.of(dataclasses.replace(cfg.model, remat=layout.remat), layout.mesh, cfg.sharding.resolve(),
+                           cfg.train, pipeline, ZeroConfig(ZeroStage(layout.zero)),
+                           OffloadConfig(optimizer=layout.offload), abstract_params=abstract_params)
 
 
 def _gb(nbytes: float) -> str:

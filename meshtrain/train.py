@@ -35,17 +35,18 @@ from flax import nnx
 from meshtrain import distributed, hf
 from meshtrain.checkpoint import (CHECKPOINT_DIR, Restored, RunCheckpoints,
                                   UnreadableCheckpoint, check_params, checkpoint_meta, config_differences, load_params,
-                                  resolve_restore_path, warn)
+                                  reorder_layers, resolve_restore_path, warn)
 from meshtrain.cli import EXIT_USER_ERROR, ArgumentParser, use_host_devices
-from meshtrain.config import Config, config_from_dict, load_config, to_dict
+from meshtrain.config import Config, load_config, to_dict
 from meshtrain.data import global_batch, make_dataset
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh, mesh_shape
-from meshtrain.metrics import (MetricsLogger, format_bytes, mfu, peak_bf16_tflops,
-                               train_flops_per_token)
+from meshtrain.metrics import MetricsLogger, format_bytes, mfu, peak_bf16_tflops
 from meshtrain.parallel.pipeline import LayerOrder
 from meshtrain.parallel.sharding import parameter_table, replicated_parameters
-from meshtrain.trainer import NonFinitePolicy, Trainer
+from meshtrain.train_config import NonFinitePolicy
+from meshtrain.trainer import Trainer
+from models.api import family_of
 from meshtrain.xla_flags import apply_recommended
 
 
@@ -65,7 +66,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     multi.add_argument("--process-id", type=int, metavar="I", help="this process's rank, 0..N-1")
     multi.add_argument("--local-device-ids", metavar="I,J,...",
                        help="local accelerators this process uses (among the visible ones)")
-    parser.add_argument("overrides", nargs="*", metavar="section.field=value")
     return parser.parse_args(argv)
 
 
@@ -113,9 +113,7 @@ class _StepReporter:
                  start: int = 0):
         self.steps, self.log_every, self.logger, self.start = cfg.train.steps, cfg.train.log_every, logger, start
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
-        self.flops_per_step = self.tokens_per_step * train_flops_per_token(
-            matmul_params=cfg.model.matmul_params, num_layers=cfg.model.num_layers,
-            seq_len=cfg.model.seq_len, attention_dim=cfg.model.attention_dim)
+        self.flops_per_step = self.tokens_per_step * family_of(cfg.model).flops_per_token(cfg.model)
         self.num_devices, self.peak_tflops = num_devices, peak_tflops
         self.last_time, self.last_done = time.perf_counter(), start
         self.final_metrics: dict[str, float] = {}  # the last logged values (the last step's)
@@ -164,9 +162,16 @@ class _Preemption:
 
     def _handle(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
-        if self.received is not None:  # the second one: behave as if we had never caught it
+        if self.received is not None:  # the second one aborts at once
+            previous = self._previous.get(signum)
             self._restore()
-            signal.raise_signal(signum)
+            if callable(previous):  # whoever handled it before us (Python's KeyboardInterrupt, say)
+                signal.raise_signal(signum)
+            elif signum == signal.SIGINT:  # it was ignored (nohup, a background job) or default
+                raise KeyboardInterrupt
+            else:
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
             return
         self.received = name
         _log(f"received {name}: finishing the current step, then saving a checkpoint "
@@ -202,26 +207,21 @@ class _Saver:
         return self.checkpoints.path(done)
 
 
-def stored_layer_order(meta: dict) -> LayerOrder:
-    """How the checkpoint described by ``meta`` stores its stacked layers (interleaved pipelines
-    store them in stage order)."""
-    saved = config_from_dict(meta["config"])
-    return LayerOrder.of_run(int(meta["mesh"]["stage"]), saved.pipeline, saved.model.num_layers)
-
-
-def _restore_from(cfg: Config, abstract_state, config: dict) -> Restored:
+def _restore_from(cfg: Config, trainer: Trainer, config: dict) -> Restored:
     """The state ``checkpoint.restore_from`` names (a step, a run or a checkpoints directory)."""
     field = "checkpoint.restore_from"
     root, step = resolve_restore_path(cfg.checkpoint.restore_from, field=field)
     source = RunCheckpoints(root, read_only=True)
     try:
         if step is None:
-            restored = source.restore_latest(abstract_state, field=field, config=config, move_unreadable=False)
+            restored = source.restore_latest(trainer.abstract_state(), field=field, config=config,
+                                             layer_order=trainer.layer_order, move_unreadable=False)
             if restored is None:
                 raise ConfigError(field, f"no complete checkpoint in {cfg.checkpoint.restore_from}")
             return restored
         try:
-            return source.restore(step, abstract_state, field=field, config=config)
+            return source.restore(step, trainer.abstract_state(), field=field, config=config,
+                                  layer_order=trainer.layer_order)
         except UnreadableCheckpoint as err:
             raise ConfigError(field, f"checkpoint {source.path(step)} is unreadable: {err}") from None
     finally:
@@ -241,9 +241,9 @@ def _initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | 
     restored = None
     if checkpoints is not None and not fresh:
         restored = checkpoints.restore_latest(trainer.abstract_state(), field="run.dir", config=config,
-                                              move_unreadable=True)
+                                              layer_order=trainer.layer_order, move_unreadable=True)
     if restored is None and cfg.checkpoint.restore_from is not None:
-        restored = _restore_from(cfg, trainer.abstract_state(), config)
+        restored = _restore_from(cfg, trainer, config)
     if restored is not None:
         if restored.step > cfg.train.steps:
             raise ConfigError("train.steps", f"is {cfg.train.steps}, but checkpoint {restored.path} is "
@@ -255,8 +255,7 @@ def _initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | 
                  f"({'; '.join(differences)}). train.steps sets the length of the learning-rate schedule")
         note = (f"resumed from {restored.path} (step {restored.step}, written on mesh "
                 f"{restored.meta.get('mesh')} with {restored.meta.get('devices')} devices)")
-        return (trainer.adopt_layer_order(restored.state, stored_layer_order(restored.meta)), restored.step,
-                restored, note)
+        return restored.state, restored.step, restored, note
     init_from = cfg.checkpoint.init_from
     load = None
     if init_from is not None and init_from.startswith(hf.INIT_PREFIX):  # checked before anything compiles
@@ -270,7 +269,7 @@ def _initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | 
         jax.tree.map(lambda array: array.delete(), state.params)  # free the fresh ones before loading
         nnx.replace_by_pure_dict(state.params, load())
         # Exported parameters are in model order; an interleaved pipeline stores stage order.
-        state = trainer.adopt_layer_order(state, LayerOrder(num_layers=cfg.model.num_layers))
+        state = reorder_layers(state, LayerOrder(num_layers=cfg.model.num_layers), trainer.layer_order)
     note = f"parameters initialised from {init_from}" if load is not None else None
     return state, 0, None, note
 

@@ -8,9 +8,6 @@ the parameters' sharding -> unscale/finite check -> AdamW update.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -21,47 +18,16 @@ from meshtrain.errors import ConfigError
 from meshtrain.optim import OptimizerConfig, make_optimizer
 from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_microbatches
 from meshtrain.parallel.offload import DEVICE, HOST, OffloadConfig, check_host_memory, with_memory_kind
-from meshtrain.parallel.pipeline import LayerOrder, PipelineConfig, make_value_and_grad, pipeline_rules
+from meshtrain.parallel.layout import ParallelPlan, abstract_model
+from meshtrain.parallel.pipeline import Objective, PipelineConfig, make_value_and_grad
 from meshtrain.parallel.rules import ShardingRules
-from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, data_parallel_size,
-                                         optimizer_shardings, param_shardings)
-from meshtrain.parallel.zero import ZeroConfig, zero_layout
+from meshtrain.parallel.sharding import activation_sharding, batch_sharding, named_shardings, optimizer_shardings
+from meshtrain.parallel.zero import StateLayout, ZeroConfig
 from meshtrain.precision import LossScale, Precision, cast_floating, initial_loss_scale
-from models.llama import Llama, LlamaConfig
+from meshtrain.train_config import TrainConfig
+from models.api import DecoderModel, ModelConfig, family_of
 
 Metrics = dict[str, jax.Array]
-
-
-class NonFinitePolicy(str, enum.Enum):
-    """What a non-finite loss or gradient norm does to the run (the step skips its update either way)."""
-
-    SKIP = "skip"  # keep going; the skipped steps are counted in the metrics
-    STOP = "stop"  # save the last good state and exit non-zero
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """The training loop: length, global batch, accumulation, precision, seed, logging cadence."""
-
-    steps: int = 100
-    batch_size: int = 16
-    grad_accum: int = 1
-    precision: Precision = Precision.FP32
-    dynamic_loss_scale: bool | None = None  # None: on for fp16 only
-    seed: int = 0
-    log_every: int = 10
-    on_nonfinite: NonFinitePolicy = NonFinitePolicy.SKIP
-
-    @property
-    def uses_dynamic_loss_scale(self) -> bool:
-        if self.dynamic_loss_scale is None:
-            return self.precision.needs_loss_scaling
-        return self.dynamic_loss_scale
-
-    def __post_init__(self):
-        for name in ("steps", "batch_size", "grad_accum", "log_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, f"must be a positive integer, got {getattr(self, name)}")
 
 
 @struct.dataclass
@@ -86,32 +52,27 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) ->
 
 
 class Trainer:
-    """Creates the born-sharded state and the train step for one model on one mesh."""
+    """Creates the born-sharded state and the train step for one model on one mesh, as its
+    ``ParallelPlan`` (``self.plan``) lays them out."""
 
-    def __init__(self, model_cfg: LlamaConfig, train_cfg: TrainConfig, opt_cfg: OptimizerConfig,
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opt_cfg: OptimizerConfig,
                  rules: ShardingRules, mesh: Mesh, pipeline_cfg: PipelineConfig = PipelineConfig(),
                  zero_cfg: ZeroConfig = ZeroConfig(), offload_cfg: OffloadConfig = OffloadConfig()):
-        stages = mesh.shape["stage"]
-        if stages > 1:
-            rules = pipeline_rules(rules)
-        self.model_cfg, self.train_cfg, self.rules, self.mesh = model_cfg, train_cfg, rules, mesh
-        self.pipeline_cfg = pipeline_cfg
-        self.layer_order = LayerOrder.of_run(stages, pipeline_cfg, model_cfg.num_layers)
         if train_cfg.precision is Precision.FP16 and mesh.devices.flat[0].platform == "cpu":
             raise ConfigError("train.precision", "fp16 needs a GPU (XLA:CPU has no fp16 matmul with fp32 "
                               "accumulation); use bf16 or fp32 on CPU")
-        dp = data_parallel_size(rules, mesh)
-        rows = dp * train_cfg.grad_accum
-        if train_cfg.batch_size % rows:
-            raise ConfigError("train.batch_size", f"{train_cfg.batch_size} must be divisible by the "
-                              f"data-parallel size {dp} x train.grad_accum {train_cfg.grad_accum} = {rows}")
-        if stages > 1:
-            pipeline_cfg.validate(stages, model_cfg.num_layers, train_cfg.batch_size // rows)
-        self.graphdef, self.abstract_params = nnx.split(nnx.eval_shape(self._new_model))
+        self.family = family_of(model_cfg)
+        self.graphdef, self.abstract_params = abstract_model(model_cfg)
+        self.plan = ParallelPlan.of(model_cfg, mesh.shape, rules, train_cfg, pipeline_cfg, zero_cfg,
+                                    offload_cfg, abstract_params=self.abstract_params)
+        self.plan.check()
         if offload_cfg.optimizer:
             check_host_memory(mesh, "offload.optimizer")
-        self.zero_cfg, self.offload_cfg = zero_cfg, offload_cfg
-        self.layout = zero_layout(zero_cfg.stage, param_shardings(self.abstract_params, rules, mesh))
+        self.model_cfg, self.train_cfg, self.mesh = model_cfg, train_cfg, mesh
+        self.rules, self.layer_order, self.pipeline_cfg = self.plan.rules, self.plan.layer_order, pipeline_cfg
+        specs = self.plan.state_specs()
+        self.layout = StateLayout(*(named_shardings(part, mesh) for part in (specs.params, specs.grads,
+                                                                             specs.optimizer)))
         self.param_shardings = self.layout.params
         self.tx, self.schedule = make_optimizer(opt_cfg, train_cfg.steps, self.abstract_params)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -125,7 +86,7 @@ class Trainer:
                                        HOST if offload_cfg.optimizer else DEVICE),
             loss_scale=jax.tree.map(lambda _: replicated, initial_loss_scale(train_cfg.uses_dynamic_loss_scale)),
             skipped_steps=replicated)
-        self.batch_sharding = batch_sharding(rules, mesh)
+        self.batch_sharding = batch_sharding(self.rules, mesh)
         self.metrics_sharding = replicated
         self.train_step = jax.jit(
             self.step, in_shardings=(self.state_shardings, self.batch_sharding),
@@ -142,11 +103,8 @@ class Trainer:
                 f"virtual, {cfg.microbatches} microbatches, theoretical bubble "
                 f"{cfg.bubble_fraction(stages):.1%}")
 
-    def _new_model(self, seed: int = 0) -> Llama:
-        return Llama(self.model_cfg, rngs=nnx.Rngs(seed))
-
     def _fresh_state(self, seed: int) -> TrainState:
-        params = self.layer_order.to_storage(nnx.state(self._new_model(seed)))
+        params = self.layer_order.to_storage(nnx.state(self.family.build(self.model_cfg, seed)))
         return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params),
                           loss_scale=initial_loss_scale(self.train_cfg.uses_dynamic_loss_scale),
                           skipped_steps=jnp.int32(0))
@@ -154,14 +112,6 @@ class Trainer:
     def init_state(self, seed: int) -> TrainState:
         """A fresh state created directly in its shardings (no full copy on any device)."""
         return jax.jit(lambda: self._fresh_state(seed), out_shardings=self.state_shardings)()
-
-    def adopt_layer_order(self, state: TrainState, stored_in: LayerOrder) -> TrainState:
-        """A restored ``state`` whose layers were stored in ``stored_in`` (another pipeline layout),
-        in this trainer's layer order and shardings."""
-        if stored_in == self.layer_order:
-            return state
-        return jax.jit(lambda s: stored_in.convert(s, self.layer_order), out_shardings=self.state_shardings,
-                       donate_argnums=0)(state)
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, without allocating it (AOT compile, restore)."""
@@ -185,15 +135,19 @@ class Trainer:
         """
         compute_dtype = self.train_cfg.precision.compute_dtype
         target_count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+        rows = batch["mask"].shape[0]
 
-        def model_of(params: nnx.State) -> Llama:
+        def model_of(params: nnx.State) -> DecoderModel:
             return nnx.merge(self.graphdef, cast_floating(params, compute_dtype))
 
-        def loss_of_logits(logits: jax.Array, microbatch: Batch) -> jax.Array:
+        def of_logits(logits: jax.Array, microbatch: Batch) -> jax.Array:
             loss = cross_entropy_sum(logits, microbatch["targets"], microbatch["mask"]) / target_count
             return state.loss_scale.scale_loss(loss)
 
-        value_and_grad = make_value_and_grad(self.pipeline_cfg, self.mesh, model_of, loss_of_logits,
+        def of_aux(aux_sum: jax.Array) -> jax.Array:  # the layers' aux losses, a mean over rows
+            return state.loss_scale.scale_loss(aux_sum.astype(jnp.float32) / rows)
+
+        value_and_grad = make_value_and_grad(self.pipeline_cfg, self.mesh, model_of, Objective(of_logits, of_aux),
                                              activation_sharding(self.rules, self.mesh), compute_dtype)
 
         def constrain_grads(grads: nnx.State) -> nnx.State:

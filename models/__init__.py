@@ -1,1 +1,6 @@
-"""The meshtrain model zoo: models that name logical axes only."""
+"""The meshtrain model zoo: model families that name logical axes only (``models/api.py``).
+
+Importing the package registers the built-in families.
+"""
+
+from models import llama  # noqa: F401  (registers the family)

@@ -1,7 +1,7 @@
 """Building blocks shared by the model zoo: logical-axis parameters, activation constraints, remat.
 
-Models name only logical axes (``batch, length, embed, heads, kv_heads, head_dim, mlp, vocab,
-layers``). The framework decides what those names mean on a mesh and hands the model an
+Models name only logical axes (the framework's ``batch, length, embed, vocab, layers`` and their
+family's own, declared in its ``models.api.ModelFamily``). The framework decides what those names mean on a mesh and hands the model an
 ``ActivationSharding`` callable; a model never sees a mesh axis.
 """
 
@@ -83,3 +83,17 @@ _CHECKPOINT_POLICIES: dict[RematPolicy, Callable[[tuple[str, ...]], Callable]] =
         names_which_can_be_saved=(), names_which_can_be_offloaded=names,
         offload_src="device", offload_dst="pinned_host"),
 }
+
+
+def palm_train_flops_per_token(*, matmul_params: int, num_layers: int, seq_len: int,
+                               attention_dim: int) -> float:
+    """Training (forward + backward) FLOPs per token of a decoder, PaLM convention (also MaxText's
+    and torchtitan's): ``6 * N + 12 * L * T * attention_dim``.
+
+    Args:
+      matmul_params: weights in matmuls, output head included, input embedding excluded.
+      num_layers: transformer layers.
+      seq_len: training sequence length.
+      attention_dim: ``num_heads * head_dim`` (score and value matmuls, not halved for causality).
+    """
+    return float(6 * matmul_params + 12 * num_layers * seq_len * attention_dim)

@@ -81,8 +81,9 @@ def baseline_step(trainer):
     from meshtrain.parallel.sharding import activation_sharding
     from meshtrain.precision import cast_floating
     from meshtrain.trainer import cross_entropy_sum
+    from models.api import forward
 
-    if trainer.mesh.shape["stage"] > 1 or trainer.train_cfg.grad_accum > 1 or trainer.offload_cfg.optimizer:
+    if trainer.mesh.shape["stage"] > 1 or trainer.train_cfg.grad_accum > 1 or trainer.plan.offload.optimizer:
         raise SystemExit("error: --vs-baseline needs mesh.stage=1, train.grad_accum=1 and "
                          "offload.optimizer=false (the baseline is a plain step)")
     graphdef, tx = trainer.graphdef, trainer.tx
@@ -91,7 +92,7 @@ def baseline_step(trainer):
 
     def loss_fn(params, batch):
         model = nnx.merge(graphdef, cast_floating(params, dtype))
-        logits = model(batch["inputs"], shard)
+        logits = forward(model, batch["inputs"], shard)
         count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         return cross_entropy_sum(logits, batch["targets"], batch["mask"]) / count
 
@@ -133,7 +134,8 @@ def run(cfg, *, steps: int = 10, vs_baseline: bool = False, devices=None, prepar
     import jax
 
     from meshtrain.mesh import mesh_shape
-    from meshtrain.metrics import mfu, peak_bf16_tflops, train_flops_per_token
+    from meshtrain.metrics import mfu, peak_bf16_tflops
+    from models.api import family_of
 
     trainer, compiled, compile_s = prepared or prepare(cfg, devices)
     mesh = trainer.mesh
@@ -173,9 +175,7 @@ def run(cfg, *, steps: int = 10, vs_baseline: bool = False, devices=None, prepar
 
     num_devices = mesh.devices.size
     tokens = cfg.train.batch_size * cfg.model.seq_len
-    flops = tokens * train_flops_per_token(matmul_params=cfg.model.matmul_params,
-                                           num_layers=cfg.model.num_layers, seq_len=cfg.model.seq_len,
-                                           attention_dim=cfg.model.attention_dim)
+    flops = tokens * family_of(cfg.model).flops_per_token(cfg.model)
     median = statistics.median(times)
     tflops = flops / median / num_devices / 1e12
     device_kind = mesh.devices.flat[0].device_kind

@@ -36,7 +36,8 @@ def main() -> None:
     from meshtrain.optim import OptimizerConfig
     from meshtrain.parallel.pipeline import PipelineConfig, Schedule
     from meshtrain.parallel.rules import Preset
-    from meshtrain.trainer import Trainer, TrainConfig
+    from meshtrain.train_config import TrainConfig
+    from meshtrain.trainer import Trainer
     from models.llama import LlamaConfig
 
     model = LlamaConfig(vocab_size=128, embed_dim=64, num_layers=8, num_heads=4, num_kv_heads=4,

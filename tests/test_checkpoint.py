@@ -6,7 +6,6 @@ All runs use configs/tiny.yaml shrunk to embed 32, batch 16, fp32, on mesh (2, 2
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
@@ -63,7 +62,9 @@ def trainer_for(cfg, devices=None) -> Trainer:
 def restore(run_dir, step, cfg):
     checkpoints = RunCheckpoints(pathlib.Path(run_dir) / CHECKPOINT_DIR, read_only=True)
     try:
-        return checkpoints.restore(step, trainer_for(cfg).abstract_state(), field="test", config=to_dict(cfg))
+        trainer = trainer_for(cfg)
+        return checkpoints.restore(step, trainer.abstract_state(), field="test", config=to_dict(cfg),
+                                   layer_order=trainer.layer_order)
     finally:
         checkpoints.close()
 
@@ -71,36 +72,6 @@ def restore(run_dir, step, cfg):
 def flat_params(state) -> dict[str, np.ndarray]:
     return {".".join(map(str, path)): np.asarray(value.get_value())
             for path, value in nnx.to_flat_state(state.params)}
-
-
-@contextlib.contextmanager
-def compilation_cache(path: pathlib.Path):
-    """A persistent compilation cache at ``path`` while inside: the runs here compile the same init
-    and step programs again and again (each a few seconds on 2 cores); the cache makes that once."""
-    from jax._src import compilation_cache as cache
-
-    settings = {"jax_compilation_cache_dir": str(path), "jax_persistent_cache_min_compile_time_secs": 0.0,
-                "jax_persistent_cache_min_entry_size_bytes": -1}
-    previous = {name: getattr(jax.config, name) for name in settings}
-    for name, value in settings.items():
-        jax.config.update(name, value)
-    cache.reset_cache()
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            jax.config.update(name, value)
-        cache.reset_cache()
-
-
-def cache_dir(tmp_path_factory) -> pathlib.Path:
-    return tmp_path_factory.getbasetemp() / "jax-compilation-cache"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cached_compiles(tmp_path_factory):
-    with compilation_cache(cache_dir(tmp_path_factory)):
-        yield
 
 
 @pytest.fixture
@@ -242,8 +213,9 @@ def test_unreadable_latest_falls_back_and_is_kept(reference, tmp_path, capsys):
     cfg = config(run_dir)
     checkpoints = RunCheckpoints(root, keep=3)
     try:
-        restored = checkpoints.restore_latest(trainer_for(cfg).abstract_state(), field="run.dir",
-                                              config=to_dict(cfg), move_unreadable=True)
+        trainer = trainer_for(cfg)
+        restored = checkpoints.restore_latest(trainer.abstract_state(), field="run.dir", config=to_dict(cfg),
+                                              layer_order=trainer.layer_order, move_unreadable=True)
     finally:
         checkpoints.close()
     assert restored.step == HALF
@@ -264,8 +236,9 @@ def test_every_checkpoint_unreadable_is_an_error(reference, tmp_path):
     cfg = config(run_dir)
     checkpoints = RunCheckpoints(run_dir / CHECKPOINT_DIR, keep=3)
     with pytest.raises(ConfigError, match="no readable checkpoint") as err:
-        checkpoints.restore_latest(trainer_for(cfg).abstract_state(), field="run.dir", config=to_dict(cfg),
-                                   move_unreadable=True)
+        trainer = trainer_for(cfg)
+        checkpoints.restore_latest(trainer.abstract_state(), field="run.dir", config=to_dict(cfg),
+                                   layer_order=trainer.layer_order, move_unreadable=True)
     checkpoints.close()
     assert err.value.field == "run.dir"
     assert sorted(p.name for p in (run_dir / CHECKPOINT_DIR).iterdir() if "unreadable" in p.name) == [
@@ -344,15 +317,22 @@ def test_export_bad_input(tmp_path, capsys):
     _one_line_error(2, capsys.readouterr().err, "--run", "no complete checkpoint")
 
 
-def test_sigint_is_preemption_and_a_second_one_aborts(capsys):
-    with train_module._Preemption() as preemption:
-        assert not preemption.requested
-        os.kill(os.getpid(), signal.SIGINT)
-        assert preemption.requested and preemption.received == "SIGINT"
-        assert "finishing the current step" in capsys.readouterr().err
-        with pytest.raises(KeyboardInterrupt):
+@pytest.mark.parametrize("inherited", [signal.default_int_handler, signal.SIG_IGN],
+                         ids=["foreground", "background-job"])
+def test_sigint_is_preemption_and_a_second_one_aborts(capsys, inherited):
+    """Also when SIGINT was inherited as ignored (``make test &``, nohup): the second one still aborts."""
+    outside = signal.signal(signal.SIGINT, inherited)
+    try:
+        with train_module._Preemption() as preemption:
+            assert not preemption.requested
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert preemption.requested and preemption.received == "SIGINT"
+            assert "finishing the current step" in capsys.readouterr().err
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is inherited
+    finally:
+        signal.signal(signal.SIGINT, outside)
 
 
 def test_time_based_saves(tmp_path, monkeypatch):

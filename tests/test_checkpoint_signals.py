@@ -21,7 +21,7 @@ import pytest
 
 from meshtrain.checkpoint import CHECKPOINT_DIR
 from meshtrain.train import train
-from test_checkpoint import (REPO, TINY, cache_dir, compilation_cache, complete_steps, config, losses,
+from test_checkpoint import (REPO, TINY, complete_steps, config, losses,
                              overrides, records)
 
 LONG = 30
@@ -30,14 +30,7 @@ TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    path = cache_dir(tmp_path_factory)
-    with compilation_cache(path):
-        yield path
-
-
-@pytest.fixture(scope="module")
-def reference(cache, tmp_path_factory):
+def reference(tmp_path_factory):
     """The uninterrupted LONG-step run (no checkpoints): step -> loss."""
     run_dir = tmp_path_factory.mktemp("long-reference")
     train(config(run_dir, "checkpoint.enabled=false", steps=LONG))
@@ -51,9 +44,9 @@ def _command(run_dir, *extra) -> list[str]:
             *overrides(run_dir, *extra, steps=LONG)]
 
 
-def _env(cache) -> dict[str, str]:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+def _env() -> dict[str, str]:
+    """The test session's environment (its compilation cache included, see conftest.py) on CPU."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
 def _count_records(run_dir) -> int:
@@ -90,9 +83,9 @@ def _assert_every_logged_loss_matches(run_dir, expected) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_resumes(reference, cache, tmp_path):
+def test_sigterm_saves_and_resumes(reference, tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(_command(run_dir, "checkpoint.every=0"), cwd=REPO, env=_env(cache),
+    proc = subprocess.Popen(_command(run_dir, "checkpoint.every=0"), cwd=REPO, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(lambda: _count_records(run_dir) >= 3, proc, "three logged steps")
     proc.send_signal(signal.SIGTERM)
@@ -109,7 +102,7 @@ def test_sigterm_saves_and_resumes(reference, cache, tmp_path):
 
     resume = shlex.split(match.group(3))
     assert resume[:3] == ["python", "-m", "meshtrain.train"]
-    done = subprocess.run([sys.executable, *resume[1:]], cwd=REPO, env=_env(cache), capture_output=True,
+    done = subprocess.run([sys.executable, *resume[1:]], cwd=REPO, env=_env(), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert _resumed_step(done.stderr) == step
@@ -119,12 +112,12 @@ def test_sigterm_saves_and_resumes(reference, cache, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_at_ten_moments(reference, cache, tmp_path):
+def test_sigkill_at_ten_moments(reference, tmp_path):
     """One run, checkpoints every step, killed ten times: once during start-up, the even moments as
     soon as a save's temporary directory appears, the odd ones 1-3 logged steps after a restart plus a
     random delay (seeded)."""
     run_dir = tmp_path / "run"
-    command, env = _command(run_dir, "checkpoint.every=1", "checkpoint.keep=2"), _env(cache)
+    command, env = _command(run_dir, "checkpoint.every=1", "checkpoint.keep=2"), _env()
     rng = random.Random(20261201)
     killed_mid_save, seen_steps = 0, []
     for moment in range(KILLS):

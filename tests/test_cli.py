@@ -157,3 +157,21 @@ def test_print_config_round_trips(tmp_path, capsys, no_compile):
     assert isinstance(yaml.safe_load(printed), dict)
     (tmp_path / "printed.yaml").write_text(printed)
     assert load_config(tmp_path / "printed.yaml") == load_config(TINY, overrides)
+
+
+def test_overrides_may_stand_anywhere_among_the_flags():
+    """``--config X a.b=1 --host-devices 8 c.d=2``, as MaxText users type them (a fresh process:
+    --host-devices must come before JAX starts)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "meshtrain.train", "--config", TINY, "train.steps=7", "--host-devices", "8",
+         "model.embed_dim=32", "--print-config", "optimizer.eps=1e-6"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert (printed["train"]["steps"], printed["model"]["embed_dim"], printed["optimizer"]["eps"]) == (7, 32, 1e-6)
+
+
+def test_an_unknown_flag_among_overrides_is_one_line(capsys, no_compile):
+    assert main(["--config", TINY, "train.steps=2", "--no-such-flag", "mesh.data=1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: arguments: unrecognized arguments: --no-such-flag\n"

@@ -23,14 +23,16 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 torch = pytest.importorskip("torch", reason="torch is not installed (a test extra: pip install -e '.[dev]')")
 
 
-from meshtrain import convert, generate, hf
+from meshtrain import convert, generate, hf, loading
 from meshtrain.checkpoint import save_params
-from meshtrain.config import to_dict
+from meshtrain.config import model_dict
 from meshtrain.errors import ConfigError
 from meshtrain.logits import compute_logits
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.rules import Preset
-from meshtrain.parallel.sharding import param_shardings
+from meshtrain.parallel.layout import abstract_model
+from meshtrain.parallel.sharding import named_shardings
+from models.llama import FAMILY as LLAMA
 from models.llama import Llama, LlamaConfig, RopeScaling, RopeScalingConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -90,7 +92,7 @@ def hf_dirs(tmp_path_factory):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_match_transformers(hf_dirs, variant, mesh_shape):
     path, reference = hf_dirs[variant]
-    model = convert.load_model(path, _mesh(mesh_shape), RULES)
+    model = loading.load_model(path, _mesh(mesh_shape), RULES)
     assert model.cfg.tie_embeddings is (variant == "tied_llama3")
     assert model.cfg.rope_scaling.kind is (RopeScaling.LLAMA3 if variant == "tied_llama3" else RopeScaling.NONE)
     logits = compute_logits(model, TOKENS)
@@ -101,11 +103,12 @@ def test_logits_match_transformers(hf_dirs, variant, mesh_shape):
 def test_shards_are_read_straight_into_their_devices(hf_dirs):
     """On fsdp=2 x tensor=2 each callback reads a quarter of q_proj and of the embedding, never all."""
     path, _ = hf_dirs["gqa"]
-    cfg = hf.llama_config(hf.read_config(path))
-    _, abstract = convert.abstract_model(cfg)
+    cfg = hf.model_config(hf.read_config(path))
+    _, abstract = abstract_model(cfg)
     mesh = _mesh((1, 2, 2, 1))
     files = hf.SafetensorsFiles(path)
-    params = hf.load_params(files, abstract, param_shardings(abstract, RULES, mesh))
+    params = hf.load_params(files, LLAMA.hf, abstract,
+                            named_shardings(loading.inference_plan(cfg, mesh, RULES).param_specs(), mesh))
     query = params["layers"]["attention"]["query"].get_value()
     assert {shard.data.shape for shard in query.addressable_shards} == {(2, 32, 2, 16)}
     reads = {}
@@ -141,12 +144,12 @@ def test_meshtrain_to_hf_to_meshtrain_is_bit_identical_and_loads_in_transformers
                       rope_scaling=RopeScalingConfig(kind=RopeScaling.LLAMA3, original_max_len=16))
     params = nnx.state(Llama(cfg, rngs=nnx.Rngs(3)), nnx.Param)
     params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), params)
-    save_params(tmp_path / "mt", params, {"model": to_dict(cfg)})
+    save_params(tmp_path / "mt", params, {"model": model_dict(cfg)})
     mesh = _mesh((1, 2, 2, 1))
     files = convert.to_hf(str(tmp_path / "mt"), str(tmp_path / "hf"), mesh, RULES, max_shard_bytes=30_000)
     assert hf.INDEX_FILE in files
     convert.from_hf(str(tmp_path / "hf"), str(tmp_path / "mt2"), mesh, RULES)
-    again = convert.load_model(tmp_path / "mt2", mesh, RULES)
+    again = loading.load_model(tmp_path / "mt2", mesh, RULES)
     assert again.cfg == cfg
     for (path, original), (_, loaded) in zip(nnx.to_flat_state(params), nnx.to_flat_state(again.params)):
         np.testing.assert_array_equal(np.asarray(loaded.get_value()), np.asarray(original.get_value()),
@@ -158,7 +161,7 @@ def test_meshtrain_to_hf_to_meshtrain_is_bit_identical_and_loads_in_transformers
 
 
 def test_kv_cache_generation_equals_full_recompute(hf_dirs):
-    model = convert.load_model(hf_dirs["tied_llama3"][0], _mesh((1, 1, 1, 1)), RULES)
+    model = loading.load_model(hf_dirs["tied_llama3"][0], _mesh((1, 1, 1, 1)), RULES)
     prompt = TOKENS[:2, :5]
     cached = generate.generate_tokens(model.graphdef, model.params, prompt, 12)
     # The full model on the growing sequence; causal, so zeros after it change nothing (one compile).
@@ -185,7 +188,7 @@ def test_generate_cli_with_an_hf_tokenizer(hf_dirs, tmp_path):
     argv = ["--hf", str(source), "--prompt", "w3 w7 w9", "--max-new-tokens", "4",
             "--tokenizer", str(tmp_path / "tokenizer.json")]
     assert generate.main(argv, print_fn=printed.append) == 0
-    model = convert.load_model(source, make_mesh(MeshConfig()), RULES)
+    model = loading.load_model(source, make_mesh(MeshConfig()), RULES)
     ids = generate.generate_tokens(model.graphdef, model.params, np.array([[5, 9, 11]]), 4)[0]
     ids = list(ids[: list(ids).index(2)]) if 2 in ids else list(ids)  # generation_config's eos_token_id 2
     assert printed == ["w3 w7 w9" + tokenizer.decode([int(i) for i in ids])]
@@ -212,14 +215,14 @@ BASE = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermedia
 ])
 def test_unsupported_configs_name_the_field(change, field):
     with pytest.raises(ConfigError) as err:
-        hf.llama_config({**BASE, **change})
+        hf.model_config({**BASE, **change})
     assert err.value.field == field
 
 
 def test_supported_config_spellings():
-    mistral = hf.llama_config({**BASE, "model_type": "mistral", "sliding_window": None, "num_key_value_heads": 2})
+    mistral = hf.model_config({**BASE, "model_type": "mistral", "sliding_window": None, "num_key_value_heads": 2})
     assert (mistral.num_kv_heads, mistral.head_dim) == (2, 16)
-    old_style = hf.llama_config({**BASE, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+    old_style = hf.model_config({**BASE, "rope_theta": 500000.0, "max_position_embeddings": 131072,
                                  "rope_scaling": {**LLAMA3, "original_max_position_embeddings": 8192}})
     assert old_style.rope_theta == 500000.0
     assert old_style.rope_scaling == RopeScalingConfig(kind=RopeScaling.LLAMA3, original_max_len=8192)
@@ -251,8 +254,8 @@ def test_logits_cli_on_a_mesh_matches_transformers(hf_dirs, tmp_path):
 def test_tensor_map_reads_any_sub_block():
     """Reading a block of query through the HF layout equals slicing the mapped full tensor."""
     cfg = LlamaConfig(embed_dim=40, num_heads=8, num_kv_heads=4, head_dim=6)
-    _, abstract = convert.abstract_model(cfg)
-    query = next(m for m in hf.tensor_maps(abstract) if m.path == ("layers", "attention", "query"))
+    _, abstract = abstract_model(cfg)
+    query = next(m for m in hf.tensor_maps(abstract, LLAMA.hf) if m.path == ("layers", "attention", "query"))
     full_hf = np.arange(np.prod(query.hf_shape), dtype=np.float32).reshape(query.hf_shape)
 
     class Files:

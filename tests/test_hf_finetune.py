@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from test_hf import RULES, TOKENS, _hf_logits, _hf_model, _mesh, torch, transformers
-from meshtrain import convert
+from meshtrain import convert, loading
 from meshtrain.config import load_config
 from meshtrain.data import make_dataset
 from meshtrain.errors import ConfigError
@@ -57,7 +57,7 @@ def test_finetuned_run_exports_to_hf(finetune, tmp_path):
     """The run's final checkpoint, written as HF files, gives transformers the logits meshtrain gives."""
     _, run_dir = finetune
     mesh = _mesh((1, 1, 1, 1))
-    model = convert.load_model(run_dir, mesh, RULES)
+    model = loading.load_model(run_dir, mesh, RULES)
     assert model.kind is convert.SourceKind.RUN
     convert.to_hf(str(run_dir), str(tmp_path / "hf"), mesh, RULES)
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")

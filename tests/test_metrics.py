@@ -10,15 +10,15 @@ from meshtrain.metrics import (
     format_duration,
     mfu,
     peak_bf16_tflops,
-    train_flops_per_token,
 )
+from models.common import palm_train_flops_per_token
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def test_train_flops_per_token_hand_computed():
     # 6 * 1_000_000 + 12 * 4 * 128 * 256 = 6_000_000 + 1_572_864
-    flops = train_flops_per_token(matmul_params=1_000_000, num_layers=4, seq_len=128, attention_dim=256)
+    flops = palm_train_flops_per_token(matmul_params=1_000_000, num_layers=4, seq_len=128, attention_dim=256)
     assert flops == 7_572_864.0
 
 

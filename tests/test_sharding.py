@@ -12,7 +12,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import MeshConfig, make_mesh
-from meshtrain.parallel.rules import LOGICAL_AXES, PRESETS, AxisRule, Preset, ShardingRules
+from meshtrain.parallel.rules import PRESETS, AxisRule, Preset, ShardingRules
+from models.api import FRAMEWORK_AXES
+from models.llama import FAMILY as LLAMA
 from meshtrain.parallel.sharding import parameter_table, replicated_parameters
 from meshtrain.trainer import Trainer
 from utils import MODEL, make_trainer
@@ -21,7 +23,7 @@ GOLDEN = pathlib.Path(__file__).parent / "golden" / "tiny_2x2x2x1.txt"
 
 
 def test_fsdp_tp_preset_specs():
-    rules = PRESETS[Preset.FSDP_TP]
+    rules = PRESETS[Preset.FSDP_TP].completed(LLAMA.axis_roles)
     assert rules.param_spec(("layers", "embed", "mlp")) == P(None, "fsdp", "tensor")
     assert rules.param_spec(("layers", "mlp", "embed")) == P(None, "tensor", "fsdp")
     assert rules.param_spec(("vocab", "embed")) == P("tensor", "fsdp")
@@ -32,13 +34,14 @@ def test_fsdp_tp_preset_specs():
 
 def test_every_preset_covers_every_logical_axis():
     for rules in PRESETS.values():
-        assert set(LOGICAL_AXES) <= set(rules.table)
+        assert set(FRAMEWORK_AXES) <= set(rules.table)
+        assert set(LLAMA.logical_axes) == set(rules.completed(LLAMA.axis_roles).table)
     with pytest.raises(ConfigError, match=r"no rule for \['layers'\]"):
-        ShardingRules("partial", {axis: AxisRule() for axis in LOGICAL_AXES if axis != "layers"})
+        ShardingRules("partial", {axis: AxisRule() for axis in FRAMEWORK_AXES if axis != "layers"})
 
 
 def test_a_mesh_axis_may_split_only_one_dimension_of_a_spec():
-    rules = PRESETS[Preset.FSDP_TP].overridden({"mlp": AxisRule(params="fsdp")})
+    rules = PRESETS[Preset.FSDP_TP].overridden({"mlp": AxisRule(params="fsdp")}).completed(LLAMA.axis_roles)
     with pytest.raises(ConfigError, match="already split another dimension") as err:
         rules.param_spec(("layers", "embed", "mlp"))
     assert err.value.field == "sharding.rules.mlp.params"

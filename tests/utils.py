@@ -12,7 +12,8 @@ from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.optim import OptimizerConfig
 from meshtrain.parallel.rules import Preset
-from meshtrain.trainer import Trainer, TrainConfig
+from meshtrain.train_config import TrainConfig
+from meshtrain.trainer import Trainer
 from models.common import RematPolicy
 from models.llama import LlamaConfig
 

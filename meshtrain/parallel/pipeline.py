@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, Infeasible
 from meshtrain.parallel.accumulate import Batch, split_microbatches
 from meshtrain.parallel.rules import AxisRule, ShardingRules
 
@@ -45,8 +45,19 @@ ValueAndGrad = Callable[[nnx.State, Batch], tuple[jax.Array, nnx.State]]
 ModelOf = Callable[[nnx.State], Any]
 # Values crossing stages are fp32; each stage computes in the compute dtype.
 CROSSING_DTYPE = jnp.float32
-# (logits [batch, length, vocab], microbatch) -> scaled, normalised loss.
-LossOfLogits = Callable[[jax.Array, Batch], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The two (linear) terms of one microbatch's scaled, normalised loss.
+
+    of_logits: (logits [batch, length, vocab], microbatch) -> the token loss.
+    of_aux: the layers' auxiliary-loss sum over the microbatch's rows (``DecoderModel.run_layers``)
+    -> its share of the loss.
+    """
+
+    of_logits: Callable[[jax.Array, Batch], jax.Array]
+    of_aux: Callable[[jax.Array], jax.Array]
 
 
 class Schedule(str, enum.Enum):
@@ -83,19 +94,25 @@ class PipelineConfig:
             return 0.0
         return (stages - 1) / (self.chunks_per_stage * self.microbatches + stages - 1)
 
-    def validate(self, stages: int, num_layers: int, rows: int) -> None:
-        """Errors for layer, batch and microbatch counts that this schedule cannot run."""
+    def problems(self, stages: int, num_layers: int, rows: int) -> list[Infeasible]:
+        """Why this schedule cannot run ``num_layers`` layers on ``stages`` stages with ``rows`` rows
+        per data-parallel shard and accumulation step (empty when it can)."""
+        found = []
         chunks = stages * self.chunks_per_stage
         if num_layers % chunks:
-            raise ConfigError("model.num_layers", f"{num_layers} layers cannot be split into mesh.stage="
-                              f"{stages} x pipeline.virtual_stages={self.chunks_per_stage} = {chunks} "
-                              "equal chunks")
-        if rows % self.microbatches:
-            raise ConfigError("pipeline.microbatches", f"{self.microbatches} does not divide the {rows} "
-                              "rows each data-parallel shard holds per accumulation step; choose a divisor")
+            virtual = f"x{self.chunks_per_stage} virtual" if chunks != stages else ""
+            found.append(Infeasible("model.num_layers", f"{num_layers} layers cannot be split into mesh.stage="
+                                    f"{stages} x pipeline.virtual_stages={self.chunks_per_stage} = {chunks} "
+                                    "equal chunks", f"layers {num_layers} not divisible by stage={stages}{virtual}"))
+        if rows and rows % self.microbatches:
+            found.append(Infeasible("pipeline.microbatches", f"{self.microbatches} does not divide the {rows} "
+                                    "rows each data-parallel shard holds per accumulation step; choose a divisor",
+                                    f"pipeline microbatches {self.microbatches} do not divide {rows} rows"))
         if self.schedule is not Schedule.GPIPE and self.microbatches < stages:
-            raise ConfigError("pipeline.microbatches", f"schedule {self.schedule.value!r} needs at least "
-                              f"as many microbatches as stages ({stages}), got {self.microbatches}")
+            found.append(Infeasible("pipeline.microbatches", f"schedule {self.schedule.value!r} needs at least "
+                                    f"as many microbatches as stages ({stages}), got {self.microbatches}",
+                                    f"{self.schedule.value} needs microbatches >= stage={stages}"))
+        return found
 
 
 def pipeline_rules(rules: ShardingRules) -> ShardingRules:
@@ -121,10 +138,23 @@ class LayerOrder:
         """The storage order a run with ``stages`` pipeline stages and ``cfg`` uses."""
         return cls(stages, cfg.chunks_per_stage if stages > 1 else 1, num_layers)
 
+    @classmethod
+    def of_config(cls, config: dict, stages: int) -> "LayerOrder":
+        """The storage order of a run on ``stages`` stages from its saved config (a plain
+        ``{section: {field: value}}`` mapping, as checkpoints record it)."""
+        pipeline = config.get("pipeline", {})
+        interleaved = pipeline.get("schedule") == Schedule.INTERLEAVED.value
+        virtual = int(pipeline.get("virtual_stages", 1)) if interleaved and stages > 1 else 1
+        return cls(stages, virtual, int(config["model"]["num_layers"]))
+
+    def same_permutation(self, other: "LayerOrder") -> bool:
+        """Whether both store every layer at the same index (e.g. GPipe and no pipeline)."""
+        return np.array_equal(self.storage_of_logical, other.storage_of_logical)
+
     def convert(self, tree: Any, target: "LayerOrder") -> Any:
         """``tree`` (params, or any tree holding parameter-like States such as Adam's moments)
         stored in this order -> stored in ``target``'s order."""
-        if target == self:
+        if self.same_permutation(target):
             return tree
         has_layers = lambda node: isinstance(node, nnx.State) and "layers" in node
         return jax.tree.map(lambda node: target.to_storage(self.to_logical(node)) if has_layers(node) else node,
@@ -187,18 +217,20 @@ def _slice_layers(params: nnx.State, start: jax.Array, count: int) -> nnx.State:
     return _map_layers(params, lambda x: jax.lax.dynamic_slice_in_dim(x, start, count))
 
 
-def sequential(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, loss_of_logits: LossOfLogits,
+def sequential(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
                shard, compute_dtype) -> ValueAndGrad:
     """No pipeline: autodiff of the whole model."""
     del cfg, mesh, compute_dtype
 
     def loss(params: nnx.State, batch: Batch) -> jax.Array:
-        return loss_of_logits(model_of(params)(batch["inputs"], shard), batch)
+        model = model_of(params)
+        x, aux = model.run_layers(model.embed(batch["inputs"], shard), shard)
+        return objective.of_logits(model.logits(x, shard), batch) + objective.of_aux(aux)
 
     return jax.value_and_grad(loss)
 
 
-def circular(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, loss_of_logits: LossOfLogits,
+def circular(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
              shard, compute_dtype) -> ValueAndGrad:
     """GPipe (V = 1) and interleaved (V > 1) schedules, differentiated by autodiff.
 
@@ -209,60 +241,68 @@ def circular(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, loss_of_logits:
     stages, chunks, micro = mesh.shape[STAGE], cfg.chunks_per_stage, cfg.microbatches
     ticks = chunks * micro + stages - 1
 
-    def run_stack(params: nnx.State, x: jax.Array) -> jax.Array:
-        """x: [rows, length, embed] (fp32) through every layer, pipelined."""
+    def run_stack(params: nnx.State, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x: [rows, length, embed] (fp32) through every layer, pipelined; and the aux-loss sum."""
         layers_per_chunk = jax.tree.leaves(params["layers"])[0].shape[0] // (stages * chunks)
 
-        def stage_loop(params: nnx.State, inputs: jax.Array) -> jax.Array:
+        def stage_loop(params: nnx.State, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
             stage = jax.lax.axis_index(STAGE)
             current = _stage_varying(jnp.zeros_like(inputs[0]))
             ring_buffer = _stage_varying(jnp.zeros_like(inputs))  # stage 0: items coming round again
             outputs = _stage_varying(jnp.zeros_like(inputs))
+            aux_sum = _stage_varying(jnp.zeros((), jnp.float32))
 
             def tick(carry, t):
-                current, ring_buffer, outputs = carry
+                current, ring_buffer, outputs, aux_sum = carry
                 item = t - stage
                 microbatch, chunk = jnp.mod(item, micro), jnp.clip(item // micro, 0, chunks - 1)
                 fresh = jnp.where(t < micro, inputs[jnp.minimum(t, micro - 1)], ring_buffer[microbatch])
                 current = jnp.where(stage == 0, fresh, current)
                 model = model_of(_slice_layers(params, chunk * layers_per_chunk, layers_per_chunk))
-                current = model.run_layers(current.astype(compute_dtype), shard).astype(CROSSING_DTYPE)
+                current, aux = model.run_layers(current.astype(compute_dtype), shard)
+                current = current.astype(CROSSING_DTYPE)
+                aux_sum = aux_sum + jnp.where((item >= 0) & (item < chunks * micro), aux, 0.0)
                 done = (stage == stages - 1) & (item >= 0) & (item // micro == chunks - 1)
                 outputs = jnp.where(done, outputs.at[microbatch].set(current), outputs)
                 current = _shift(current, stages, 1)
                 arrived = t - (stages - 1)  # the item the last stage just sent round the ring
                 ring_buffer = jnp.where((stage == 0) & (arrived >= 0),
                                         ring_buffer.at[jnp.mod(arrived, micro)].set(current), ring_buffer)
-                return (current, ring_buffer, outputs), None
+                return (current, ring_buffer, outputs, aux_sum), None
 
-            (_, _, outputs), _ = jax.lax.scan(tick, (current, ring_buffer, outputs), jnp.arange(ticks))
-            return jax.lax.psum(jnp.where(stage == stages - 1, outputs, 0.0), STAGE)
+            carry = (current, ring_buffer, outputs, aux_sum)
+            (_, _, outputs, aux_sum), _ = jax.lax.scan(tick, carry, jnp.arange(ticks))
+            return (jax.lax.psum(jnp.where(stage == stages - 1, outputs, 0.0), STAGE),
+                    jax.lax.psum(aux_sum, STAGE))
 
         pipelined = jax.shard_map(stage_loop, mesh=mesh, in_specs=(_stage_specs(params), PartitionSpec()),
-                                  out_specs=PartitionSpec(), axis_names={STAGE})
-        return _merge(pipelined(params, split_microbatches(x, micro)))
+                                  out_specs=(PartitionSpec(), PartitionSpec()), axis_names={STAGE})
+        outputs, aux_sum = pipelined(params, split_microbatches(x, micro))
+        return _merge(outputs), aux_sum
 
     def loss(params: nnx.State, batch: Batch) -> jax.Array:
         model = model_of(params)
         x = model.embed(batch["inputs"], shard).astype(CROSSING_DTYPE)
-        x = run_stack(params, x).astype(compute_dtype)
-        return loss_of_logits(model.logits(x, shard), batch)
+        x, aux_sum = run_stack(params, x)
+        return objective.of_logits(model.logits(x.astype(compute_dtype), shard), batch) + objective.of_aux(aux_sum)
 
     return jax.value_and_grad(loss)
 
 
-def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, loss_of_logits: LossOfLogits,
+def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
                 shard, compute_dtype) -> ValueAndGrad:
     """The 1F1B schedule (see the module docstring), with an explicit backward per stage."""
     stages, micro = mesh.shape[STAGE], cfg.microbatches
     ticks = micro + 2 * stages - 2
     stash_size = min(micro, 2 * stages - 1)
 
-    def stage_forward(params: nnx.State, x: jax.Array) -> jax.Array:
-        return model_of(params).run_layers(x.astype(compute_dtype), shard).astype(CROSSING_DTYPE)
+    def stage_forward(params: nnx.State, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """This stage's layers: (output, its share of the loss from the layers' aux losses)."""
+        y, aux = model_of(params).run_layers(x.astype(compute_dtype), shard)
+        return y.astype(CROSSING_DTYPE), objective.of_aux(aux)
 
     def head_loss(params: nnx.State, y: jax.Array, microbatch: Batch) -> jax.Array:
-        return loss_of_logits(model_of(params).logits(y.astype(compute_dtype), shard), microbatch)
+        return objective.of_logits(model_of(params).logits(y.astype(compute_dtype), shard), microbatch)
 
     def schedule(params: nnx.State, inputs: jax.Array, microbatches: Batch):
         """inputs: [M, rows, length, embed] embedding outputs. Returns the summed loss, the
@@ -286,7 +326,7 @@ def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, loss_of_logi
             f_index = jnp.clip(forward_mb, 0, micro - 1)
             x = jnp.where(stage == 0, inputs[f_index], carry["forward_in"])
             stash = jnp.where(forward_ok, carry["stash"].at[f_index % stash_size].set(x), carry["stash"])
-            y = stage_forward(params, x)
+            y, aux_loss = stage_forward(params, x)
             # The last stage turns its output into the loss and the loss's gradient at once.
             microbatch = jax.tree.map(lambda a: a[f_index], microbatches)
             loss, (head_grads, d_y) = jax.value_and_grad(head_loss, argnums=(0, 1))(params, y, microbatch)
@@ -297,14 +337,15 @@ def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, loss_of_logi
             b_index = jnp.clip(backward_mb, 0, micro - 1)
             cotangent = jnp.where(stage == last, d_y, carry["backward_in"])
             _, stage_vjp = jax.vjp(stage_forward, params, stash[b_index % stash_size])
-            layer_grads, d_x = stage_vjp(cotangent)
+            layer_grads, d_x = stage_vjp((cotangent, jnp.ones_like(aux_loss)))
             add = lambda acc, g, ok: jax.tree.map(lambda a, b: a + jnp.where(ok, b, 0.0), acc, g)
             grads = add(add(carry["grads"], layer_grads, backward_ok), head_grads, head_ok)
             d_inputs = jnp.where(backward_ok & (stage == 0),
                                  carry["d_inputs"].at[b_index].set(d_x), carry["d_inputs"])
             return dict(forward_in=_shift(y, stages, 1), backward_in=_shift(d_x, stages, -1),
                         stash=stash, grads=grads, d_inputs=d_inputs,
-                        loss=carry["loss"] + jnp.where(head_ok, loss, 0.0)), None
+                        loss=carry["loss"] + jnp.where(head_ok, loss, 0.0)
+                        + jnp.where(forward_ok, aux_loss, 0.0)), None
 
         carry, _ = jax.lax.scan(tick, carry, jnp.arange(ticks))
         grads = jax.tree_util.tree_map_with_path(
@@ -332,8 +373,8 @@ _SCHEDULES: dict[Schedule, Callable[..., ValueAndGrad]] = {
 }
 
 
-def make_value_and_grad(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, loss_of_logits: LossOfLogits,
+def make_value_and_grad(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
                         shard, compute_dtype) -> ValueAndGrad:
     """The loss-and-gradient function of one (accumulation) microbatch for ``mesh`` and ``cfg``."""
     schedule = sequential if mesh.shape[STAGE] == 1 else _SCHEDULES[cfg.schedule]
-    return schedule(cfg, mesh, model_of, loss_of_logits, shard, compute_dtype)
+    return schedule(cfg, mesh, model_of, objective, shard, compute_dtype)

@@ -5,13 +5,15 @@ parameter's ``embed`` dimension split over ``fsdp`` *at rest* and gathers it for
 activations are split over the batch instead. Each parallelism contributes a few rules; a preset
 is the composition of contributions, later ones overriding earlier ones::
 
-    name      dp                 fsdp                     tp                  fsdp_tp
-    batch     act: data+fsdp     act: data+fsdp           act: data+fsdp      act: data+fsdp
-    embed     -                  param: fsdp              -                   param: fsdp
-    heads     -                  -                        param+act: tensor   param+act: tensor
-    kv_heads  -                  -                        param+act: tensor   param+act: tensor
-    mlp       -                  -                        param+act: tensor   param+act: tensor
-    vocab     -                  -                        param+act: tensor   param+act: tensor
+    name           dp                 fsdp                     tp                  fsdp_tp
+    batch          act: data+fsdp     act: data+fsdp           act: data+fsdp      act: data+fsdp
+    embed          -                  param: fsdp              -                   param: fsdp
+    vocab          -                  -                        param+act: tensor   param+act: tensor
+    (role TENSOR)  -                  -                        param+act: tensor   param+act: tensor
+
+The table names the framework's logical axes (``models.api.FRAMEWORK_AXES``); a model family's own
+axes get the row of their ``AxisRole`` (for Llama: ``heads``, ``kv_heads`` and ``mlp`` are TENSOR,
+``head_dim`` REPLICATED) unless the table overrides them by name (``ShardingRules.completed``).
 
 Import ``PRESETS`` or ``ShardingRules`` to reuse them with any model that names these axes.
 """
@@ -26,11 +28,10 @@ from jax.sharding import PartitionSpec
 
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import MESH_AXES
+from models.api import FRAMEWORK_AXES, AxisRole
 
 # Mesh axes one logical axis maps to: none (replicated), one, or several (split over their product).
 MeshAxes = str | tuple[str, ...] | None
-
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +50,15 @@ def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
-    """A named, validated table ``logical axis -> AxisRule`` covering every logical axis."""
+    """A named, validated table ``logical axis -> AxisRule`` covering every framework axis, and the
+    rule of each ``AxisRole`` for a family's own axes (see ``completed``)."""
 
     name: str
     table: Mapping[str, AxisRule]
+    roles: Mapping[AxisRole, AxisRule] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        missing = [axis for axis in LOGICAL_AXES if axis not in self.table]
+        missing = [axis for axis in FRAMEWORK_AXES if axis not in self.table]
         if missing:
             raise ConfigError("sharding.rules", f"rules {self.name!r} give no rule for {missing}; "
                               "every logical axis needs one (null = replicated)")
@@ -71,6 +74,17 @@ class ShardingRules:
                     raise ConfigError(f"sharding.rules.{logical}.{column}",
                                       f"mesh axes {repeated} appear more than once; a mesh axis "
                                       "may split a dimension only once")
+
+    def completed(self, axis_roles: Mapping[str, AxisRole]) -> "ShardingRules":
+        """These rules for a family with ``axis_roles``: each family axis the table does not name
+        gets the rule of its role. A table row for an axis the family does not have is an error."""
+        known = FRAMEWORK_AXES + tuple(axis_roles)
+        unknown = [axis for axis in self.table if axis not in known]
+        if unknown:
+            raise ConfigError("sharding.rules", f"unknown logical axes {unknown}; valid: {list(known)}")
+        rows = {axis: self.roles.get(role, AxisRule()) for axis, role in axis_roles.items()
+                if axis not in self.table}
+        return dataclasses.replace(self, table={**self.table, **rows})
 
     def uses(self, mesh_axis: str) -> bool:
         """Whether any rule splits something over ``mesh_axis``."""
@@ -105,18 +119,16 @@ class ShardingRules:
         """These rules with some logical axes' rules replaced (``name`` gains a ``+``)."""
         if not overrides:
             return self
-        unknown = [axis for axis in overrides if axis not in LOGICAL_AXES]
-        if unknown:
-            raise ConfigError("sharding.rules", f"unknown logical axes {unknown}; valid: {list(LOGICAL_AXES)}")
-        return ShardingRules(f"{self.name}+overrides", {**self.table, **overrides})
+        return dataclasses.replace(self, name=f"{self.name}+overrides", table={**self.table, **overrides})
 
 
 # The contributions of each parallelism, in the order they compose.
-REPLICATED = {axis: AxisRule() for axis in LOGICAL_AXES}
+REPLICATED = {axis: AxisRule() for axis in FRAMEWORK_AXES}
 DATA_PARALLEL = {"batch": AxisRule(activations=("data", "fsdp"))}
 FULLY_SHARDED = {"embed": AxisRule(params="fsdp")}
-TENSOR_PARALLEL = {axis: AxisRule(params="tensor", activations="tensor")
-                   for axis in ("heads", "kv_heads", "mlp", "vocab")}
+TENSOR_SPLIT = AxisRule(params="tensor", activations="tensor")
+TENSOR_PARALLEL = {"vocab": TENSOR_SPLIT}
+TENSOR_PARALLEL_ROLES = {AxisRole.TENSOR: TENSOR_SPLIT}
 
 
 class Preset(str, enum.Enum):
@@ -135,15 +147,16 @@ class Preset(str, enum.Enum):
 PRESETS: dict[Preset, ShardingRules] = {
     Preset.DP: ShardingRules("dp", {**REPLICATED, **DATA_PARALLEL}),
     Preset.FSDP: ShardingRules("fsdp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED}),
-    Preset.TP: ShardingRules("tp", {**REPLICATED, **DATA_PARALLEL, **TENSOR_PARALLEL}),
+    Preset.TP: ShardingRules("tp", {**REPLICATED, **DATA_PARALLEL, **TENSOR_PARALLEL}, TENSOR_PARALLEL_ROLES),
     Preset.FSDP_TP: ShardingRules("fsdp_tp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED,
-                                              **TENSOR_PARALLEL}),
+                                              **TENSOR_PARALLEL}, TENSOR_PARALLEL_ROLES),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardingConfig:
-    """``preset`` picks a rules table; ``rules`` replaces the rule of individual logical axes.
+    """``preset`` picks a rules table; ``rules`` replaces the rule of individual logical axes (the
+    framework's or the model family's; which names exist is checked against the family).
 
     ``replicated_warning_bytes``: a parameter at least this large that stays fully replicated on a
     mesh with fsdp or tensor > 1 is reported at start-up.

@@ -1,7 +1,7 @@
 """From logical rules to concrete shardings of parameters, optimizer state, batches and activations.
 
-Parameter shardings are read from each parameter's logical axes (``models.common.logical_param``)
-through ``ShardingRules.param_spec``; activations are constrained through ``activation_spec``.
+Parameter specs are decided by ``layout.ParallelPlan`` (the rules, the ZeRO stage, the pipeline) and
+become ``NamedSharding``s here; activations are constrained through ``ShardingRules.activation_spec``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshtrain.errors import ConfigError
 from meshtrain.parallel.rules import ShardingRules
 from models.common import ActivationSharding, LogicalAxes, logical_axes_of
 
@@ -39,24 +38,10 @@ def _split_sizes(spec: PartitionSpec, mesh: Mesh) -> list[int]:
     return sizes
 
 
-def param_shardings(abstract_params: nnx.State, rules: ShardingRules, mesh: Mesh) -> nnx.State:
-    """The at-rest ``NamedSharding`` of every parameter (same tree as ``abstract_params``).
-
-    Raises ``ConfigError`` naming the mesh axis when a dimension is not divisible by the number of
-    devices that split it.
-    """
-    for path, variable in nnx.to_flat_state(abstract_params):
-        axes = logical_axes_of(variable)
-        spec = rules.param_spec(axes)
-        for size, logical, entry, ways in zip(variable.shape, axes, spec, _split_sizes(spec, mesh)):
-            if size % ways:
-                mesh_axes = (entry,) if isinstance(entry, str) else tuple(entry)
-                divisors = [d for d in range(1, size + 1) if size % d == 0]
-                raise ConfigError(f"mesh.{mesh_axes[-1]}", f"{logical!r} (size {size}) of parameter "
-                                  f"{_param_name(path)} is split {ways} ways over {list(mesh_axes)}, which "
-                                  f"does not divide it; use a split among {divisors} or change the rules")
-    return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, rules.param_spec(logical_axes_of(v)))),
-                        abstract_params, is_leaf=_is_variable)
+def named_shardings(specs: Any, mesh: Mesh) -> Any:
+    """A tree of PartitionSpecs (e.g. ``ParallelPlan.state_specs().params``) as NamedShardings on ``mesh``."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def activation_sharding(rules: ShardingRules, mesh: Mesh) -> ActivationSharding:

@@ -22,7 +22,7 @@ import enum
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from meshtrain.errors import ConfigError
 
@@ -49,26 +49,29 @@ class ZeroConfig:
 
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
-    """NamedShardings (trees like the parameters) of parameters, gradients and optimizer moments."""
+    """Trees like the parameters, of PartitionSpecs (or NamedShardings) of parameters, gradients and
+    optimizer moments."""
 
     params: nnx.State
     grads: nnx.State
     optimizer: nnx.State
 
 
-def _drop_axis(sharding: NamedSharding, axis: str) -> NamedSharding:
+def drop_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    """``spec`` with mesh axis ``axis`` removed from every dimension."""
     def entry_without(entry):
         axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
         kept = tuple(a for a in axes if a != axis)
         return kept[0] if len(kept) == 1 else (kept or None)
 
-    return NamedSharding(sharding.mesh, PartitionSpec(*(entry_without(e) for e in sharding.spec)),
-                         memory_kind=sharding.memory_kind)
+    return PartitionSpec(*(entry_without(e) for e in spec))
 
 
 def zero_layout(stage: ZeroStage, sharded: nnx.State) -> StateLayout:
-    """The layout of each part of the state under ``stage``, from the rules' sharded layout."""
-    replicated = jax.tree.map(lambda s: _drop_axis(s, ZERO_AXIS), sharded)
+    """The specs of each part of the state under ``stage``, from the rules' sharded specs (a State
+    of PartitionSpecs)."""
+    replicated = jax.tree.map(lambda v: v.replace(drop_axis(v.get_value(), ZERO_AXIS)), sharded,
+                              is_leaf=lambda x: isinstance(x, nnx.Variable))
     pick = lambda threshold: sharded if stage >= threshold else replicated
     return StateLayout(params=pick(ZeroStage.PARAMETERS), grads=pick(ZeroStage.GRADIENTS),
                        optimizer=pick(ZeroStage.OPTIMIZER))

@@ -34,7 +34,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
-                           unconstrained)
+                           palm_train_flops_per_token, unconstrained)
 
 # Activations a NAMED remat policy may keep (tagged with ``checkpoint_name`` in the layer).
 CHECKPOINT_NAMES = ("query", "key", "value", "attention", "mlp_hidden")
@@ -157,6 +157,44 @@ class LlamaConfig:
         """Parameters that take part in matmuls: all but the input-embedding gather and norms."""
         per_layer = self.layer_params - 2 * self.embed_dim
         return self.num_layers * per_layer + self.embed_dim * self.vocab_size
+
+
+def flops_per_token(cfg: LlamaConfig) -> float:
+    """Training FLOPs per token (PaLM convention, ``models.common.palm_train_flops_per_token``)."""
+    return palm_train_flops_per_token(matmul_params=cfg.matmul_params, num_layers=cfg.num_layers,
+                                      seq_len=cfg.seq_len, attention_dim=cfg.attention_dim)
+
+
+def recompute_flops_per_token(cfg: LlamaConfig, remat: RematPolicy) -> float:
+    """Forward FLOPs per token the backward recomputes: DOTS recomputes the attention matmuls,
+    FULL every layer's matmuls and attention."""
+    attention_forward = 4 * cfg.num_layers * cfg.seq_len * cfg.attention_dim
+    layer_matmul = cfg.num_layers * (cfg.layer_params - 2 * cfg.embed_dim)
+    return {RematPolicy.DOTS: attention_forward,
+            RematPolicy.FULL: 2 * layer_matmul + attention_forward}.get(remat, 0.0)
+
+
+def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_bytes: int) -> tuple[float, float]:
+    """(saved, working) activation bytes per token and layer on one device.
+
+    ``saved``: what the backward pass keeps per layer under ``remat``; ``working``: the live set of
+    one layer while its backward runs (its recomputed activations and their gradients). Counts in
+    vectors per token: d = embed, q = heads*head_dim/tensor, k = kv_heads*head_dim/tensor,
+    f = mlp/tensor in the compute dtype, s = heads/tensor * seq_len attention scores in fp32.
+    """
+    d = cfg.embed_dim
+    q = cfg.num_heads * cfg.head_dim / tensor
+    k = cfg.num_kv_heads * cfg.head_dim / tensor
+    f = cfg.mlp_dim / tensor
+    s = cfg.num_heads / tensor * cfg.seq_len * 4  # fp32 scores
+    c = compute_bytes
+    everything = (8 * d + 3 * q + 3 * k + 4 * f) * c + 2 * s
+    # The backward of the MLP holds the gradients of gate, up, silu and hidden besides them.
+    working = (8 * d + 3 * q + 3 * k + 8 * f) * c + 2 * s
+    saved = {RematPolicy.NONE: everything,
+             RematPolicy.DOTS: (d + (q + 2 * k) + 2 * d + 2 * f) * c,  # input, q/k/v, out/down, gate/up
+             RematPolicy.FULL: d * c}.get(remat, everything)
+    return saved, working
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
@@ -329,19 +367,21 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
         """tokens: [batch, length] -> logits [batch, length, vocab]."""
-        return self.logits(self.run_layers(self.embed(tokens, shard), shard), shard)
+        x, _ = self.run_layers(self.embed(tokens, shard), shard)
+        return self.logits(x, shard)
 
-    # The three pieces below let a pipeline run the stacked layers over stages while the embedding
-    # and the head stay outside the stage loop.
+    # The three pieces of ``models.api.DecoderModel``: a pipeline runs the stacked layers over
+    # stages while the embedding and the head stay outside the stage loop.
 
     def embed(self, tokens: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
         """tokens: [batch, length] -> x: [batch, length, embed]."""
         table = shard(self.embedding[...], ("vocab", "embed"))
         return shard(jnp.take(table, tokens, axis=0), BATCH_LENGTH_EMBED)
 
-    def run_layers(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
+    def run_layers(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> tuple[jax.Array, jax.Array]:
         """Applies every layer this module holds (``layers`` may be a pipeline stage's slice) in
-        order with ``lax.scan`` and the configured remat policy: [batch, length, embed] -> same."""
+        order with ``lax.scan`` and the configured remat policy: [batch, length, embed] -> same,
+        and the auxiliary loss (Llama has none: 0)."""
         cfg = self.cfg
         rotary = rotary_tables(x.shape[1], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         layer_def, layer_state = nnx.split(self.layers)
@@ -350,7 +390,7 @@ class Llama(nnx.Module):
             return nnx.merge(layer_def, one_layer_state)(x, rotary, shard), None
 
         x, _ = jax.lax.scan(cfg.remat.wrap(run_layer, cfg.remat_names), x, layer_state)
-        return x
+        return x, jnp.zeros((), jnp.float32)
 
     def logits(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
         """x: [batch, length, embed] -> logits [batch, length, vocab]."""

@@ -1,0 +1,168 @@
+"""Loading a model for the tools (``convert``, ``export``, ``logits``, ``generate``): an HF directory,
+a meshtrain export or a run (its checkpoints) onto a mesh, each device reading only its shards.
+
+The model family comes from what the directory records (``config.json``'s ``model_type``, the
+export's or checkpoint's ``model`` section); parameters come back in model layer order, whatever
+pipeline layout wrote them (``RunCheckpoints.restore`` converts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import pathlib
+from typing import Any
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshtrain import hf
+from meshtrain.checkpoint import (CHECKPOINT_DIR, EXPORT_META, PARAMS_DIR, Restored, RunCheckpoints,
+                                  UnreadableCheckpoint, check_params, load_params, resolve_restore_path)
+from meshtrain.config import Config, config_from_dict, load_config, model_dict, to_dict
+from meshtrain.errors import ConfigError
+from meshtrain.mesh import make_mesh
+from meshtrain.parallel.layout import ParallelPlan, abstract_model
+from meshtrain.parallel.pipeline import LayerOrder
+from meshtrain.parallel.rules import ShardingRules
+from meshtrain.parallel.sharding import activation_sharding, named_shardings
+from meshtrain.train_config import TrainConfig
+from models.api import DecoderModel, family_of
+from models.common import ActivationSharding
+
+
+class SourceKind(str, enum.Enum):
+    HF = "hf"  # config.json + safetensors
+    EXPORT = "export"  # params/ + meshtrain.json (python -m meshtrain.export, convert from-hf)
+    RUN = "run"  # a run directory, its checkpoints/ or one step directory
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model's config and parameters (fp32, in their shardings on ``mesh``), ready to run."""
+
+    cfg: Any  # the family's model config
+    graphdef: Any
+    params: nnx.State
+    mesh: Mesh
+    rules: ShardingRules
+    kind: SourceKind
+    path: pathlib.Path
+    hf_config: dict | None = None  # the config.json an HF model (or an import of one) came with
+    hf_dtypes: dict[str, str] | None = None  # its tensors' dtypes
+
+    @property
+    def shard(self) -> ActivationSharding:
+        return activation_sharding(self.rules, self.mesh)
+
+    def module(self) -> DecoderModel:
+        return nnx.merge(self.graphdef, self.params)
+
+
+def source_kind(path: str | pathlib.Path, *, field: str) -> SourceKind:
+    """What kind of model directory ``path`` is."""
+    root = pathlib.Path(path)
+    if not root.is_dir():
+        raise ConfigError(field, f"no such directory: {path}")
+    if (root / hf.CONFIG_FILE).is_file():
+        return SourceKind.HF
+    if (root / PARAMS_DIR).is_dir():
+        return SourceKind.EXPORT
+    if (root / CHECKPOINT_DIR).is_dir() or (root / "meta").exists() or any(
+            p.name.isdigit() for p in root.iterdir()):
+        return SourceKind.RUN
+    raise ConfigError(field, f"{path} is not a model directory: expected an HF directory (config.json), "
+                      f"a meshtrain export ({PARAMS_DIR}/) or a run directory ({CHECKPOINT_DIR}/)")
+
+
+def _check_no_stages(mesh: Mesh) -> None:
+    if mesh.shape["stage"] != 1:
+        raise ConfigError("mesh.stage", f"is {mesh.shape['stage']}; loading for inference or conversion "
+                          "uses no pipeline stages (use 1)")
+
+
+def inference_plan(model_cfg: Any, mesh: Mesh, rules: ShardingRules) -> ParallelPlan:
+    """The layout of ``model_cfg`` on ``mesh`` for inference or conversion (checked: no pipeline,
+    every parameter dimension divisible by its split)."""
+    _check_no_stages(mesh)
+    plan = ParallelPlan.of(model_cfg, mesh.shape, rules, TrainConfig(batch_size=mesh.devices.size))
+    plan.check()
+    return plan
+
+
+def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, step: int | None = None,
+               field: str = "--model") -> LoadedModel:
+    """The model at ``path`` (an HF directory, a meshtrain export or a run) on ``mesh``.
+
+    Each device reads only its own shards. A run's checkpoint (the latest, or ``step``) is restored
+    in full (parameters and optimizer moments) with its layers in model order.
+    """
+    root = pathlib.Path(path)
+    kind = source_kind(root, field=field)
+    if kind is SourceKind.RUN:
+        _check_no_stages(mesh)
+        cfg, restored = restore_run(root, mesh, rules, step=step, field=field)
+        return LoadedModel(cfg.model, abstract_model(cfg.model)[0], restored.state.params, mesh,
+                           inference_plan(cfg.model, mesh, rules).rules, SourceKind.RUN, restored.path)
+    if kind is SourceKind.HF:
+        config = hf.read_config(root, field=field)
+        cfg = hf.model_config(config)
+    else:
+        try:
+            meta = json.loads((root / EXPORT_META).read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(field, f"cannot read {root / EXPORT_META}: {err}") from None
+        cfg = config_from_dict({"model": meta.get("model", {})}).model
+    graphdef, abstract = abstract_model(cfg)
+    plan = inference_plan(cfg, mesh, rules)
+    shardings = named_shardings(plan.param_specs(), mesh)
+    if kind is SourceKind.HF:
+        files = hf.SafetensorsFiles(root, field=field)
+        params = hf.load_params(files, hf.adapter_of(family_of(cfg), field=field), abstract, shardings,
+                                field=field)
+        return LoadedModel(cfg, graphdef, params, mesh, plan.rules, kind, root, config, hf.tensor_dtypes(files))
+    target = check_params(str(root), abstract, shardings, model_config=model_dict(cfg), field=field)
+    nnx.replace_by_pure_dict(abstract, load_params(str(root), target, field=field))  # filled in place
+    source_hf = meta.get("hf", {})
+    return LoadedModel(cfg, graphdef, abstract, mesh, plan.rules, kind, root, source_hf.get("config"),
+                       source_hf.get("dtypes"))
+
+
+def restore_run(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules | None = None, *,
+                step: int | None = None, field: str = "--run") -> tuple[Config, Restored]:
+    """(the run's config, its checkpoint ``step`` (default: the latest complete one)) restored onto
+    ``mesh`` under ``rules`` (default: the run's own), with the layers in model order."""
+    from meshtrain.trainer import Trainer
+
+    checkpoints, given_step = resolve_restore_path(str(path), field=field)
+    source = RunCheckpoints(checkpoints, read_only=True)
+    try:
+        step = source.pick_step(step, given_step)
+        try:
+            cfg = config_from_dict(source.read_meta(step)["config"])
+        except UnreadableCheckpoint as err:
+            raise ConfigError(field, f"checkpoint {source.path(step)} is unreadable ({err}); pass --step to "
+                              f"load another of {source.steps()}") from None
+        # The trainer only gives the state's shapes here: any batch size it accepts will do.
+        train_cfg = dataclasses.replace(cfg.train, batch_size=mesh.devices.size, grad_accum=1)
+        trainer = Trainer(cfg.model, train_cfg, cfg.optimizer, rules or cfg.sharding.resolve(), mesh)
+        try:
+            restored = source.restore(step, trainer.abstract_state(), field=field, config=to_dict(cfg),
+                                      layer_order=LayerOrder(num_layers=cfg.model.num_layers))
+        except UnreadableCheckpoint as err:
+            raise ConfigError(field, f"checkpoint {source.path(step)} is unreadable ({err}); pass --step to "
+                              f"load another of {source.steps()}") from None
+    finally:
+        source.close()
+    return cfg, restored
+
+
+def mesh_and_rules(overrides: list[str]) -> tuple[Mesh, ShardingRules]:
+    """The mesh and rules of ``mesh.*=`` / ``sharding.*=`` overrides (default: fsdp over all devices)."""
+    for text in overrides:
+        section = text.split("=", 1)[0].split(".", 1)[0]
+        if section not in ("mesh", "sharding"):
+            raise ConfigError(text.split("=", 1)[0], "only mesh.* and sharding.* overrides are accepted here")
+    cfg = load_config(None, overrides)
+    return make_mesh(cfg.mesh), cfg.sharding.resolve()

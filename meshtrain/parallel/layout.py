@@ -1,0 +1,160 @@
+"""``ParallelPlan``: the one object that decides everything about a layout.
+
+mesh sizes x rules x ZeRO stage x pipeline x offload, for one model and one global batch ->
+the final rules table (the family's axes completed, ``layers -> stage`` when pipelining), the at-rest
+specs of parameters, gradients and optimizer state, the pipeline's layer order, and every
+cross-section check (batch divisibility, layers per stage, microbatches, divisibility of each
+parameter dimension). It needs only the mesh's axis sizes, so ``meshtrain.plan`` builds the same
+object for a cluster it does not have; the trainer turns its specs into ``NamedSharding``s on the
+real mesh. Neither re-derives what the other decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from meshtrain.errors import ConfigError, Infeasible
+from meshtrain.mesh import MESH_AXES
+from meshtrain.parallel.offload import OffloadConfig
+from meshtrain.parallel.pipeline import STAGE, LayerOrder, PipelineConfig, pipeline_rules
+from meshtrain.parallel.rules import ShardingRules
+from meshtrain.parallel.zero import StateLayout, ZeroConfig, zero_layout
+from meshtrain.train_config import TrainConfig
+from models.api import ModelFamily, family_of
+from models.common import logical_axes_of
+
+
+def abstract_model(model_cfg: Any) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract parameters with logical axes) of a model config; allocates nothing."""
+    return nnx.split(nnx.eval_shape(lambda: family_of(model_cfg).build(model_cfg)))
+
+
+def spec_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelPlan:
+    """One layout of one model (see the module docstring). Build with ``ParallelPlan.of`` or directly;
+    ``problems()`` says why it cannot run, ``check()`` raises the first as a ``ConfigError``."""
+
+    model: Any  # the family's config
+    abstract_params: nnx.State
+    mesh_shape: Mapping[str, int]  # {data, fsdp, tensor, stage}
+    base_rules: ShardingRules
+    train: TrainConfig
+    pipeline: PipelineConfig = PipelineConfig()
+    zero: ZeroConfig = ZeroConfig()
+    offload: OffloadConfig = OffloadConfig()
+
+    @classmethod
+    def of(cls, model: Any, mesh_shape: Mapping[str, int], rules: ShardingRules, train: TrainConfig,
+           pipeline: PipelineConfig = PipelineConfig(), zero: ZeroConfig = ZeroConfig(),
+           offload: OffloadConfig = OffloadConfig(), abstract_params: nnx.State | None = None) -> "ParallelPlan":
+        if abstract_params is None:
+            abstract_params = abstract_model(model)[1]
+        return cls(model, abstract_params, {axis: int(mesh_shape[axis]) for axis in MESH_AXES}, rules, train,
+                   pipeline, zero, offload)
+
+    @property
+    def family(self) -> ModelFamily:
+        return family_of(self.model)
+
+    @property
+    def stages(self) -> int:
+        return self.mesh_shape[STAGE]
+
+    @functools.cached_property
+    def rules(self) -> ShardingRules:
+        """The rules table of this layout: the family's axes completed, ``layers -> stage`` when pipelining."""
+        rules = self.base_rules.completed(self.family.axis_roles)
+        return pipeline_rules(rules) if self.stages > 1 else rules
+
+    @property
+    def layer_order(self) -> LayerOrder:
+        """How the stacked layers are stored (interleaved pipelines: in stage order)."""
+        return LayerOrder.of_run(self.stages, self.pipeline, self.model.num_layers)
+
+    def ways(self, spec: PartitionSpec, drop: str | None = None) -> list[int]:
+        """How many ways each dimension of ``spec`` is split (ignoring mesh axis ``drop``)."""
+        return [math.prod(self.mesh_shape[a] for a in spec_axes(entry) if a != drop) for entry in spec]
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return spec_axes(self.rules.activation_spec(("batch",))[0])
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of ways the batch dimension is split."""
+        return math.prod(self.mesh_shape[a] for a in self.batch_axes)
+
+    @property
+    def rows_per_shard(self) -> int:
+        """Rows of one data-parallel shard per accumulation step (0 when the batch does not divide)."""
+        rows = self.data_parallel_size * self.train.grad_accum
+        return self.train.batch_size // rows if self.train.batch_size % rows == 0 else 0
+
+    def param_specs(self) -> nnx.State:
+        """The at-rest PartitionSpec of every parameter under the rules (before the ZeRO stage)."""
+        return _map_variables(self.abstract_params, lambda v: self.rules.param_spec(logical_axes_of(v)))
+
+    def state_specs(self) -> StateLayout:
+        """PartitionSpecs of parameters, gradients and optimizer moments after the ZeRO stage."""
+        return zero_layout(self.zero.stage, self.param_specs())
+
+    def problems(self) -> list[Infeasible]:
+        """Every reason this layout cannot be built (empty when it can)."""
+        try:
+            rules = self.rules
+        except ConfigError as err:
+            return [Infeasible(err.field, err.message, err.message)]
+        found = []
+        dp, accum, batch = self.data_parallel_size, self.train.grad_accum, self.train.batch_size
+        if batch % (dp * accum):
+            found.append(Infeasible(
+                "train.batch_size", f"{batch} must be divisible by the data-parallel size {dp} x "
+                f"train.grad_accum {accum} = {dp * accum}",
+                f"batch {batch} not divisible by {'x'.join(self.batch_axes)}={dp}"
+                + (f" x grad_accum {accum}" if accum > 1 else "")))
+        if self.stages > 1:
+            found += self.pipeline.problems(self.stages, self.model.num_layers, self.rows_per_shard)
+        for path, variable in nnx.to_flat_state(self.abstract_params):
+            problem = self._divisibility(".".join(map(str, path)), variable, rules)
+            if problem is not None and problem.reason not in [p.reason for p in found]:
+                found.append(problem)
+        return found
+
+    def _divisibility(self, name: str, variable: Any, rules: ShardingRules) -> Infeasible | None:
+        axes = logical_axes_of(variable)
+        spec = rules.param_spec(axes)
+        for size, logical, entry, ways in zip(variable.shape, axes, spec, self.ways(spec)):
+            if size % ways:
+                mesh_axes = spec_axes(entry)
+                where = "x".join(f"{a}={self.mesh_shape[a]}" for a in mesh_axes if self.mesh_shape[a] > 1)
+                divisors = [d for d in range(1, size + 1) if size % d == 0]
+                return Infeasible(
+                    f"mesh.{mesh_axes[-1]}", f"{logical!r} (size {size}) of parameter {name} is split "
+                    f"{ways} ways over {list(mesh_axes)}, which does not divide it; use a split among "
+                    f"{divisors} or change the rules",
+                    f"{where} > {logical}={size}" if ways > size else f"{logical} {size} not divisible by {where}")
+        return None
+
+    def check(self) -> None:
+        """Raises the first problem as a ``ConfigError``."""
+        problems = self.problems()
+        if problems:
+            raise problems[0].error()
+
+
+def _map_variables(tree: nnx.State, fn: Callable[[nnx.Variable], Any]) -> nnx.State:
+    """A State like ``tree`` whose variables hold ``fn(variable)``."""
+    return jax.tree.map(lambda v: v.replace(fn(v)), tree, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -1,0 +1,229 @@
+"""The one interface between meshtrain and a model family, and the registry of families.
+
+A family is a decoder over stacked layers. The framework calls only what ``DecoderModel`` declares
+(embed, the stacked layers, logits), reads only what ``ModelConfig`` declares, and learns everything
+else about the family from its ``ModelFamily`` entry: its config class, its logical axes beyond the
+framework's own (``FRAMEWORK_AXES``) and the role each plays under the rules, its FLOPs per token,
+its per-layer activation bytes for the planner and, optionally, its Hugging Face adapter.
+
+Adding a family: write the module (config dataclass, ``nnx.Module``, ``ModelFamily(...)``), call
+``register(family)`` at import time, and either list the module in ``models/__init__.py`` (built in)
+or name it in ``model.plugin`` (any importable module, e.g. one under ``tests/``). No file under
+``meshtrain/`` changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+from flax import nnx
+
+from models.common import ActivationSharding, RematPolicy
+
+# Logical axes the framework itself names (batch rows, sequence, hidden size, vocabulary, the
+# stacked-layer axis). A family adds its own in ``ModelFamily.axis_roles``.
+FRAMEWORK_AXES = ("batch", "length", "embed", "vocab", "layers")
+# ``model.family`` when a config names none (every config and run directory from before families).
+DEFAULT_FAMILY = "llama"
+# The stacked-layers sub-module of every family: parameters under it lead with the ``layers`` axis.
+LAYERS_KEY = "layers"
+
+
+class AxisRole(str, enum.Enum):
+    """What a family's logical axis is, so that each rules preset knows where to put it.
+
+    REPLICATED: never split (e.g. ``head_dim``).
+    TENSOR: split by tensor parallelism, in parameters and activations alike (attention heads, MLP
+    hidden units: the column- and row-parallel dimensions of Megatron's layer).
+    """
+
+    REPLICATED = "replicated"
+    TENSOR = "tensor"
+
+
+class ModelConfig(Protocol):
+    """What the framework reads from any family's config (a frozen dataclass)."""
+
+    vocab_size: int
+    embed_dim: int
+    num_layers: int
+    seq_len: int
+    remat: RematPolicy
+
+    @property
+    def num_params(self) -> int: ...
+
+
+class DecoderModel(Protocol):
+    """What the framework (trainer, every pipeline schedule, the tools) calls on a family's module.
+
+    ``layers`` holds the stacked layers: every parameter under it leads with the ``layers`` axis, and a
+    module merged from a slice of them (a pipeline stage's chunk) runs just those layers.
+    """
+
+    layers: nnx.Module
+
+    def embed(self, tokens: jax.Array, shard: ActivationSharding) -> jax.Array:
+        """tokens [batch, length] -> x [batch, length, embed]."""
+
+    def run_layers(self, x: jax.Array, shard: ActivationSharding) -> tuple[jax.Array, jax.Array]:
+        """x [batch, length, embed] through the layers this module holds -> (x, aux).
+
+        ``aux`` is an fp32 scalar: the auxiliary losses of these layers (already weighted by their
+        coefficients, e.g. an MoE load-balancing loss), **summed over the batch rows** of ``x``. The
+        framework divides it by the rows of the global batch, so the objective does not depend on
+        how the rows are split into microbatches, pipeline microbatches or devices. 0 when none.
+        (Return the per-layer values as outputs of the layer scan and sum them, rather than carrying
+        a sum: inside a pipeline stage a fresh carry would not be varying over the stage axis.)
+        """
+
+    def logits(self, x: jax.Array, shard: ActivationSharding) -> jax.Array:
+        """x [batch, length, embed] -> logits [batch, length, vocab]."""
+
+
+@runtime_checkable
+class CachedDecoder(Protocol):
+    """The optional generation path (``meshtrain.generate``): a KV cache filled position by position."""
+
+    def init_cache(self, batch: int, max_len: int) -> Any:
+        """An empty cache (a pytree) for ``batch`` sequences of up to ``max_len`` positions."""
+
+    def cached_forward(self, tokens: jax.Array, cache: Any, start: jax.Array,
+                       shard: ActivationSharding) -> tuple[jax.Array, Any]:
+        """tokens [batch, length] at positions start.. -> (logits, the cache with them written)."""
+
+
+def forward(model: DecoderModel, tokens: jax.Array, shard: ActivationSharding) -> jax.Array:
+    """tokens [batch, length] -> logits [batch, length, vocab] through the whole model."""
+    x, _ = model.run_layers(model.embed(tokens, shard), shard)
+    return model.logits(x, shard)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """How one of our parameters is stored in a Hugging Face checkpoint.
+
+    ``name``: the HF tensor name (per-layer names hold ``{layer}``). ``groups``: our logical axes per
+    HF dimension, outermost first (q_proj's rows are ``("heads", "head_dim")`` flattened).
+    """
+
+    name: str
+    groups: tuple[tuple[str, ...], ...]
+
+
+class HFAdapter(Protocol):
+    """A family's mapping to and from Hugging Face ``config.json`` + safetensors checkpoints."""
+
+    model_types: tuple[str, ...]  # the config.json ``model_type`` values this family reads
+    architecture_fields: tuple[str, ...]  # config fields that fix the weights' meaning
+
+    def config_from_hf(self, config: dict, *, seq_len: int | None = None) -> Any:
+        """The family config of a parsed ``config.json`` (``InvalidField`` naming the json key)."""
+
+    def hf_config(self, cfg: Any, *, dtype: str, base: dict | None = None) -> dict:
+        """A ``config.json`` for ``cfg``; non-architecture fields of ``base`` are kept."""
+
+    def tensor(self, path: tuple[str, ...]) -> TensorSpec:
+        """The HF tensor of our parameter at ``path`` (``("layers", ...)`` for stacked ones)."""
+
+    def overrides(self, name: str, value: Any, ours: Any) -> list[str]:
+        """``model.x=...`` overrides that set architecture field ``name`` to ``value``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """One registry entry: everything the framework needs to know about a family.
+
+    Attributes:
+      name: the ``model.family`` value.
+      config_class: the family's config dataclass (the ``model`` section, less ``family``/``plugin``).
+      model_class: ``model_class(cfg, rngs=nnx.Rngs)`` builds a ``DecoderModel``.
+      axis_roles: the family's logical axes beyond ``FRAMEWORK_AXES`` and the role of each.
+      flops_per_token: training (forward + backward) FLOPs per token, for MFU.
+      recompute_flops_per_token: extra forward FLOPs per token that a remat policy recomputes.
+      activation_bytes: ``(cfg, tensor, remat, compute_bytes) -> (saved, working)`` bytes per token
+        and layer on one device: what the backward keeps under ``remat``, and one layer's live set
+        during its backward (for ``meshtrain.plan``).
+      hf: the Hugging Face adapter, or None when the family has none.
+    """
+
+    name: str
+    config_class: type
+    model_class: Callable[..., DecoderModel]
+    axis_roles: Mapping[str, AxisRole]
+    flops_per_token: Callable[[Any], float]
+    recompute_flops_per_token: Callable[[Any, RematPolicy], float]
+    activation_bytes: Callable[[Any, int, RematPolicy, int], tuple[float, float]]
+    hf: HFAdapter | None = None
+
+    def __post_init__(self):
+        clash = sorted(set(self.axis_roles) & set(FRAMEWORK_AXES))
+        if clash:
+            raise ValueError(f"family {self.name!r} redefines the framework's logical axes {clash}")
+
+    @property
+    def logical_axes(self) -> tuple[str, ...]:
+        """Every logical axis a model of this family may name."""
+        return FRAMEWORK_AXES + tuple(self.axis_roles)
+
+    def build(self, cfg: Any, seed: int = 0) -> DecoderModel:
+        return self.model_class(cfg, rngs=nnx.Rngs(seed))
+
+
+class UnknownFamily(LookupError):
+    """``model.family`` or ``model.plugin`` names nothing registered or importable."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    """Adds ``family`` to the registry (at import of its module); a name is registered once."""
+    known = _FAMILIES.get(family.name)
+    if known is not None and known.config_class is not family.config_class:
+        raise ValueError(f"model family {family.name!r} is already registered by {known.config_class}")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def import_plugin(module: str) -> None:
+    """Imports ``module`` so that the families it defines register themselves."""
+    try:
+        importlib.import_module(module)
+    except ImportError as err:
+        raise UnknownFamily("plugin", f"cannot import {module!r}: {err}") from None
+
+
+def family_named(name: str) -> ModelFamily:
+    """The registered family ``name``."""
+    if name not in _FAMILIES:
+        raise UnknownFamily("family", f"unknown model family {name!r}; known: {sorted(_FAMILIES)} "
+                            "(a family defined elsewhere needs model.plugin=its.module)")
+    return _FAMILIES[name]
+
+
+def family_of(cfg: Any) -> ModelFamily:
+    """The family whose config class ``cfg`` is an instance of."""
+    for family in _FAMILIES.values():
+        if type(cfg) is family.config_class:
+            return family
+    raise UnknownFamily("family", f"{type(cfg).__name__} is not the config of a registered model family")
+
+
+def plugin_of(family: ModelFamily) -> str | None:
+    """The module to import to register ``family`` again elsewhere (None for built-in families)."""
+    module = family.config_class.__module__
+    return None if module.split(".")[0] == "models" else module
+
+
+def families() -> list[str]:
+    return sorted(_FAMILIES)

@@ -1,0 +1,17 @@
+"""The Llama family (Llama 2/3, Mistral shapes): the model, its Hugging Face adapter, its registry entry."""
+
+from models.api import AxisRole, ModelFamily, register
+from models.llama.hf import LlamaHF
+from models.llama.model import (CHECKPOINT_NAMES, AttentionKernel, KVCache, Llama, LlamaConfig, RopeScaling,
+                                RopeScalingConfig, activation_bytes, apply_rotary, flops_per_token,
+                                recompute_flops_per_token, rotary_frequencies, rotary_tables)
+
+FAMILY = register(ModelFamily(
+    name="llama", config_class=LlamaConfig, model_class=Llama,
+    axis_roles={"heads": AxisRole.TENSOR, "kv_heads": AxisRole.TENSOR, "head_dim": AxisRole.REPLICATED,
+                "mlp": AxisRole.TENSOR},
+    flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops_per_token,
+    activation_bytes=activation_bytes, hf=LlamaHF()))
+
+__all__ = ["CHECKPOINT_NAMES", "FAMILY", "AttentionKernel", "KVCache", "Llama", "LlamaConfig", "RopeScaling",
+           "RopeScalingConfig", "apply_rotary", "rotary_frequencies", "rotary_tables"]

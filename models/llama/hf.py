@@ -1,0 +1,159 @@
+"""Hugging Face Llama-family checkpoints (``LlamaForCausalLM``, ``MistralForCausalLM``) <-> ``LlamaConfig``.
+
+Weight mapping (HF ``nn.Linear`` weights are ``[out_features, in_features]``; ``L`` = layer)::
+
+    model.embed_tokens.weight                [vocab, embed]        -> embedding [vocab, embed]
+    model.layers.L.input_layernorm.weight    [embed]               -> layers.attn_norm.scale [L, embed]
+    model.layers.L.self_attn.q_proj.weight   [heads*head_dim, embed]    -> layers.attention.query [L, embed, heads, head_dim]
+    model.layers.L.self_attn.k_proj.weight   [kv_heads*head_dim, embed] -> layers.attention.key   [L, embed, kv_heads, head_dim]
+    model.layers.L.self_attn.v_proj.weight   [kv_heads*head_dim, embed] -> layers.attention.value [L, embed, kv_heads, head_dim]
+    model.layers.L.self_attn.o_proj.weight   [embed, heads*head_dim]    -> layers.attention.out   [L, heads, head_dim, embed]
+    model.layers.L.post_attention_layernorm.weight [embed]         -> layers.mlp_norm.scale [L, embed]
+    model.layers.L.mlp.gate_proj.weight / up_proj  [mlp, embed]    -> layers.mlp.gate / up [L, embed, mlp]
+    model.layers.L.mlp.down_proj.weight      [embed, mlp]          -> layers.mlp.down [L, mlp, embed]
+    model.norm.weight                        [embed]               -> final_norm.scale [embed]
+    lm_head.weight                           [vocab, embed]        -> head [embed, vocab] (absent when tied)
+
+No rotary permutation is needed: HF stores q/k rows in the layout its ``rotate_half`` (half-split)
+expects, which is the convention of ``models.llama.model.apply_rotary``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.api import TensorSpec
+from models.common import InvalidField
+from models.llama.model import LlamaConfig, RopeScaling, RopeScalingConfig
+
+_LAYER_TENSORS: dict[tuple[str, ...], TensorSpec] = {
+    ("attn_norm", "scale"): TensorSpec("input_layernorm.weight", (("embed",),)),
+    ("attention", "query"): TensorSpec("self_attn.q_proj.weight", (("heads", "head_dim"), ("embed",))),
+    ("attention", "key"): TensorSpec("self_attn.k_proj.weight", (("kv_heads", "head_dim"), ("embed",))),
+    ("attention", "value"): TensorSpec("self_attn.v_proj.weight", (("kv_heads", "head_dim"), ("embed",))),
+    ("attention", "out"): TensorSpec("self_attn.o_proj.weight", (("embed",), ("heads", "head_dim"))),
+    ("mlp_norm", "scale"): TensorSpec("post_attention_layernorm.weight", (("embed",),)),
+    ("mlp", "gate"): TensorSpec("mlp.gate_proj.weight", (("mlp",), ("embed",))),
+    ("mlp", "up"): TensorSpec("mlp.up_proj.weight", (("mlp",), ("embed",))),
+    ("mlp", "down"): TensorSpec("mlp.down_proj.weight", (("embed",), ("mlp",))),
+}
+_GLOBAL_TENSORS: dict[tuple[str, ...], TensorSpec] = {
+    ("embedding",): TensorSpec("model.embed_tokens.weight", (("vocab",), ("embed",))),
+    ("final_norm", "scale"): TensorSpec("model.norm.weight", (("embed",),)),
+    ("head",): TensorSpec("lm_head.weight", (("vocab",), ("embed",))),
+}
+
+
+def _rope_parameters(config: dict) -> tuple[float, RopeScalingConfig]:
+    """rope_theta and the scaling, from the transformers 4 (``rope_theta`` + ``rope_scaling``) or
+    the transformers 5 (``rope_parameters``) spelling."""
+    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    rope = config.get(key) or {}
+    if not isinstance(rope, dict):
+        raise InvalidField(key, f"must be an object or null, got {rope!r}")
+    if rope and all(isinstance(value, dict) for value in rope.values()):
+        raise InvalidField(key, "per-layer-type rotary parameters are not supported")
+    theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise InvalidField("partial_rotary_factor", "partial rotary embeddings are not supported (only 1.0)")
+    if kind == "default":
+        return theta, RopeScalingConfig()
+    if kind != "llama3":
+        raise InvalidField(f"{key}.rope_type", f"{kind!r} is not supported; supported: none (default) "
+                           "and 'llama3'")
+    try:
+        original = rope.get("original_max_position_embeddings") or config["max_position_embeddings"]
+        return theta, RopeScalingConfig(
+            kind=RopeScaling.LLAMA3, factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]), original_max_len=int(original))
+    except KeyError as err:
+        raise InvalidField(key, f"llama3 rotary scaling needs {err.args[0]!r}") from None
+
+
+class LlamaHF:
+    """The ``models.api.HFAdapter`` of the Llama family."""
+
+    model_types = ("llama", "mistral")
+    architecture_fields = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                           "mlp_dim", "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings")
+
+    def config_from_hf(self, config: dict, *, seq_len: int | None = None) -> LlamaConfig:
+        """The ``LlamaConfig`` of an HF ``config.json``. ``seq_len`` (the training length, which HF
+        does not record) defaults to ``min(max_position_embeddings, 2048)``.
+
+        Raises:
+          InvalidField: naming the ``config.json`` key of an option this Llama does not implement.
+        """
+        architectures = config.get("architectures") or []
+        unsupported = [name for name in architectures if not name.endswith("ForCausalLM")]
+        if unsupported:
+            raise InvalidField("architectures", f"{unsupported} is not supported; only *ForCausalLM "
+                               "checkpoints (with an lm_head) are")
+        for key in ("attention_bias", "mlp_bias"):
+            if config.get(key):
+                raise InvalidField(key, "is true; meshtrain's Llama has no biases (only false is supported)")
+        if config.get("sliding_window") is not None and config.get("use_sliding_window", True):
+            raise InvalidField("sliding_window", f"is {config['sliding_window']}; sliding-window "
+                               "attention is not supported (only null)")
+        if config.get("hidden_act", "silu") != "silu":
+            raise InvalidField("hidden_act", f"{config['hidden_act']!r} is not supported (only 'silu')")
+        if config.get("quantization_config"):
+            raise InvalidField("quantization_config", "quantized checkpoints are not supported")
+        missing = [key for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads") if not isinstance(config.get(key), int)]
+        if missing:
+            raise InvalidField(missing[0], "is missing or not an integer")
+        theta, scaling = _rope_parameters(config)
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        max_len = int(config.get("max_position_embeddings") or 2048)
+        return LlamaConfig(
+            vocab_size=config["vocab_size"], embed_dim=config["hidden_size"],
+            num_layers=config["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
+            mlp_dim=config["intermediate_size"], seq_len=seq_len or min(max_len, 2048),
+            rope_theta=theta, rope_scaling=scaling, norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+    def hf_config(self, cfg: LlamaConfig, *, dtype: str, base: dict | None = None) -> dict:
+        """A ``config.json`` for ``cfg`` (LlamaForCausalLM). Fields of ``base`` (the config an import
+        came from) that do not describe the architecture are kept: token ids, max_position_embeddings."""
+        config = {key: value for key, value in (base or {}).items()
+                  if key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings",
+                             "initializer_range")}
+        if cfg.rope_scaling.kind is RopeScaling.LLAMA3:
+            scaling = cfg.rope_scaling
+            rope_scaling = {"rope_type": "llama3", "factor": scaling.factor,
+                            "low_freq_factor": scaling.low_freq_factor,
+                            "high_freq_factor": scaling.high_freq_factor,
+                            "original_max_position_embeddings": scaling.original_max_len}
+        else:
+            rope_scaling = None
+        config.update({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.embed_dim,
+            "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+            "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling,
+            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+            "attention_dropout": 0.0, "torch_dtype": dtype, "dtype": dtype,  # transformers 4 and 5 spellings
+        })
+        original = cfg.rope_scaling.original_max_len if rope_scaling else 0
+        config.setdefault("max_position_embeddings", max(cfg.seq_len, original))
+        return config
+
+    def tensor(self, path: tuple[str, ...]) -> TensorSpec:
+        if path[0] == "layers":
+            spec = _LAYER_TENSORS[path[1:]]
+            return TensorSpec(f"model.layers.{{layer}}.{spec.name}", spec.groups)
+        return _GLOBAL_TENSORS[path]
+
+    def overrides(self, name: str, value: Any, ours: Any) -> list[str]:
+        if isinstance(value, RopeScalingConfig):
+            return [f"model.rope_scaling.{key}={getattr(value, key).value if key == 'kind' else getattr(value, key)}"
+                    for key in ("kind", "factor", "low_freq_factor", "high_freq_factor", "original_max_len")
+                    if getattr(value, key) != getattr(ours, key)]
+        return [f"model.{name}={str(value).lower() if isinstance(value, bool) else value}"]

@@ -1,0 +1,160 @@
+"""A second model family, defined outside ``meshtrain/`` and ``models/``, to prove the plugin boundary.
+
+``model.plugin=toy_family model.family=toy_gpt`` makes a run use it (with ``tests/`` on the
+Python path, as under pytest). It differs from Llama
+where the framework could have hidden an assumption: learned position embeddings (a table with its
+own logical axis ``positions``), LayerNorm, multi-head attention without rotary embeddings, a plain
+GELU MLP, and an auxiliary loss (a weighted penalty on each layer's mean squared activation, summed
+over rows) that must reach the objective through every pipeline schedule.
+
+Parameters (logical axes)::
+
+    token_embedding      [vocab, embed]
+    position_embedding   [positions, embed]
+    layers.attn_norm.scale / mlp_norm.scale   [layers, embed]
+    layers.qkv           [layers, embed, qkv, heads, head_dim]   qkv = 3 (query, key, value)
+    layers.out           [layers, heads, head_dim, embed]
+    layers.up            [layers, embed, mlp]
+    layers.down          [layers, mlp, embed]
+    final_norm.scale     [embed]
+    head                 [embed, vocab]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.api import AxisRole, ModelFamily, register
+from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
+                           palm_train_flops_per_token, unconstrained)
+
+BLE = ("batch", "length", "embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyGPTConfig:
+    vocab_size: int = 96
+    embed_dim: int = 40
+    num_layers: int = 2
+    num_heads: int = 4
+    head_dim: int = 6
+    mlp_dim: int = 72
+    seq_len: int = 32
+    aux_loss_weight: float = 0.01
+    remat: RematPolicy = RematPolicy.NONE
+
+    def __post_init__(self):
+        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "head_dim", "mlp_dim", "seq_len"):
+            if getattr(self, name) <= 0:
+                raise InvalidField(name, f"must be a positive integer, got {getattr(self, name)}")
+
+    @property
+    def matmul_params(self) -> int:
+        d, a = self.embed_dim, self.num_heads * self.head_dim
+        return self.num_layers * (4 * d * a + 2 * d * self.mlp_dim) + d * self.vocab_size
+
+    @property
+    def num_params(self) -> int:
+        d = self.embed_dim
+        return self.matmul_params + (self.vocab_size + self.seq_len) * d + (2 * self.num_layers + 1) * d
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
+
+
+def _layer_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    centred = x32 - x32.mean(-1, keepdims=True)
+    normed = centred * jax.lax.rsqrt((centred * centred).mean(-1, keepdims=True) + 1e-5)
+    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ToyGPTConfig, rngs: nnx.Rngs):
+        d, n, h, m = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
+        self.attn_norm = logical_param(jnp.ones((d,)), ("embed",))
+        self.qkv = logical_param(_normal(rngs, (d, 3, n, h), d ** -0.5), ("embed", "qkv", "heads", "head_dim"))
+        self.out = logical_param(_normal(rngs, (n, h, d), (n * h) ** -0.5), ("heads", "head_dim", "embed"))
+        self.mlp_norm = logical_param(jnp.ones((d,)), ("embed",))
+        self.up = logical_param(_normal(rngs, (d, m), d ** -0.5), ("embed", "mlp"))
+        self.down = logical_param(_normal(rngs, (m, d), m ** -0.5), ("mlp", "embed"))
+        self.aux_loss_weight = cfg.aux_loss_weight
+
+    def __call__(self, x: jax.Array, shard: ActivationSharding) -> tuple[jax.Array, jax.Array]:
+        qkv = jnp.einsum("btd,dcnh->cbtnh", _layer_norm(x, self.attn_norm[...]), self.qkv[...])
+        q, k, v = (shard(part, ("batch", "length", "heads", "head_dim")) for part in qkv)
+        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        x = shard(x + jnp.einsum("btnh,nhd->btd", attended, self.out[...]), BLE)
+        hidden = shard(jax.nn.gelu(_layer_norm(x, self.mlp_norm[...]) @ self.up[...]), ("batch", "length", "mlp"))
+        x = shard(x + hidden @ self.down[...], BLE)
+        x32 = x.astype(jnp.float32)
+        aux = self.aux_loss_weight * jnp.sum(jnp.mean(x32 * x32, axis=(1, 2)))  # summed over rows
+        return x, aux
+
+
+class ToyGPT(nnx.Module):
+    def __init__(self, cfg: ToyGPTConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.token_embedding = logical_param(_normal(rngs, (cfg.vocab_size, cfg.embed_dim), 0.02), ("vocab", "embed"))
+        self.position_embedding = logical_param(_normal(rngs, (cfg.seq_len, cfg.embed_dim), 0.02),
+                                                ("positions", "embed"))
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked(layer_rngs: nnx.Rngs) -> Block:
+            return Block(cfg, layer_rngs)
+
+        self.layers = stacked(rngs)
+        self.final_norm = logical_param(jnp.ones((cfg.embed_dim,)), ("embed",))
+        self.head = logical_param(_normal(rngs, (cfg.embed_dim, cfg.vocab_size), cfg.embed_dim ** -0.5),
+                                  ("embed", "vocab"))
+
+    def embed(self, tokens: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
+        # A one-hot matmul rather than a gather: it partitions cleanly whatever splits the table.
+        one_hot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=self.token_embedding[...].dtype)
+        x = one_hot @ self.token_embedding[...] + self.position_embedding[...][: tokens.shape[1]][None]
+        return shard(x, BLE)
+
+    def run_layers(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> tuple[jax.Array, jax.Array]:
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def run_layer(x, one_layer_state):
+            return nnx.merge(layer_def, one_layer_state)(x, shard)
+
+        # Each layer's aux loss is a scan output, not a carry: a carry created here would not match
+        # the type the layers give it inside a pipeline stage (varying over the manual stage axis).
+        x, aux = jax.lax.scan(self.cfg.remat.wrap(run_layer, ()), x, layer_state)
+        return x, jnp.sum(aux)
+
+    def logits(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
+        return shard(_layer_norm(x, self.final_norm[...]) @ self.head[...], ("batch", "length", "vocab"))
+
+
+def flops_per_token(cfg: ToyGPTConfig) -> float:
+    return palm_train_flops_per_token(matmul_params=cfg.matmul_params, num_layers=cfg.num_layers,
+                                      seq_len=cfg.seq_len, attention_dim=cfg.num_heads * cfg.head_dim)
+
+
+def recompute_flops_per_token(cfg: ToyGPTConfig, remat: RematPolicy) -> float:
+    forward = (flops_per_token(cfg) - 2 * cfg.embed_dim * cfg.vocab_size * 3) / 3
+    return forward if remat is RematPolicy.FULL else 0.0
+
+
+def activation_bytes(cfg: ToyGPTConfig, tensor: int, remat: RematPolicy, compute_bytes: int) -> tuple[float, float]:
+    d, a, f = cfg.embed_dim, cfg.num_heads * cfg.head_dim / tensor, cfg.mlp_dim / tensor
+    scores = cfg.num_heads / tensor * cfg.seq_len * 4
+    everything = (6 * d + 4 * a + 2 * f) * compute_bytes + 2 * scores
+    return (d * compute_bytes if remat is RematPolicy.FULL else everything), everything + 2 * f * compute_bytes
+
+
+FAMILY = register(ModelFamily(
+    name="toy_gpt", config_class=ToyGPTConfig, model_class=ToyGPT,
+    axis_roles={"positions": AxisRole.REPLICATED, "qkv": AxisRole.REPLICATED, "heads": AxisRole.TENSOR,
+                "head_dim": AxisRole.REPLICATED, "mlp": AxisRole.TENSOR},
+    flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops_per_token,
+    activation_bytes=activation_bytes))
