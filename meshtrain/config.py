@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import pathlib
 import re
 import typing
@@ -125,8 +126,8 @@ def _check_fields(path: str, cls: type, raw: dict) -> None:
     """Rejects, naming the full dotted path, what dacite would report vaguely or accept silently:
     unknown fields at any depth, non-mappings where a section is expected, booleans given for
     int/float fields (bool is an int to dacite), non-numbers for float fields (dacite's float()
-    cast fails naming only the section) and a bare string for a list (dacite splits it into
-    characters)."""
+    cast fails naming only the section), non-finite floats (nan, inf) and a bare string for a list
+    (dacite splits it into characters)."""
     valid = [field.name for field in dataclasses.fields(cls)]
     hints = typing.get_type_hints(cls)
     for key, value in raw.items():
@@ -139,6 +140,9 @@ def _check_fields(path: str, cls: type, raw: dict) -> None:
             raise ConfigError(field, f"expected {hint.__name__}, got {value!r}")
         if hint is float and not _is_float(value):  # dacite casts with float(), naming no field
             raise ConfigError(field, f"expected float, got {value!r}")
+        if float in (hint, *args) and _is_float(value) and not isinstance(value, bool) \
+                and not math.isfinite(float(value)):  # nan passes both `> 0` and `< 0` checks
+            raise ConfigError(field, f"must be a finite number, got {value!r}")
         if origin is tuple and isinstance(value, str):
             raise ConfigError(field, f"expected a list, got the string {value!r}; write [{value}]")
         if dataclasses.is_dataclass(hint):

@@ -7,7 +7,7 @@ Bad input prints one ``error: field: what is wrong`` line and exits 2.
 
 A run resumes from the latest complete checkpoint in ``run.dir/checkpoints`` (see
 ``meshtrain/checkpoint.py``). SIGTERM/SIGINT finish the current step, save, and exit 0 with one line
-saying how to resume. With ``train.on_nonfinite=stop`` a non-finite loss or gradient norm saves
+saying how to resume. With ``train.on_nonfinite=stop`` a non-finite loss, gradient norm or update saves
 the last good state and exits 3.
 """
 
@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import pathlib
 import re
 import shlex
@@ -44,6 +45,7 @@ from meshtrain.mesh import make_mesh, mesh_shape
 from meshtrain.metrics import MetricsLogger, format_bytes, mfu, peak_bf16_tflops
 from meshtrain.parallel.pipeline import LayerOrder
 from meshtrain.parallel.sharding import parameter_table, replicated_parameters
+from meshtrain.run_lock import RunLock
 from meshtrain.train_config import NonFinitePolicy
 from meshtrain.trainer import Trainer
 from models.api import family_of
@@ -138,7 +140,11 @@ class _StepReporter:
 class _Preemption:
     """SIGTERM/SIGINT set a flag that the loop reads after each step; a second signal aborts at once.
 
-    Only installed from the main thread (Python delivers signals there); elsewhere it does nothing.
+    Python runs a signal's handler only between bytecodes of the main thread, and coalesces signals
+    that arrive before it runs; so each delivery is also counted through ``signal.set_wakeup_fd`` (one
+    byte per signal, written by the C-level handler at once): two signals that reach the process
+    before the handler runs still abort. Only installed from the main thread; elsewhere it does
+    nothing.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -146,9 +152,16 @@ class _Preemption:
     def __init__(self):
         self.received: str | None = None
         self._previous: dict[int, object] = {}
+        self._wakeup: tuple[int, int] | None = None  # (read end, write end)
+        self._previous_wakeup = -1
 
     def __enter__(self) -> _Preemption:
         if threading.current_thread() is threading.main_thread():
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+            self._wakeup = (read, write)
+            self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
             self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
@@ -159,10 +172,25 @@ class _Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            for fd in self._wakeup:
+                os.close(fd)
+            self._wakeup = None
+
+    def _deliveries(self, signum: int) -> int:
+        """How many times ``signum`` reached the process since the last look."""
+        if self._wakeup is None:
+            return 1
+        try:
+            data = os.read(self._wakeup[0], 4096)
+        except BlockingIOError:
+            data = b""
+        return max(1, data.count(bytes([signum])))
 
     def _handle(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
-        if self.received is not None:  # the second one aborts at once
+        if self.received is not None or self._deliveries(signum) > 1:  # a second one aborts at once
             previous = self._previous.get(signum)
             self._restore()
             if callable(previous):  # whoever handled it before us (Python's KeyboardInterrupt, say)
@@ -275,9 +303,11 @@ def _initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | 
 
 
 def _nonfinite(metrics: dict[str, jax.Array]) -> dict[str, float]:
-    """The non-finite ones among a step's loss and gradient norm (blocks until the step is done)."""
-    values = jax.device_get({"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]})
-    return {key: float(values[key]) for key in ("loss", "grad_norm") if not math.isfinite(values[key])}
+    """The non-finite ones among a step's loss, gradient norm and update norm (blocks until the step
+    is done)."""
+    keys = ("loss", "grad_norm", "update_norm")
+    values = jax.device_get({key: metrics[key] for key in keys})
+    return {key: float(values[key]) for key in keys if not math.isfinite(values[key])}
 
 
 def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
@@ -315,16 +345,33 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
               trainer.pipeline_description, dataset.describe()]
 
     run_dir = pathlib.Path(cfg.run.dir)
-    checkpoints = (RunCheckpoints(run_dir / CHECKPOINT_DIR, keep=cfg.checkpoint.keep,
-                                  async_save=cfg.checkpoint.async_save)
-                   if cfg.checkpoint.enabled else None)
+    lock = _hold(run_dir)  # before anything is written there
+    checkpoints = None
     try:
+        if cfg.checkpoint.enabled:
+            checkpoints = RunCheckpoints(run_dir / CHECKPOINT_DIR, keep=cfg.checkpoint.keep,
+                                         async_save=cfg.checkpoint.async_save)
         with _Preemption() as preemption:
             return _run(cfg, trainer, dataset, mesh, run_dir, checkpoints, preemption, fresh=fresh,
                         command=command, banner=banner)
     finally:
         if checkpoints is not None:
             checkpoints.close()  # waits for a save in flight
+        lock.release()
+
+
+def _hold(run_dir: pathlib.Path) -> RunLock:
+    """``run_dir``'s lock, taken by process 0; every process raises the same one-line error if it is
+    held by another live run."""
+    lock, error = RunLock(run_dir), None
+    if jax.process_index() == 0:
+        try:
+            lock.acquire()
+        except ConfigError as err:
+            error = err
+    if _any_process(error is not None):
+        raise error or ConfigError("run.dir", f"{run_dir} is in use by another run (see process 0)")
+    return lock
 
 
 def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, checkpoints: RunCheckpoints | None,

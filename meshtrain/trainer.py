@@ -3,7 +3,7 @@
 Order of application inside the step: precision cast of the master weights -> forward/backward per
 accumulation microbatch, through the pipeline schedule when ``mesh.stage`` > 1 (activations
 constrained by the rules, layers rematerialised by the model's policy) -> gradient accumulation in
-the parameters' sharding -> unscale/finite check -> AdamW update.
+the parameters' sharding -> unscale -> AdamW update, kept only where loss, gradients and update are all finite.
 """
 
 from __future__ import annotations
@@ -163,10 +163,13 @@ class Trainer:
         """One optimizer step on a global batch {inputs, targets, mask}: [batch, length] each."""
         loss, grads, target_count = self.gradients(state, batch)
         grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm)
         old_opt_state = jax.device_put(state.opt_state, self.optimizer_compute_shardings)
         updates, opt_state = self.tx.update(grads, old_opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        # What is applied is checked, not only the gradients: a non-finite hyperparameter (or moment)
+        # turns finite gradients into a non-finite update.
+        update_norm = optax.tree.norm(updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
         keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = TrainState(
             step=state.step + 1,
@@ -174,7 +177,7 @@ class Trainer:
             opt_state=keep_if_finite(opt_state, old_opt_state),
             loss_scale=state.loss_scale.adjust(finite),
             skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
-        metrics = {"loss": loss, "grad_norm": grad_norm,
+        metrics = {"loss": loss, "grad_norm": grad_norm, "update_norm": update_norm,
                    "lr": self.schedule(state.step), "loss_scale": state.loss_scale.scale,
                    "skipped_steps": new_state.skipped_steps, "target_tokens": target_count}
         return new_state, metrics

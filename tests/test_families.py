@@ -177,3 +177,22 @@ def test_planner_and_trainer_agree_on_feasibility_of_every_layout(config):
         if (verdict is None) != (not est.reasons):
             disagree.append((est.layout.label(), est.reasons, verdict))
     assert disagree == []
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return modules
+
+
+def test_no_command_line_module_imports_another_and_config_does_not_import_the_trainer():
+    package = REPO / "meshtrain"
+    cli_modules = {f"meshtrain.{p.stem}" for p in package.glob("*.py") if 'if __name__ == "__main__"' in p.read_text()}
+    assert {"meshtrain.train", "meshtrain.convert", "meshtrain.export", "meshtrain.plan"} <= cli_modules
+    found = [(p.name, name) for p in package.rglob("*.py") for name in _imports(p) & cli_modules]
+    assert found == []
+    assert "meshtrain.trainer" not in _imports(package / "config.py")

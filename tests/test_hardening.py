@@ -1,0 +1,151 @@
+"""Hardening (issue 12): nothing lost, nothing silently wrong, every bad input one line.
+
+Each test names the item of the issue it reproduces and then holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from meshtrain.checkpoint import CHECKPOINT_DIR
+from meshtrain.run_lock import LOCK_FILE
+from meshtrain.train import EXIT_NONFINITE, NonFiniteStop, main, train
+from test_checkpoint import (REPO, TINY, complete_steps, config, flat_params, overrides, records, restore,
+                             trainer_for)
+
+NON_FINITE_FIELDS = ["optimizer.learning_rate", "optimizer.eps", "optimizer.weight_decay", "optimizer.b1",
+                     "model.norm_eps", "model.rope_theta", "model.rope_scaling.factor",
+                     "checkpoint.every_minutes", "data.markov_noise"]
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "nan"])
+@pytest.mark.parametrize("field", NON_FINITE_FIELDS)
+def test_item1_non_finite_config_values_are_one_line_errors(capsys, field, value):
+    assert main(["--config", TINY, f"{field}={value}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {field}: must be a finite number, got "), err
+
+
+def _nan_learning_rate(cfg):
+    """``cfg`` with a NaN learning rate, as code that bypasses the config loader could build it."""
+    return dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, learning_rate=math.nan))
+
+
+def test_item1_a_non_finite_update_from_finite_gradients_is_not_applied(tmp_path):
+    cfg = _nan_learning_rate(config(tmp_path, "optimizer.warmup_steps=0", steps=2))
+    trainer = trainer_for(cfg)
+    from meshtrain.data import global_batch, make_dataset
+
+    dataset = make_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
+    state = trainer.init_state(seed=0)
+    before = flat_params(state)
+    state, metrics = trainer.train_step(state, global_batch(dataset, 0, cfg.train.batch_size, trainer.batch_sharding))
+    assert np.isfinite(float(metrics["grad_norm"])) and not np.isfinite(float(metrics["update_norm"]))
+    assert int(state.skipped_steps) == 1
+    for name, value in flat_params(state).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+def test_item1_stop_saves_the_last_good_state_not_the_nan_one(tmp_path, capsys):
+    cfg = _nan_learning_rate(config(tmp_path, "train.on_nonfinite=stop", "checkpoint.every=1", steps=3))
+    with pytest.raises(NonFiniteStop, match="step 1 had update_norm nan"):
+        train(cfg)
+    assert complete_steps(tmp_path) == [1]
+    saved = flat_params(restore(tmp_path, 1, cfg).state)
+    fresh = flat_params(trainer_for(cfg).init_state(seed=cfg.train.seed))
+    for name, value in saved.items():  # the update was skipped: the saved state is the initial one
+        np.testing.assert_array_equal(value, fresh[name], err_msg=name)
+    assert [r["step"] for r in records(tmp_path)] == [1]
+    assert EXIT_NONFINITE == 3 and (tmp_path / CHECKPOINT_DIR / "1").is_dir()
+
+
+def _lock(run_dir, pid: int, host: str | None = None) -> None:
+    import json
+    import socket
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / LOCK_FILE).write_text(json.dumps({"pid": pid, "host": host or socket.gethostname(),
+                                                 "started": "2026-12-01T00:00:00Z"}))
+
+
+def test_item2_a_live_run_holds_its_directory_and_a_second_one_writes_nothing(tmp_path, capsys):
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        _lock(tmp_path, live.pid)
+        before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+        assert main(["--config", TINY, f"run.dir={tmp_path}", "train.steps=2"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: run.dir: {tmp_path} is in use by a live run "
+                                                       f"(process {live.pid} on host "), err
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing written
+    finally:
+        live.kill()
+        live.wait()
+    _lock(tmp_path, live.pid, host="another-host")  # another host's lock cannot be checked: refused
+    assert main(["--config", TINY, f"run.dir={tmp_path}", "train.steps=2"]) == 2
+    assert f"if that run is gone, remove {tmp_path / LOCK_FILE}" in capsys.readouterr().err
+
+
+def test_item2_a_killed_runs_stale_lock_is_taken_over_with_a_warning(tmp_path, capsys):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    _lock(tmp_path, dead.pid)
+    train(config(tmp_path, steps=2))
+    err = capsys.readouterr().err
+    assert f"warning: {tmp_path / LOCK_FILE} was left by process {dead.pid}, which is no longer running" in err
+    assert complete_steps(tmp_path) == [2] and not (tmp_path / LOCK_FILE).exists()  # released at the end
+
+
+@pytest.mark.slow
+def test_item2_two_real_runs_on_one_directory(tmp_path, capsys):
+    """A run in another process holds the directory; a second refuses; once the first is SIGKILLed
+    its lock is stale and a third run takes over and resumes from its checkpoints."""
+    command = [sys.executable, "-m", "meshtrain.train", "--host-devices", "8", "--config", TINY,
+               *overrides(tmp_path, "checkpoint.every=1", steps=10_000)]
+    first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not complete_steps_or_empty(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert complete_steps_or_empty(tmp_path), "the first run never saved"
+        assert main(["--config", TINY, *overrides(tmp_path, steps=10_000)]) == 2
+        assert f"(process {first.pid} on host " in capsys.readouterr().err
+    finally:
+        first.kill()
+        first.wait()
+    latest = complete_steps(tmp_path)[-1]
+    train(config(tmp_path, steps=latest + 1))
+    err = capsys.readouterr().err
+    assert "which is no longer running; taking over" in err and f"resumed from" in err
+    assert complete_steps(tmp_path)[-1] == latest + 1
+
+
+def complete_steps_or_empty(run_dir) -> list[int]:
+    return complete_steps(run_dir) if (run_dir / CHECKPOINT_DIR).is_dir() else []
+
+
+def test_item10_two_signals_coalesced_before_the_handler_runs_still_abort(capsys):
+    """Python runs one handler for signals that arrive before it gets to run (a second SIGTERM 50 ms
+    after the first, during a long device call); the wakeup fd still holds one byte per delivery."""
+    import os
+    import signal
+
+    from meshtrain import train as train_module
+
+    with train_module._Preemption() as preemption:
+        os.write(preemption._wakeup[1], bytes([signal.SIGINT]) * 2)  # what two deliveries leave
+        with pytest.raises(KeyboardInterrupt):
+            preemption._handle(signal.SIGINT, None)
+    assert preemption.received is None  # aborted at once: no "finishing the current step"
+    assert "finishing the current step" not in capsys.readouterr().err
+    with train_module._Preemption() as preemption:  # one delivery: the normal preemption
+        os.write(preemption._wakeup[1], bytes([signal.SIGTERM]))
+        preemption._handle(signal.SIGTERM, None)
+        assert preemption.received == "SIGTERM"
