@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -44,6 +45,7 @@ EXPORT_META = "meshtrain.json"  # under an export directory
 FORMAT_VERSION = 1
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _UNREADABLE = ".unreadable"
+CHECKSUMS = "checksums"  # meta key: {array path: checksum of its values when saved}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +195,7 @@ class RunCheckpoints:
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Starts saving ``state`` as checkpoint ``step``; returns once the arrays are off the devices
         (async) or written (sync). Waits for the previous save first."""
+        meta = {**meta, CHECKSUMS: state_checksums(state)}
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                          meta=ocp.args.JsonSave(meta)), force=True)
 
@@ -208,15 +211,25 @@ class RunCheckpoints:
             meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         except Exception as err:  # any read failure makes the checkpoint unusable
             raise UnreadableCheckpoint(_one_line(err)) from err
-        if not isinstance(meta, dict) or "step" not in meta:
+        if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
             raise UnreadableCheckpoint("its meta item holds no step")
+        config, mesh = meta.get("config"), meta.get("mesh")
+        if not isinstance(config, dict) or not isinstance(config.get("model"), dict) \
+                or not isinstance(config["model"].get("num_layers"), int):
+            raise UnreadableCheckpoint("its meta item holds no config with a model section")
+        if not isinstance(mesh, dict) or not all(isinstance(size, int) for size in mesh.values()) \
+                or not isinstance(mesh.get("stage", 1), int):
+            raise UnreadableCheckpoint("its meta item holds no mesh")
         return meta
 
     def saved_shapes(self, step: int) -> dict[str, tuple]:
         try:
-            return flat_shapes(self._manager.item_metadata(step)["state"])
+            shapes = flat_shapes(self._manager.item_metadata(step)["state"])
         except Exception as err:
             raise UnreadableCheckpoint(_one_line(err)) from err
+        if not shapes:  # e.g. state/_METADATA deleted: orbax reports no arrays rather than failing
+            raise UnreadableCheckpoint("its state holds no array metadata")
+        return shapes
 
     def restore(self, step: int, abstract_state: Any, *, field: str, config: dict,
                 layer_order: LayerOrder) -> Restored:
@@ -237,6 +250,13 @@ class RunCheckpoints:
             jax.block_until_ready(state)
         except Exception as err:
             raise UnreadableCheckpoint(_one_line(err)) from err
+        expected = meta.get(CHECKSUMS)
+        if expected is not None:  # checkpoints written before checksums have none
+            found = state_checksums(state)
+            wrong = [name for name, value in expected.items() if found.get(name) != value]
+            if wrong:
+                raise UnreadableCheckpoint(f"the array data of {wrong[0]} (and {len(wrong) - 1} more) does not "
+                                           "match the checksum recorded when it was saved")
         stored = LayerOrder.of_config(meta.get("config", config), int(meta.get("mesh", {}).get("stage", 1)))
         return Restored(state=reorder_layers(state, stored, layer_order), step=step, meta=meta,
                         path=self.path(step))
@@ -283,6 +303,35 @@ def reorder_layers(state: Any, stored: LayerOrder, target: LayerOrder) -> Any:
         return state
     shardings = jax.tree.map(lambda array: array.sharding, state)
     return jax.jit(lambda s: stored.convert(s, target), out_shardings=shardings, donate_argnums=0)(state)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """``x``'s bits as uint32 (2- and 1-byte types widened)."""
+    width = jnp.dtype(x.dtype).itemsize
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[width]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+@jax.jit
+def _checksums(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """One uint32 per array: the sum of its bits times odd weights of their position, wrapping. A
+    single flipped bit always changes it, and it does not depend on how the array is sharded."""
+    def checksum(x: jax.Array) -> jax.Array:
+        strides = np.cumprod((1, *x.shape[::-1]))[-2::-1] if x.ndim else ()
+        index = sum((jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(int(stride) % 2 ** 32)
+                     for d, stride in enumerate(strides)), jnp.zeros(x.shape, jnp.uint32))
+        return jnp.sum(_bits(x) * (index * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
+
+    return {name: checksum(x) for name, x in arrays.items()}
+
+
+def state_checksums(state: Any) -> dict[str, int]:
+    """``{array path: checksum}`` of the arrays of ``state`` in device memory (computed there;
+    arrays resting in host memory, an offloaded optimizer state, are left out)."""
+    arrays = {"/".join(map(_key_name, path)): leaf
+              for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+              if getattr(leaf.sharding, "memory_kind", None) != "pinned_host"}
+    return {name: int(value) for name, value in jax.device_get(_checksums(arrays)).items()}
 
 
 def _move_aside(path: pathlib.Path) -> pathlib.Path:

@@ -22,6 +22,7 @@ FIELDS = ("step_time_s_median", "tokens_per_sec", "tflops_per_device", "mfu", "c
           "memory_per_device", "collectives", "overhead_ratio", "baseline")
 
 
+@pytest.mark.slow
 def test_bench_vs_baseline_prints_fields(capsys):
     assert bench.main(["--config", str(ROOT / "configs/tiny.yaml"), "--steps", "2", "--vs-baseline"]) == 0
     out = capsys.readouterr().out
@@ -43,6 +44,7 @@ def test_collective_counts():
                                              "collective-permute": 0, "all-to-all": 0}
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run():
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("XLA_FLAGS", None)

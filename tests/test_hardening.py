@@ -149,3 +149,59 @@ def test_item10_two_signals_coalesced_before_the_handler_runs_still_abort(capsys
         os.write(preemption._wakeup[1], bytes([signal.SIGTERM]))
         preemption._handle(signal.SIGTERM, None)
         assert preemption.received == "SIGTERM"
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A 2-step run saving after each step: checkpoints 1 and 2, and its losses."""
+    run_dir = tmp_path_factory.mktemp("two-checkpoints")
+    train(config(run_dir, "checkpoint.every=1", steps=2))
+    return run_dir, {r["step"]: r["loss"] for r in records(run_dir)}
+
+
+def _flip_array_byte(step_dir):
+    data = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with data.open("r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def _meta_config_not_a_mapping(step_dir):
+    import json
+
+    path = step_dir / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    path.write_text(json.dumps({**meta, "config": "not a mapping"}))
+
+
+def _meta_without_mesh(step_dir):
+    import json
+
+    path = step_dir / "meta" / "metadata"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "mesh"}))
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (_flip_array_byte, "does not match the checksum recorded when it was saved"),  # item 3
+    (_meta_config_not_a_mapping, "holds no config with a model section"),  # item 5
+    (_meta_without_mesh, "holds no mesh"),  # item 5
+    (lambda step_dir: (step_dir / "state" / "_METADATA").unlink(), "holds no array metadata"),  # item 5
+], ids=["flipped-array-byte", "meta-config-not-a-mapping", "meta-without-mesh", "state-metadata-deleted"])
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_items3_5_damaged_checkpoints_are_unreadable_and_fall_back(two_checkpoints, tmp_path, capsys, damage,
+                                                                   reason):
+    import shutil
+
+    source, expected = two_checkpoints
+    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "metrics.jsonl").unlink()
+    damage(tmp_path / CHECKPOINT_DIR / "2")
+    train(config(tmp_path, "checkpoint.every=1", steps=3))
+    err = capsys.readouterr().err
+    assert f"checkpoint {tmp_path / CHECKPOINT_DIR / '2'} is unreadable (" in err and reason in err, err
+    assert "trying step 1" in err and "resumed from" in err and f"{CHECKPOINT_DIR}/1 (step 1" in err
+    assert (tmp_path / CHECKPOINT_DIR / "2.unreadable").is_dir()  # kept, not deleted
+    redone = {r["step"]: r["loss"] for r in records(tmp_path)}
+    assert redone[2] == expected[2]  # step 2 redone from the good step-1 state: the same loss

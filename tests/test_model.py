@@ -63,6 +63,7 @@ def temp_bytes_by_policy():
     return result
 
 
+@pytest.mark.slow
 def test_remat_policies_reduce_compiled_temporary_memory(temp_bytes_by_policy):
     none = temp_bytes_by_policy[RematPolicy.NONE]
     # Measured on XLA:CPU: none 125 MB, dots 48 MB, named 43 MB, full 40 MB.

@@ -57,6 +57,7 @@ def reference_a(tmp_path_factory):
     return losses(run_dir)
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_checkpoint_restores_in_one(tmp_path, reference_a):
     run_dir, resumed = tmp_path / "two", tmp_path / "resumed"
     result = _launch(run_dir, *MESH_A, "checkpoint.enabled=true", "checkpoint.async_save=false",
@@ -73,6 +74,7 @@ def test_two_processes_match_one_and_checkpoint_restores_in_one(tmp_path, refere
     _close(losses(resumed), reference_a, range(STEPS + 1, RESUMED + 1))
 
 
+@pytest.mark.slow
 def test_hybrid_mesh_with_data_across_processes(tmp_path, tmp_path_factory):
     reference = tmp_path_factory.mktemp("reference-b")
     train(config(reference, *MESH_B, "checkpoint.enabled=false", steps=STEPS))
@@ -81,6 +83,7 @@ def test_hybrid_mesh_with_data_across_processes(tmp_path, tmp_path_factory):
     _close(losses(tmp_path), losses(reference), range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_killing_one_process_stops_the_other(tmp_path):
     port = subprocess.run([sys.executable, "-c", "import socket; s = socket.socket(); "
                            "s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"],

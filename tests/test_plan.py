@@ -47,6 +47,7 @@ def measured():
     return {name: _estimate_and_compile(*case) for name, case in CASES.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_state_bytes_match_the_compiler(measured, name):
     est, xla = measured[name]
@@ -54,6 +55,7 @@ def test_state_bytes_match_the_compiler(measured, name):
     assert est.output_bytes == pytest.approx(xla["output"], rel=STATE_TOLERANCE), (est, xla)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_temp_bytes_within_the_stated_tolerance(measured, name):
     est, xla = measured[name]
