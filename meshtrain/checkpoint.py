@@ -331,7 +331,9 @@ def state_checksums(state: Any) -> dict[str, int]:
     arrays = {"/".join(map(_key_name, path)): leaf
               for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
               if getattr(leaf.sharding, "memory_kind", None) != "pinned_host"}
-    return {name: int(value) for name, value in jax.device_get(_checksums(arrays)).items()}
+    # Replicated scalars: every process reads its own copy (a multi-process array is not fully
+    # addressable, so device_get would refuse it).
+    return {name: int(np.asarray(value.addressable_data(0))) for name, value in _checksums(arrays).items()}
 
 
 def _move_aside(path: pathlib.Path) -> pathlib.Path:

@@ -227,8 +227,18 @@ def _ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[slice]:
     return ranges + [slice(0, size) for size in shape[len(index):]]
 
 
-def check_tensors(files: SafetensorsFiles, maps: list[TensorMap], num_layers: int, *, field: str) -> None:
-    """ConfigError naming the first HF tensor that is missing or has another shape than the config says."""
+def check_tensors(files: SafetensorsFiles, maps: list[TensorMap], num_layers: int, adapter: HFAdapter, *,
+                  field: str) -> None:
+    """ConfigError naming the first HF tensor that is missing or has another shape than the config
+    says, or listing the tensors no parameter takes (weights that an import would silently drop, such
+    as the q/k/v biases of a Qwen2 checkpoint labelled ``llama``)."""
+    mapped = {tensor_map.hf_tensor(layer) for tensor_map in maps
+              for layer in (range(num_layers) if tensor_map.stacked else [None])}
+    unused = sorted(name for name in files.file_of if name not in mapped and not adapter.unused_ok(name))
+    if unused:
+        raise ConfigError(field, f"{files.root} holds {len(unused)} tensors this model has no parameter for "
+                          f"({', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}); config.json does not "
+                          "describe these weights, so importing would drop them")
     for tensor_map in maps:
         for layer in range(num_layers) if tensor_map.stacked else [None]:
             name = tensor_map.hf_tensor(layer)
@@ -250,7 +260,7 @@ def load_params(files: SafetensorsFiles, adapter: HFAdapter, abstract_params: nn
     """
     maps = tensor_maps(abstract_params, adapter)
     num_layers = num_layers_of(abstract_params)
-    check_tensors(files, maps, num_layers, field=field)
+    check_tensors(files, maps, num_layers, adapter, field=field)
     order = np.arange(num_layers) if storage_of_logical is None else storage_of_logical
     flat_shardings = nnx.to_flat_state(shardings)
     loaded = []
@@ -288,7 +298,7 @@ def init_loader(hf_dir: str, trainer: Any, *, field: str = "checkpoint.init_from
     check_architecture(trainer.model_cfg, hf_cfg, field=field, where=f"{INIT_PREFIX}{hf_dir}")
     adapter = adapter_of(family_of(hf_cfg), field=field)
     files = SafetensorsFiles(hf_dir, field=field)
-    check_tensors(files, tensor_maps(trainer.abstract_params, adapter), hf_cfg.num_layers, field=field)
+    check_tensors(files, tensor_maps(trainer.abstract_params, adapter), hf_cfg.num_layers, adapter, field=field)
     return lambda: nnx.to_pure_dict(load_params(files, adapter, trainer.abstract_params, trainer.param_shardings,
                                                 field=field))
 

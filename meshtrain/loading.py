@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from meshtrain import hf
 from meshtrain.checkpoint import (CHECKPOINT_DIR, EXPORT_META, PARAMS_DIR, Restored, RunCheckpoints,
-                                  UnreadableCheckpoint, check_params, load_params, resolve_restore_path)
+                                  UnreadableCheckpoint, check_params, load_params, resolve_restore_path, warn)
 from meshtrain.config import Config, config_from_dict, load_config, model_dict, to_dict
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh
@@ -104,7 +104,8 @@ def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, st
         _check_no_stages(mesh)
         cfg, restored = restore_run(root, mesh, rules, step=step, field=field)
         return LoadedModel(cfg.model, abstract_model(cfg.model)[0], restored.state.params, mesh,
-                           inference_plan(cfg.model, mesh, rules).rules, SourceKind.RUN, restored.path)
+                           inference_plan(cfg.model, mesh, rules).rules, SourceKind.RUN, restored.path,
+                           hf_config=_hf_source_config(cfg))
     if kind is SourceKind.HF:
         config = hf.read_config(root, field=field)
         cfg = hf.model_config(config)
@@ -127,6 +128,21 @@ def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, st
     source_hf = meta.get("hf", {})
     return LoadedModel(cfg, graphdef, abstract, mesh, plan.rules, kind, root, source_hf.get("config"),
                        source_hf.get("dtypes"))
+
+
+def _hf_source_config(cfg: Config) -> dict | None:
+    """The ``config.json`` a run fine-tuned from (``checkpoint.init_from=hf:DIR``), so that an export
+    keeps what the run did not change (``max_position_embeddings``, token ids); None otherwise."""
+    init_from = cfg.checkpoint.init_from
+    if init_from is None or not init_from.startswith(hf.INIT_PREFIX):
+        return None
+    source = pathlib.Path(init_from.removeprefix(hf.INIT_PREFIX))
+    try:
+        return hf.read_config(source)
+    except ConfigError:
+        warn(f"the Hugging Face checkpoint this run started from ({source}) is gone; an export gets "
+             f"max_position_embeddings from the run's seq_len ({cfg.model.seq_len})")
+        return None
 
 
 def restore_run(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules | None = None, *,

@@ -134,6 +134,10 @@ class HFAdapter(Protocol):
     def overrides(self, name: str, value: Any, ours: Any) -> list[str]:
         """``model.x=...`` overrides that set architecture field ``name`` to ``value``."""
 
+    def unused_ok(self, name: str) -> bool:
+        """Whether HF tensor ``name`` may be in a checkpoint without a parameter taking it (buffers,
+        a duplicate of a tied embedding); any other unmapped tensor makes the import an error."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelFamily:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import pathlib
 import subprocess
 import sys
@@ -267,3 +268,22 @@ def test_tensor_map_reads_any_sub_block():
     np.testing.assert_array_equal(query.read(Files(), 0, block), ours[10:30, 2:6, 1:4])
     np.testing.assert_array_equal(query.to_hf(ours), full_hf)
     assert dataclasses.replace(query).hf_tensor(1) == "model.layers.1.self_attn.q_proj.weight"
+
+
+def test_tensors_no_parameter_takes_are_an_error_not_dropped(hf_dirs, tmp_path, capsys):
+    """Issue 12 item 12: q/k/v biases (a Qwen2 checkpoint labelled llama) must not vanish on import."""
+    from safetensors.numpy import load_file, save_file
+
+    source = hf_dirs["tied_llama3"][0]
+    shutil.copytree(source, tmp_path / "qwen_like")
+    weights = tmp_path / "qwen_like" / "model.safetensors"
+    tensors = load_file(str(weights))
+    for layer in range(2):
+        for proj in ("q_proj", "k_proj"):
+            tensors[f"model.layers.{layer}.self_attn.{proj}.bias"] = np.zeros(64 if proj == "q_proj" else 32,
+                                                                                np.float32)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    assert convert.main(["from-hf", "--hf", str(tmp_path / "qwen_like"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds 4 tensors this model has no parameter for" in err, err
+    assert "model.layers.0.self_attn.k_proj.bias" in err and not (tmp_path / "out").exists()

@@ -60,6 +60,8 @@ def test_finetuned_run_exports_to_hf(finetune, tmp_path):
     model = loading.load_model(run_dir, mesh, RULES)
     assert model.kind is convert.SourceKind.RUN
     convert.to_hf(str(run_dir), str(tmp_path / "hf"), mesh, RULES)
+    # Issue 12 item 13: the source's max_position_embeddings (64) is kept, not the run's seq_len (16).
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 64
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
     np.testing.assert_allclose(compute_logits(model, TOKENS), _hf_logits(exported.eval(), TOKENS),
                                atol=1e-4, rtol=0)

@@ -151,6 +151,10 @@ class LlamaHF:
             return TensorSpec(f"model.layers.{{layer}}.{spec.name}", spec.groups)
         return _GLOBAL_TENSORS[path]
 
+    def unused_ok(self, name: str) -> bool:
+        # Rotary buffers some older exports carry, and lm_head.weight beside a tied embedding.
+        return name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"
+
     def overrides(self, name: str, value: Any, ours: Any) -> list[str]:
         if isinstance(value, RopeScalingConfig):
             return [f"model.rope_scaling.{key}={getattr(value, key).value if key == 'kind' else getattr(value, key)}"
