@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pathlib
 import sys
 import time
@@ -155,6 +156,18 @@ def incomplete_saves(root: pathlib.Path) -> list[pathlib.Path]:
         return []
     return sorted((p for p in root.iterdir() if _TMP_MARK in p.name),
                   key=lambda p: (int(p.name.split(".")[0]) if p.name.split(".")[0].isdigit() else -1, p.name))
+
+
+class _QuietReadOnly(logging.Filter):
+    """Drops orbax's warnings that a read-only manager is read-only (printed on every tool run)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Given directory is read only")
+                    or message.startswith("CheckpointManagerOptions.read_only=True"))
+
+
+logging.getLogger("absl").addFilter(_QuietReadOnly())
 
 
 class RunCheckpoints:

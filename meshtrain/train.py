@@ -469,15 +469,19 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
             print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
-            return 0
-        distributed.initialize(_distributed_flags(args, cfg.distributed))  # before JAX's backends start
-        train(cfg, print_sharding=args.print_sharding, fresh=args.fresh, command=command)
+        else:
+            distributed.initialize(_distributed_flags(args, cfg.distributed))  # before JAX's backends start
+            train(cfg, print_sharding=args.print_sharding, fresh=args.fresh, command=command)
+        sys.stdout.flush()  # a closed pipe fails here, inside the handler below, not at exit
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
     except NonFiniteStop as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_NONFINITE
+    except BrokenPipeError:  # --print-config / --print-sharding piped into `head`: the reader is done
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
     return 0
 
 

@@ -205,3 +205,43 @@ def test_items3_5_damaged_checkpoints_are_unreadable_and_fall_back(two_checkpoin
     assert (tmp_path / CHECKPOINT_DIR / "2.unreadable").is_dir()  # kept, not deleted
     redone = {r["step"]: r["loss"] for r in records(tmp_path)}
     assert redone[2] == expected[2]  # step 2 redone from the good step-1 state: the same loss
+
+
+def test_item16_print_sharding_into_a_closed_pipe_is_quiet(monkeypatch, capsys):
+    import os
+
+    read, write = os.pipe()
+    os.close(read)  # the reader (`head`) is gone
+    stdout = os.fdopen(write, "w")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(["--config", TINY, "--print-config"]) == 0
+    assert "BrokenPipeError" not in capsys.readouterr().err
+    stdout.close()
+
+
+def test_item16_tools_do_not_warn_that_read_only_checkpoints_are_read_only(two_checkpoints, tmp_path, capsys):
+    from meshtrain.export import export
+
+    export(str(two_checkpoints[0]), str(tmp_path / "export"))
+    err = capsys.readouterr().err
+    assert "read only" not in err and "read_only" not in err, err
+
+
+def test_item16_one_device_is_available():
+    import jax
+
+    from meshtrain.errors import ConfigError
+    from meshtrain.mesh import MeshConfig, make_mesh
+
+    with pytest.raises(ConfigError, match="but 1 is available; make the product 1"):
+        make_mesh(MeshConfig(data=2, fsdp=1), jax.devices()[:1])
+
+
+def test_item15_readme_states_the_size_it_has():
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    stated = int(re.search(r"\(`meshtrain/`\) is about ([\d,]+) lines", readme).group(1).replace(",", ""))
+    actual = sum(len(p.read_text().splitlines()) for p in (REPO / "meshtrain").rglob("*.py"))
+    assert abs(stated - actual) / actual < 0.1, (stated, actual)
+    assert "source .venv/bin/activate" in readme  # the commands shown run in the environment make creates
