@@ -12,6 +12,9 @@ import jax
 from meshtrain.errors import ConfigError
 
 EXIT_USER_ERROR = 2
+MAX_HOST_DEVICES = 1024
+HOST_MEMORY_MESSAGE = ("the host ran out of memory building what the config asks for (a batch, the data "
+                       "source, the parameters); reduce train.batch_size, model.* sizes or data.*")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -36,8 +39,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def use_host_devices(count: int) -> None:
     """Run on ``count`` simulated CPU devices; only possible before JAX's backends start."""
-    if count < 1:
-        raise ConfigError("--host-devices", f"must be a positive integer, got {count}")
+    if not 1 <= count <= MAX_HOST_DEVICES:
+        raise ConfigError("--host-devices", f"must be an integer in [1, {MAX_HOST_DEVICES}] (each simulated "
+                          f"device costs memory and start-up time), got {count}")
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", count)
@@ -51,6 +55,9 @@ def run(tool: Callable[[list[str] | None], int | None], argv: list[str] | None) 
         return tool(argv) or 0
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except MemoryError:
+        print(f"error: memory: {HOST_MEMORY_MESSAGE}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 

@@ -48,6 +48,7 @@ from meshtrain.train_config import TrainConfig
 from models.api import DEFAULT_FAMILY, UnknownFamily, family_named, family_of, import_plugin, plugin_of
 from models.common import InvalidField
 
+INT_LIMIT = 2 ** 63  # what numpy and JAX accept as a Python int (seeds, counts, sizes)
 # The model section's own fields; the rest belong to the family's config class.
 FAMILY_FIELD, PLUGIN_FIELD = "family", "plugin"
 
@@ -87,6 +88,80 @@ _DACITE = dacite.Config(strict=True, cast=[enum.Enum, tuple, float])
 _ALIASES = {("model", "init_from"): ("checkpoint", "init_from")}
 
 
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that rejects duplicate keys, nesting deeper than ``MAX_DEPTH`` and
+    documents that expand (aliases counted in full, as the config's consumers would walk them) to
+    more than ``MAX_NODES`` nodes: a "billion laughs" alias bomb is refused before it is expanded."""
+
+    MAX_DEPTH = 64
+    MAX_NODES = 100_000
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > self.MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise _Refused(f"nested more than {self.MAX_DEPTH} levels deep (line {mark.line + 1})")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None:
+            sizes: dict[int, int] = {}
+
+            def size(n) -> int:  # the node graph is a DAG (aliases share nodes): memoise by identity
+                if id(n) not in sizes:
+                    children = n.value if isinstance(n, yaml.SequenceNode) else (
+                        [item for pair in n.value for item in pair] if isinstance(n, yaml.MappingNode) else [])
+                    sizes[id(n)] = 1 + sum(size(child) for child in children)
+                    if sizes[id(n)] > self.MAX_NODES:
+                        raise _Refused(f"expands to more than {self.MAX_NODES} values (aliases counted "
+                                       "in full)")
+                return sizes[id(n)]
+
+            size(node)
+        return node
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise _Refused(f"key {_shown(key)} appears twice in one mapping (line "
+                               f"{key_node.start_mark.line + 1})")
+            if isinstance(key, (str, int, float, bool)):
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+class _Refused(Exception):
+    """A YAML document ``_BoundedLoader`` will not load (the reason is the message)."""
+
+
+def _load_yaml(text: str) -> Any:
+    """``text`` parsed by ``_BoundedLoader``; raises ``_Refused`` or ``yaml.YAMLError``."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader subclass)
+    except RecursionError:
+        raise _Refused("nested too deeply") from None
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages."""
+    return _cut(repr(value), limit)
+
+
+def _cut(text: str, limit: int = 120) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _suggest(name: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(name, valid, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -109,9 +184,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(text, "an override must look like section.field=value, e.g. train.steps=100")
     try:
-        return key, yaml.safe_load(value) if value else ""
+        return key, _load_yaml(value) if value else ""
     except yaml.YAMLError as err:
-        raise ConfigError(key, f"cannot parse value {value!r} as YAML: {_yaml_problem(err)}") from None
+        raise ConfigError(key, f"cannot parse value {_shown(value)} as YAML: {_yaml_problem(err)}") from None
+    except _Refused as err:
+        raise ConfigError(key, f"value {_shown(value)} is refused: {err}") from None
+    except ValueError as err:  # e.g. an integer of more than 4300 digits
+        raise ConfigError(key, f"cannot parse value {_shown(value)}: {_cut(str(err))}") from None
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
@@ -137,14 +216,17 @@ def _check_fields(path: str, cls: type, raw: dict) -> None:
         hint = hints[key]
         origin, args = typing.get_origin(hint), typing.get_args(hint)
         if hint in (int, float) and isinstance(value, bool):
-            raise ConfigError(field, f"expected {hint.__name__}, got {value!r}")
+            raise ConfigError(field, f"expected {hint.__name__}, got {_shown(value)}")
+        if int in (hint, *args) and isinstance(value, int) and not isinstance(value, bool) \
+                and not -INT_LIMIT <= value < INT_LIMIT:
+            raise ConfigError(field, f"{_shown(value, 40)} is out of range; must be below 2**63")
         if hint is float and not _is_float(value):  # dacite casts with float(), naming no field
-            raise ConfigError(field, f"expected float, got {value!r}")
+            raise ConfigError(field, f"expected float, got {_shown(value)}")
         if float in (hint, *args) and _is_float(value) and not isinstance(value, bool) \
                 and not math.isfinite(float(value)):  # nan passes both `> 0` and `< 0` checks
-            raise ConfigError(field, f"must be a finite number, got {value!r}")
+            raise ConfigError(field, f"must be a finite number, got {_shown(value)}")
         if origin is tuple and isinstance(value, str):
-            raise ConfigError(field, f"expected a list, got the string {value!r}; write [{value}]")
+            raise ConfigError(field, f"expected a list, got the string {_shown(value)}; write [{_shown(value)[1:-1]}]")
         if dataclasses.is_dataclass(hint):
             _check_mapping(field, hint, value)
         elif origin is dict and isinstance(value, dict) and dataclasses.is_dataclass(args[1]):
@@ -166,7 +248,7 @@ def _is_float(value: Any) -> bool:
 def _check_mapping(path: str, cls: type, value: Any) -> None:
     if not isinstance(value, dict):
         fields = [field.name for field in dataclasses.fields(cls)]
-        raise ConfigError(path, f"must be a mapping with fields {fields}, got {value!r}")
+        raise ConfigError(path, f"must be a mapping with fields {fields}, got {_shown(value)}")
     _check_fields(path, cls, value)
 
 
@@ -174,7 +256,7 @@ def _section(name: str, cls: type, raw: Any) -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(name, f"must be a mapping of fields, got {raw!r}")
+        raise ConfigError(name, f"must be a mapping of fields, got {_shown(raw)}")
     _check_fields(name, cls, raw)
     try:
         return dacite.from_dict(cls, raw, config=_DACITE)
@@ -182,7 +264,7 @@ def _section(name: str, cls: type, raw: Any) -> Any:
         raise ConfigError(f"{name}.{err.field}", err.message) from None
     except dacite.WrongTypeError as err:
         raise ConfigError(f"{name}.{err.field_path}", f"expected {_type_name(err.field_type)}, "
-                          f"got {err.value!r}") from None
+                          f"got {_shown(err.value)}") from None
     except dacite.UnexpectedDataError as err:
         raise ConfigError(f"{name}.{sorted(err.keys)[0]}", "unknown field") from None
     except dacite.DaciteFieldError as err:
@@ -207,7 +289,7 @@ def _invalid_enum(cls: type, raw: dict) -> tuple[str, str] | None:
         field_type = hints[key]
         if isinstance(field_type, type) and issubclass(field_type, enum.Enum):
             if value not in [member.value for member in field_type]:
-                return key, f"{value!r} is not valid; use {_type_name(field_type)}"
+                return key, f"{_shown(value)} is not valid; use {_type_name(field_type)}"
     return None
 
 
@@ -216,12 +298,24 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> C
     raw: dict = {}
     if path is not None:
         path = pathlib.Path(path)
+        if path.is_dir():
+            raise ConfigError("--config", f"{path} is a directory; give a YAML config file")
         if not path.is_file():
             raise ConfigError("--config", f"no such file: {path}")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:  # a binary file
+            raise ConfigError("--config", f"{path} is not a UTF-8 text file (byte {err.start})") from None
+        except OSError as err:
+            raise ConfigError("--config", f"cannot read {path}: {err.strerror or err}") from None
+        try:
+            raw = _load_yaml(text) or {}
+        except ValueError as err:  # e.g. an integer of more than 4300 digits
+            raise ConfigError("--config", f"{path} is not valid YAML: {_cut(str(err))}") from None
         except yaml.YAMLError as err:
             raise ConfigError("--config", f"{path} is not valid YAML: {_yaml_problem(err)}") from None
+        except _Refused as err:
+            raise ConfigError("--config", f"{path} is refused: {err}") from None
         if not isinstance(raw, dict):
             raise ConfigError("--config", f"{path} must hold a mapping of sections {list(SECTIONS)}")
     for text in overrides:
@@ -246,7 +340,7 @@ def config_from_dict(raw: dict) -> Config:
                               f"valid: {list(SECTIONS)}")
     model_raw = raw.get("model") or {}
     if not isinstance(model_raw, dict):
-        raise ConfigError("model", f"must be a mapping of fields, got {model_raw!r}")
+        raise ConfigError("model", f"must be a mapping of fields, got {_shown(model_raw)}")
     family = _family(model_raw)
     model_fields = {k: v for k, v in model_raw.items() if k not in (FAMILY_FIELD, PLUGIN_FIELD)}
     sections = {name: _section(name, family.config_class if name == "model" else cls,
@@ -262,7 +356,7 @@ def _family(model_raw: dict):
         plugin = model_raw.get(PLUGIN_FIELD)
         if plugin is not None:
             if not isinstance(plugin, str) or not plugin:
-                raise ConfigError("model.plugin", f"must be a module name such as my_models.gpt, got {plugin!r}")
+                raise ConfigError("model.plugin", f"must be a module name such as my_models.gpt, got {_shown(plugin)}")
             import_plugin(plugin)
         name = model_raw.get(FAMILY_FIELD, DEFAULT_FAMILY)
         return family_named(str(name))

@@ -17,6 +17,7 @@ import enum
 import glob
 import math
 import os
+import stat
 from typing import Callable, Protocol
 
 import grain
@@ -119,6 +120,17 @@ def _as_rows(tokens: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
+def _distinct_rows(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
+    """int64 [rows, k]: k distinct random tokens of [0, rows) per row, in O(rows * k)."""
+    out = rng.integers(0, rows, (rows, k))
+    while True:
+        ordered = np.sort(out, 1)
+        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(1)
+        if not repeated.any():
+            return out
+        out[repeated] = rng.integers(0, rows, (int(repeated.sum()), k))
+
+
 def _check_indices(indices: np.ndarray) -> np.ndarray:
     indices = np.asarray(indices, dtype=np.int64)
     if indices.ndim != 1 or (indices.size and indices.min() < 0):
@@ -140,14 +152,18 @@ class MarkovDataset:
     Because the next token depends on ``a`` only through ``token_class[a]``, the chain on
     ``(token_class[a], b)`` (K * vocab states) is Markov; its stationary distribution, found by
     sparse power iteration to float64 precision, gives the exact stationary pair distribution
-    ``pair_probs[a, b]``. Each example starts with ``(x0, x1)`` drawn from ``pair_probs`` and
-    continues with the chain, all from ``np.random.default_rng`` keyed by ``(seed, index)``.
+    ``P(a, b) = marginal[a] * noise / vocab + successor_mass[a, c]`` for ``b = successors[a, c]``
+    (``pair_prob``). Each example starts with ``(x0, x1)`` drawn from it (``x0`` from the marginal,
+    then ``x1`` given ``x0``, by inverting the CDFs with one uniform) and continues with the chain,
+    all from ``np.random.default_rng`` keyed by ``(seed, index)``. Memory and set-up time are
+    linear in the vocabulary (O(vocab * K)).
 
     Attributes:
       successors: int64 [vocab, K]; token_class: int64 [vocab]; weights: float64 [K].
-      pair_probs: float64 [vocab, vocab], stationary P(x_t = a, x_{t+1} = b).
+      marginal: float64 [vocab], stationary P(x_t = a); successor_mass: float64 [vocab, K], the
+        chain's share of P(x_t = a, x_{t+1} = successors[a, c]).
       entropy_floor: expected loss of the true conditional over the seq_len targets (the first
-        target sees only x0 and is predicted by ``pair_probs[x0] / pair_probs[x0].sum()``).
+        target sees only x0 and is predicted by ``P(x0, .) / marginal[x0]``).
     """
 
     def __init__(self, *, vocab_size: int, seq_len: int, seed: int, branching: int, noise: float):
@@ -155,23 +171,29 @@ class MarkovDataset:
         self.branching, self.noise = branching, float(noise)
         v, k = vocab_size, branching
         rng = np.random.default_rng([_CHAIN_STREAM, seed])
-        self.successors = np.argsort(rng.random((v, v)), axis=1)[:, :k]
+        self.successors = _distinct_rows(rng, v, k)
         self.token_class = rng.integers(0, k, size=v)
         weights = _WEIGHT_RATIO ** -np.arange(k, dtype=np.float64)
         self.weights = weights / weights.sum()
         # rotated[r, b, j]: the token emitted with weight j after a class-r token and then b.
         rotation = (np.arange(k)[:, None] + np.arange(k)[None, :]) % k  # [r, j]
         self._rotated = self.successors[:, rotation].transpose(1, 0, 2)  # [K, vocab, K]
-        self.pair_probs = self._stationary_pairs()
-        self._pair_cdf = np.cumsum(self.pair_probs.ravel())
+        pi = self._stationary_states()  # [K, vocab]
+        self.marginal = pi.sum(0)
+        # successors[a, c] is emitted after (class r, a) with weight index j = (c - r) mod K.
+        by_offset = self.weights[(np.arange(k)[None, :] - np.arange(k)[:, None]) % k]  # [r, c]
+        self.successor_mass = (1 - self.noise) * pi.T @ by_offset  # [vocab, K]
+        self._marginal_cdf = np.cumsum(self.marginal)
+        self._successor_cdf = np.cumsum(self.successor_mass / ((1 - self.noise) * self.marginal[:, None]), 1)
         self._sample_cdf = np.cumsum(self.weights)
         self.entropy_floor = self._entropy_floor()
 
-    def _stationary_pairs(self) -> np.ndarray:
-        """Exact stationary P(x_t = a, x_{t+1} = b) [vocab, vocab] by power iteration."""
+    def _stationary_states(self) -> np.ndarray:
+        """Exact stationary distribution [K, vocab] of the state (class of the older token, newest
+        token), by power iteration."""
         v, k, eps = self.vocab_size, self.branching, self.noise
-        # State (r, b) = (class of the older token, newest token), flattened r * v + b.
-        # From (r, b) the chain emits rotated[r, b, j] w.p. (1-eps) w_j and moves to (class[b], c).
+        # State (r, b) flattened r * v + b. From (r, b) the chain emits rotated[r, b, j] w.p.
+        # (1-eps) w_j and moves to (class[b], c).
         src = np.repeat(np.arange(k * v), k)
         dst = (self.token_class[None, :, None] * v + self._rotated).ravel()
         weight = np.tile((1 - eps) * self.weights, k * v)
@@ -185,24 +207,26 @@ class MarkovDataset:
             delta = np.abs(nxt - pi).sum()
             pi = nxt
             if delta < _STATIONARY_TOL:
-                break
-        else:
-            raise RuntimeError(f"markov chain did not mix in {_STATIONARY_MAX_ITERS} steps")
-        # P(a, b) = sum_r pi(r, a) P(b | class r, a).
-        pi = pi.reshape(k, v)
-        pairs = np.broadcast_to((pi.sum(0) * eps / v)[:, None], (v, v)).copy()
-        np.add.at(pairs, (np.arange(v)[None, :, None], self._rotated),
-                  pi[:, :, None] * (1 - eps) * self.weights)
-        return pairs / pairs.sum()
+                return pi.reshape(k, v)
+        raise RuntimeError(f"markov chain did not mix in {_STATIONARY_MAX_ITERS} steps")
+
+    def pair_prob(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Stationary P(x_t = a, x_{t+1} = b) float64 for token arrays ``a``, ``b`` of one shape."""
+        a, b = np.asarray(a), np.asarray(b)
+        chained = np.where(self.successors[a] == b[..., None], self.successor_mass[a], 0.0).sum(-1)
+        return self.marginal[a] * self.noise / self.vocab_size + chained
 
     def _entropy_floor(self) -> float:
         """Exact mean over the seq_len targets of H(target | all earlier tokens), in nats."""
-        v, eps = self.vocab_size, self.noise
-        marginal = self.pair_probs.sum(1, keepdims=True)
-        first = -np.sum(self.pair_probs * np.log(self.pair_probs / marginal))
-        likely = (1 - eps) * self.weights + eps / v
+        v, k, eps = self.vocab_size, self.branching, self.noise
+        uniform = eps / v
+        # H(x1 | x0 = a): K successors with uniform + mass / marginal, the other v - K uniform.
+        chained = uniform + self.successor_mass / self.marginal[:, None]
+        per_token = -np.sum(chained * np.log(chained), 1) - (v - k) * uniform * math.log(uniform)
+        first = float(np.dot(self.marginal, per_token))
+        likely = (1 - eps) * self.weights + uniform
         # Every context has the same multiset of next-token probabilities.
-        later = -np.sum(likely * np.log(likely)) - (v - self.branching) * (eps / v) * math.log(eps / v)
+        later = -np.sum(likely * np.log(likely)) - (v - k) * uniform * math.log(uniform)
         return float((first + (self.seq_len - 1) * later) / self.seq_len)
 
     def transition_probs(self, prev2: np.ndarray, prev1: np.ndarray) -> np.ndarray:
@@ -220,8 +244,7 @@ class MarkovDataset:
         uniforms = np.stack([np.random.default_rng([_EXAMPLE_STREAM, self.seed, int(i)])
                              .random(steps - 1) for i in indices]) if n else np.zeros((0, steps - 1))
         tokens = np.empty((n, steps), np.int64)
-        pair = np.minimum(np.searchsorted(self._pair_cdf, uniforms[:, 0], side="right"), v * v - 1)
-        tokens[:, 0], tokens[:, 1] = np.divmod(pair, v)
+        tokens[:, 0], tokens[:, 1] = self._first_pairs(uniforms[:, 0])
         for t in range(2, steps):
             u = uniforms[:, t - 1]
             noisy = u < self.noise
@@ -231,6 +254,20 @@ class MarkovDataset:
             uniform = np.minimum((u / self.noise * v).astype(np.int64), v - 1)
             tokens[:, t] = np.where(noisy, uniform, chained)
         return _as_rows(tokens)
+
+    def _first_pairs(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(x0, x1) [n] each, exactly from the stationary pair distribution, one uniform per pair:
+        x0 by the marginal's CDF, then the uniform's position within x0's slice picks x1."""
+        v, eps = self.vocab_size, self.noise
+        first = np.minimum(np.searchsorted(self._marginal_cdf, u, side="right"), v - 1)
+        below = np.where(first > 0, self._marginal_cdf[np.maximum(first - 1, 0)], 0.0)
+        within = np.clip((u - below) / self.marginal[first], 0.0, np.nextafter(1.0, 0.0))
+        noisy = within < eps
+        uniform = np.minimum((within / eps * v).astype(np.int64), v - 1)
+        rest = (within - eps) / (1 - eps)
+        column = (self._successor_cdf[first] <= rest[:, None]).sum(1)  # searchsorted, row by row
+        chained = self.successors[first, np.minimum(column, self.branching - 1)]
+        return first, np.where(noisy, uniform, chained)
 
     def describe(self) -> str:
         return (f"data: markov order-2 chain, vocab {self.vocab_size}, {self.branching} successors/"
@@ -295,7 +332,13 @@ def _text_tokens(cfg: DataConfig, vocab_size: int) -> tuple[np.ndarray, str]:
 
 
 def _load_npy(cfg: DataConfig) -> np.ndarray:
-    tokens = np.load(cfg.path, mmap_mode="r")
+    try:
+        tokens = np.load(cfg.path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:  # truncated, header only, random bytes, pickled
+        raise ConfigError("data.path", f"{cfg.path} is not a readable .npy array of token ids "
+                          f"({' '.join(str(err).split())[:160]})") from None
+    if not isinstance(tokens, np.ndarray):
+        raise ConfigError("data.path", f"{cfg.path} is not a single .npy array (an .npz archive?)")
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         raise ConfigError("data.path", f"{cfg.path} holds {tokens.dtype} {tokens.shape}; "
                           "expected a 1-D integer array of token ids")
@@ -314,9 +357,23 @@ def _load_bin(cfg: DataConfig) -> np.ndarray:
 _ID_LOADERS: dict[str, Callable[[DataConfig], np.ndarray]] = {".npy": _load_npy, ".bin": _load_bin}
 
 
+def _check_regular_file(path: str) -> None:
+    """A ConfigError on ``data.path`` unless ``path`` is a regular file (or a link to one)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        what = "a broken symbolic link" if os.path.islink(path) else "no such file"
+        raise ConfigError("data.path", f"{what}: {path}") from None
+    except OSError as err:  # a symlink loop, a name too long, no permission
+        raise ConfigError("data.path", f"cannot open {path}: {err.strerror or err}") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "not a regular file")
+        raise ConfigError("data.path", f"{path} is {kind}; give a .npy or .bin file of token ids")
+
+
 def _id_tokens(cfg: DataConfig, vocab_size: int) -> tuple[np.ndarray, str]:
-    if not os.path.isfile(cfg.path):
-        raise ConfigError("data.path", f"no such file: {cfg.path}")
+    _check_regular_file(cfg.path)
     load = _ID_LOADERS.get(os.path.splitext(cfg.path)[1])
     if load is None:
         raise ConfigError("data.path", f"{cfg.path}: expected a .npy or .bin file of token ids")

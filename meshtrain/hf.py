@@ -119,8 +119,12 @@ class SafetensorsFiles:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as err:
-                raise ConfigError(field, f"{index} is not a safetensors index ({err})") from None
+            except (ValueError, KeyError, TypeError) as err:
+                raise ConfigError(field, f"{index} is not a safetensors index ({type(err).__name__}: "
+                                  f"{str(err)[:80]}); expected {{\"weight_map\": {{tensor: file}}}}") from None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise ConfigError(field, f"{index}: weight_map must map tensor names to file names")
             files = sorted(set(weight_map.values()))
         elif (self.root / SINGLE_FILE).is_file():
             files, weight_map = [SINGLE_FILE], None
@@ -136,6 +140,10 @@ class SafetensorsFiles:
                 raise ConfigError(field, f"cannot open {self.root / name}: {err}") from None
         self.file_of = dict(weight_map) if weight_map is not None else {
             key: SINGLE_FILE for key in self._handles[SINGLE_FILE].keys()}
+        for name, file_name in self.file_of.items():
+            if name not in set(self._handles[file_name].keys()):
+                raise ConfigError(field, f"{INDEX_FILE} says tensor {name} is in {file_name}, which does not "
+                                  "hold it")
         self.slices_read: list[tuple[str, int]] = []  # (tensor, elements) of every read, for tests
 
     def shape(self, name: str) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ from meshtrain import distributed, hf
 from meshtrain.checkpoint import (CHECKPOINT_DIR, Restored, RunCheckpoints,
                                   UnreadableCheckpoint, check_params, checkpoint_meta, config_differences, load_params,
                                   reorder_layers, resolve_restore_path, warn)
-from meshtrain.cli import EXIT_USER_ERROR, ArgumentParser, use_host_devices
+from meshtrain.cli import EXIT_USER_ERROR, HOST_MEMORY_MESSAGE, ArgumentParser, use_host_devices
 from meshtrain.config import Config, load_config, to_dict
 from meshtrain.data import global_batch, make_dataset
 from meshtrain.errors import ConfigError
@@ -479,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteStop as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_NONFINITE
+    except MemoryError:
+        print(f"error: memory: {HOST_MEMORY_MESSAGE}", file=sys.stderr)
+        return EXIT_USER_ERROR
     except BrokenPipeError:  # --print-config / --print-sharding piped into `head`: the reader is done
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0

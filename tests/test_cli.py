@@ -68,7 +68,7 @@ BAD_INPUTS = [
           id="unknown-remat"),
     _case(["model.remat_names=attention"], "model.remat_names", "expected a list",
           "[attention]", id="string-for-list"),
-    _case([], "--host-devices", "must be a positive integer", flags=("--host-devices", "0"),
+    _case([], "--host-devices", "must be an integer in [1, 1024]", flags=("--host-devices", "0"),
           id="host-devices-0"),
     _case(["train.steps"], "train.steps", "section.field=value", id="override-without-equals"),
     _case(["train.steps=[1"], "train.steps", "cannot parse value", id="override-bad-yaml"),

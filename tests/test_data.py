@@ -57,8 +57,9 @@ def test_markov_chain_is_normalised_and_pairs_are_stationary():
     assert trans.max(-1).min() > 0.5
     # Order 2: the older token changes the next-token distribution.
     assert np.abs(trans[0] - trans[1]).max() > 0.1 or np.abs(trans[0] - trans[2]).max() > 0.1
-    pairs = ds.pair_probs
+    pairs = ds.pair_prob(a, b)
     np.testing.assert_allclose(pairs.sum(), 1.0, atol=1e-12)
+    np.testing.assert_allclose(pairs.sum(1), ds.marginal, atol=1e-15)
     np.testing.assert_allclose(np.einsum("ab,abc->bc", pairs, trans), pairs, atol=1e-14)
 
 
@@ -69,7 +70,7 @@ def test_markov_entropy_floor_matches_samples(vocab, seq_len):
     rows = ds.rows(np.arange(n, dtype=np.int64))
     tokens = np.concatenate([rows["inputs"], rows["targets"][:, -1:]], axis=1)
     nll = np.empty((n, seq_len))
-    first = ds.pair_probs[tokens[:, 0], tokens[:, 1]] / ds.pair_probs[tokens[:, 0]].sum(-1)
+    first = ds.pair_prob(tokens[:, 0], tokens[:, 1]) / ds.marginal[tokens[:, 0]]
     nll[:, 0] = -np.log(first)
     for t in range(1, seq_len):
         probs = ds.transition_probs(tokens[:, t - 1], tokens[:, t])
@@ -188,3 +189,24 @@ def test_global_batch_on_8_devices():
         np.testing.assert_array_equal(np.asarray(array), expected[key])
         shard = array.addressable_shards[5]
         np.testing.assert_array_equal(np.asarray(shard.data), expected[key][shard.index])
+
+
+def test_markov_source_is_linear_in_the_vocabulary():
+    """Issue 12 item 4: a realistic vocabulary (32,000) builds in seconds and O(vocab * K) memory
+    (it used to build [vocab, vocab] float64 tables: 8 GB each), with the exact floor still defined."""
+    import resource
+    import time
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    ds = _markov(32_000, 64)
+    rows = ds.rows(np.arange(8, dtype=np.int64))
+    assert time.monotonic() - start < 30
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mb < 500, grown_mb
+    assert ds.successor_mass.shape == (32_000, ds.branching) and rows["inputs"].max() < 32_000
+    assert 0 < ds.entropy_floor < math.log(32_000)
+    # The first pair of each example follows the stationary pair distribution (x0 from the marginal).
+    first = ds.rows(np.arange(20_000, dtype=np.int64))["inputs"][:, 0]
+    top = np.argsort(ds.marginal)[-50:]
+    assert abs(np.isin(first, top).mean() - ds.marginal[top].sum()) < 0.02
