@@ -287,6 +287,10 @@ class FileDataset:
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, seed: int, label: str):
         self.tokens, self.seq_len, self.label = tokens, seq_len, label
+        # A memory-mapped file that shrinks under the run would kill it with SIGBUS on the next read:
+        # its identity is checked before every read instead (one stat call).
+        self._watched = tokens.filename if isinstance(tokens, np.memmap) and tokens.filename else None
+        self._identity = _identity(self._watched) if self._watched else None
         self.num_windows = tokens.shape[0] // (seq_len + 1)
         shuffle_seed = int(np.random.SeedSequence([_SHUFFLE_STREAM, seed]).generate_state(1)[0])
         self._order = grain.MapDataset.range(self.num_windows).shuffle(seed=shuffle_seed).repeat()
@@ -296,13 +300,34 @@ class FileDataset:
         return np.array([self._order[int(i)] for i in _check_indices(indices)], np.int64)
 
     def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        """Examples for global indices int64 [n]; see TokenDataset.rows."""
+        """Examples for global indices int64 [n]; see TokenDataset.rows.
+
+        Raises:
+          DataChanged: the memory-mapped token file was truncated, replaced or rewritten.
+        """
+        if self._watched is not None and _identity(self._watched) != self._identity:
+            size, now = self._identity[0], _identity(self._watched)
+            change = f"{size} -> {now[0]} bytes" if now[0] != size else "rewritten or replaced"
+            raise DataChanged("data.path", f"{self._watched} changed while training ({change})")
         starts = self.windows(indices) * (self.seq_len + 1)
         return _as_rows(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)])
 
     def describe(self) -> str:
         return (f"data: {self.label}: {self.tokens.shape[0]:,} tokens, {self.num_windows:,} "
                 f"windows of {self.seq_len + 1}; entropy floor unknown")
+
+
+class DataChanged(ConfigError):
+    """The data a run reads changed under it (the loop saves and stops with one line)."""
+
+
+def _identity(path: str) -> tuple[int, int, int]:
+    """(size, modification time ns, inode) of ``path``; (-1, -1, -1) when it is gone."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return (-1, -1, -1)
+    return (info.st_size, info.st_mtime_ns, info.st_ino)
 
 
 def _text_files(path: str) -> list[str]:

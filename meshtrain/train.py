@@ -39,7 +39,7 @@ from meshtrain.checkpoint import (CHECKPOINT_DIR, Restored, RunCheckpoints,
                                   reorder_layers, resolve_restore_path, warn)
 from meshtrain.cli import EXIT_USER_ERROR, HOST_MEMORY_MESSAGE, ArgumentParser, use_host_devices
 from meshtrain.config import Config, load_config, to_dict
-from meshtrain.data import global_batch, make_dataset
+from meshtrain.data import DataChanged, global_batch, make_dataset
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh, mesh_shape
 from meshtrain.metrics import MetricsLogger, format_bytes, mfu, peak_bf16_tflops
@@ -410,7 +410,15 @@ def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, ch
             state, metrics = train_step(state, batch)  # dispatched asynchronously
             done = step + 1
             if done < steps:
-                batch = global_batch(dataset, done, batch_size, trainer.batch_sharding)  # overlaps step
+                try:
+                    batch = global_batch(dataset, done, batch_size, trainer.batch_sharding)  # overlaps step
+                except DataChanged as err:
+                    path = saver.save(done, state)
+                    if checkpoints is not None:
+                        checkpoints.wait()
+                    where = f"the state after step {done} was saved to {path}" if path is not None else \
+                        "nothing was saved (checkpoint.enabled=false)"
+                    raise ConfigError(err.field, f"{err.message}; {where}; restore the file and resume") from None
             if previous is not None:
                 reporter.report(*previous)  # reads step N-1 while step N runs
             previous = (step, metrics)
