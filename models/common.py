@@ -47,6 +47,18 @@ def logical_param(value: jax.Array, axes: LogicalAxes) -> nnx.Param:
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
+def stacked_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
+    """``num_layers`` layers built by ``make_layer``, their parameters stacked on a leading ``layers``
+    axis (``nnx.vmap``; each layer gets its own split of ``rngs``), ready for ``lax.scan``."""
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(layer_rngs: nnx.Rngs) -> nnx.Module:
+        return make_layer(layer_rngs)
+
+    return make(rngs)
+
+
 def logical_axes_of(variable: nnx.Variable) -> LogicalAxes:
     """The logical axis names a parameter was created with (``layers`` included when stacked)."""
     return tuple(variable.get_metadata()["out_sharding"])

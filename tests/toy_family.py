@@ -30,22 +30,24 @@ from flax import nnx
 
 from models.api import AxisRole, ModelFamily, register
 from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
-                           palm_train_flops_per_token, unconstrained)
+                           palm_train_flops_per_token, stacked_layers, unconstrained)
 
 BLE = ("batch", "length", "embed")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ToyGPTConfig:
+    # The framework's fields (models.api.ModelConfig) ...
     vocab_size: int = 96
     embed_dim: int = 40
     num_layers: int = 2
+    remat: RematPolicy = RematPolicy.NONE
+    seq_len: int = 32  # also the size of the learned position table
+    # ... and the family's own.
     num_heads: int = 4
     head_dim: int = 6
     mlp_dim: int = 72
-    seq_len: int = 32
-    aux_loss_weight: float = 0.01
-    remat: RematPolicy = RematPolicy.NONE
+    aux_loss_weight: float = 0.01  # weight of each layer's mean squared activation in the loss
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "head_dim", "mlp_dim", "seq_len"):
@@ -104,12 +106,7 @@ class ToyGPT(nnx.Module):
         self.position_embedding = logical_param(_normal(rngs, (cfg.seq_len, cfg.embed_dim), 0.02),
                                                 ("positions", "embed"))
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked(layer_rngs: nnx.Rngs) -> Block:
-            return Block(cfg, layer_rngs)
-
-        self.layers = stacked(rngs)
+        self.layers = stacked_layers(lambda layer_rngs: Block(cfg, layer_rngs), cfg.num_layers, rngs)
         self.final_norm = logical_param(jnp.ones((cfg.embed_dim,)), ("embed",))
         self.head = logical_param(_normal(rngs, (cfg.embed_dim, cfg.vocab_size), cfg.embed_dim ** -0.5),
                                   ("embed", "vocab"))

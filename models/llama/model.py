@@ -34,7 +34,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
-                           palm_train_flops_per_token, unconstrained)
+                           palm_train_flops_per_token, stacked_layers, unconstrained)
 
 # Activations a NAMED remat policy may keep (tagged with ``checkpoint_name`` in the layer).
 CHECKPOINT_NAMES = ("query", "key", "value", "attention", "mlp_hidden")
@@ -355,12 +355,7 @@ class Llama(nnx.Module):
         self.embedding = logical_param(_normal(rngs, (cfg.vocab_size, cfg.embed_dim), cfg.init_std),
                                        ("vocab", "embed"))
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked_layers(layer_rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(cfg, layer_rngs)
-
-        self.layers = stacked_layers(rngs)
+        self.layers = stacked_layers(lambda layer_rngs: DecoderLayer(cfg, layer_rngs), cfg.num_layers, rngs)
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else logical_param(
             _normal(rngs, (cfg.embed_dim, cfg.vocab_size), cfg.embed_dim ** -0.5), ("embed", "vocab"))
