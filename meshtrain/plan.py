@@ -25,11 +25,12 @@ import numpy as np
 from meshtrain.cli import ArgumentParser, run
 from meshtrain.config import Config, load_config
 from meshtrain.errors import ConfigError
-from meshtrain.memory_model import ACTIVATION_COEFFICIENTS, Estimate, Hardware, Layout, estimate
+from meshtrain.memory_model import ACTIVATION_COEFFICIENTS, UNRELIABLE, Estimate, Hardware, Layout, estimate
 from meshtrain.metrics import peak_bf16_tflops
 from meshtrain.parallel.layout import ParallelPlan, abstract_model
 from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
+from models.api import family_of
 from models.common import RematPolicy
 
 GB = 1e9
@@ -54,7 +55,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", help="YAML config (default: the dataclass defaults)")
     p.add_argument("--devices", type=int, required=True, help="number of devices N")
     p.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GiB or 40GB")
-    p.add_argument("--host-memory", help="host memory per device for optimizer offload, e.g. 1TiB/8")
+    p.add_argument("--host-memory", help="pinned host memory available to each device for optimizer offload "
+                   "(a node's host memory divided by its devices), e.g. 128GiB")
     p.add_argument("--verify", type=int, default=0, metavar="K",
                    help="compile the K best layouts on N simulated CPU devices and compare")
     p.add_argument("--top", type=int, default=20, help="rows of layouts that fit to print")
@@ -200,8 +202,8 @@ def format_plan(plan: Plan, top: int, show_infeasible: int) -> str:
     fit, big, broken = plan.ranked()
     m = plan.cfg.model
     hw = plan.hardware
-    lines = [f"model: {m.num_params / 1e9:.2f}B parameters ({m.num_layers} layers, embed {m.embed_dim}, "
-             f"heads {m.num_heads}/{m.num_kv_heads} kv, mlp {m.mlp_dim}, vocab {m.vocab_size}); batch "
+    lines = [f"model: {family_of(m).name}, {m.num_params / 1e9:.2f}B parameters ({m.num_layers} layers, embed "
+             f"{m.embed_dim}, vocab {m.vocab_size}); batch "
              f"{plan.cfg.train.batch_size} x {m.seq_len} tokens, grad_accum {plan.cfg.train.grad_accum}, "
              f"{plan.cfg.train.precision.value}, pipeline {plan.cfg.pipeline.schedule.value}",
              f"devices: {plan.devices} x {plan.device_memory / GB:.4g} GB"
@@ -214,10 +216,12 @@ def format_plan(plan: Plan, top: int, show_infeasible: int) -> str:
              "per device, GB (temps = compute copy, gathered weights, one layer's working set, logits, batch;"
              " optim* = offloaded, only one leaf's moments on the device during the update):",
              ""]
-    rows = [HEADER] + [_row(str(i + 1), e, "fits") for i, e in enumerate(fit[:top])]
+    rows = [HEADER] + [_row(str(i + 1), e, "fits" if e.reliable else "fits?") for i, e in enumerate(fit[:top])]
     rows += [_row("-", e, "; ".join(plan.problems(e))) for e in big[:show_infeasible]]
     if len(rows) > 1:
         lines.append(_table(rows))
+    if any(not e.reliable for e in fit[:top]):
+        lines.append(f"fits? = {UNRELIABLE}")
     if broken and show_infeasible:
         seen: dict[str, str] = {}
         for est in broken:
@@ -260,19 +264,26 @@ def verify(config_path: str | None, overrides: list[str], est: Estimate, devices
             "temp": analysis.temp_size_in_bytes, "seconds": time.perf_counter() - start}
 
 
-def format_verify(results: list[tuple[Estimate, dict]], devices: int) -> str:
+def verified_verdict(xla: dict, device_memory: float) -> str:
+    """The verdict XLA's memory analysis gives: arguments + temporaries (outputs alias the donated
+    state) against the device memory. It overrules the estimate's."""
+    needed = xla["argument"] + xla["temp"]
+    return "fits" if needed <= device_memory else f"does not fit: XLA needs {needed / GB:.3g} GB"
+
+
+def format_verify(results: list[tuple[Estimate, dict]], devices: int, device_memory: float) -> str:
     def cell(estimated: float, measured: float) -> str:
         err = (estimated - measured) / measured if measured else float("nan")
         return f"{_gb(estimated)} / {_gb(measured)} ({err:+.1%})"
 
     rows = [["#", "mesh d,f,t,s", "zero", "remat", "mb", "argument GB est / xla", "output GB est / xla",
-             "temp GB est / xla", "compile s"]]
+             "temp GB est / xla", "compile s", "verdict (xla)"]]
     for i, (est, xla) in enumerate(results):
         lay = est.layout
         rows.append([str(i + 1), lay.label(), str(lay.zero), lay.remat.value,
                      str(lay.microbatches) if lay.stage > 1 else "-", cell(est.argument_bytes, xla["argument"]),
                      cell(est.output_bytes, xla["output"]), cell(est.temp_bytes, xla["temp"]),
-                     f"{xla['seconds']:.1f}"])
+                     f"{xla['seconds']:.1f}", verified_verdict(xla, device_memory)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
     return (f"\nverify: the real train step compiled ahead of time on {devices} simulated CPU devices "
@@ -312,7 +323,7 @@ def _plan(argv: list[str] | None) -> None:
     if args.verify:
         best = plan.ranked()[0][:args.verify]
         results = [(est, verify(args.config, args.overrides, est, args.devices)) for est in best]
-        print(format_verify(results, args.devices))
+        print(format_verify(results, args.devices, device_memory))
 
 
 def main(argv: list[str] | None = None) -> int:
