@@ -53,7 +53,7 @@ CHECKSUMS = "checksums"  # meta key: {array path: checksum of its values when sa
 class CheckpointConfig:
     """Saving, resuming and fault handling of a run (``checkpoint`` section).
 
-    ``init_from`` is the issue's ``model.init_from``: it lives here because ``LlamaConfig`` describes
+    ``init_from`` is the issue's ``model.init_from``: it lives here because the model config describes
     a model's shape, not where its weights come from.
     """
 

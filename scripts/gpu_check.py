@@ -10,6 +10,8 @@
    memory; prints step time, tokens/s, TFLOP/s and MFU.
 3. offload: the same model with ``offload.optimizer=true model.remat=offload``: memory_analysis
    (device and host bytes) and the step time.
+4. checkpoint: the tiny state after one step saved (per-array checksums computed on the device) and
+   restored; the restore verifies the checksums and must equal the saved state bit for bit.
 
 ``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs everything on the CPU with tiny shapes, in seconds;
 the test suite runs that. Exit status 1 when the loss check fails. Last line: ``json: {...}``.
@@ -66,6 +68,36 @@ def loss_check(load_config, bench, steps: int, tol: float, dry_run: bool) -> dic
     ok = diff <= tol
     log(f"loss check: max |device - cpu| = {diff:.2e} (tolerance {tol:.0e}): {'PASS' if ok else 'FAIL'}")
     return {"losses": losses, "max_abs_diff": diff, "tolerance": tol, "passed": ok}
+
+
+def checkpoint_check(load_config, bench) -> dict:
+    """Save and restore the tiny state on the device; the checksums recorded at save must verify."""
+    import tempfile
+
+    import jax
+    import numpy as np
+
+    from meshtrain.checkpoint import RunCheckpoints, checkpoint_meta
+    from meshtrain.config import to_dict
+
+    cfg = load_config("configs/tiny.yaml", ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.stage=1",
+                                            "train.batch_size=8"])
+    trainer, compiled, _ = bench.prepare(cfg, [jax.devices()[0]])
+    state, _ = compiled(trainer.init_state(seed=0), bench.random_batch(trainer))
+    with tempfile.TemporaryDirectory() as root:
+        checkpoints = RunCheckpoints(f"{root}/checkpoints", keep=1)
+        start = time.perf_counter()
+        checkpoints.save(1, state, checkpoint_meta(step=1, config=to_dict(cfg), mesh=trainer.mesh, batch_size=8,
+                                                   data_seed=0, train_seed=0))
+        checkpoints.wait()
+        save_s = time.perf_counter() - start
+        restored = checkpoints.restore(1, trainer.abstract_state(), field="gpu_check", config=to_dict(cfg),
+                                       layer_order=trainer.layer_order)
+        checkpoints.close()
+    equal = all(np.array_equal(np.asarray(a), np.asarray(b))
+                for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored.state)))
+    log(f"checkpoint: saved in {save_s:.2f} s, checksums verified on restore, bit-equal: {equal}")
+    return {"save_s": save_s, "bit_equal": equal, "passed": equal}
 
 
 def fits(compiled, limit: int | None) -> tuple[bool, int]:
@@ -176,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         phase = time.perf_counter()
         report["offload"] = offload(load_config, bench, args, max(1, report["throughput"]["batch_size"] // 2))
         report["offload"]["wall_s"] = time.perf_counter() - phase
+    report["checkpoint"] = checkpoint_check(load_config, bench)
     report["wall_s"] = time.perf_counter() - started
     log(f"gpu_check done in {report['wall_s']:.1f} s")
     print("json: " + json.dumps(report), flush=True)
-    return 0 if report["loss_check"]["passed"] else 1
+    return 0 if report["loss_check"]["passed"] and report["checkpoint"]["passed"] else 1
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ def test_gpu_check_dry_run():
     assert report["dry_run"] and report["loss_check"]["passed"]
     assert report["throughput"]["tokens_per_sec"] > 0 and "mfu" in report["throughput"]
     assert "host_temp_bytes" in report["offload"]["memory_per_device"]
+    assert report["checkpoint"]["passed"] and report["checkpoint"]["bit_equal"]
     assert "TFLOP/s" in proc.stdout and "MFU" in proc.stdout
 
 
