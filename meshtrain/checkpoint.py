@@ -23,10 +23,13 @@ state (parameter init is seeded by ``train.seed`` and only used for a fresh star
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import pathlib
+import re
+import shutil
 import sys
 import time
 from typing import Any
@@ -46,6 +49,7 @@ EXPORT_META = "meshtrain.json"  # under an export directory
 FORMAT_VERSION = 1
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _UNREADABLE = ".unreadable"
+SAVE_MARGIN_BYTES = 16 * 10 ** 6  # beyond a checkpoint's own size: metadata, the meta JSON
 CHECKSUMS = "checksums"  # meta key: {array path: checksum of its values when saved}
 
 
@@ -78,6 +82,34 @@ class CheckpointConfig:
         for name in ("restore_from", "init_from"):
             if getattr(self, name) == "":
                 raise ConfigError(name, "must be a path or null, got the empty string")
+
+
+class SaveFailed(ConfigError):
+    """A checkpoint could not be written (the run stops with one line; the earlier ones are intact).
+
+    ``background``: orbax's writer threads failed (they may still be failing as the process exits).
+    """
+
+    def __init__(self, field: str, message: str, *, background: bool = True):
+        super().__init__(field, message)
+        self.background = background
+
+
+def _write_problem(err: BaseException) -> str:
+    """The operating system's reason in an orbax/tensorstore write error ("No space left on device"),
+    else its first line."""
+    text = " ".join(str(err).split())
+    found = re.findall(r": ([A-Z][a-z][^:\[\]]*?) \[os_error_code", text)
+    return found[-1] if found else _one_line(err)[:200]
+
+
+class _QuietSaveThreads(logging.Filter):
+    """Drops the traceback orbax's save thread logs when a write fails: the failure reaches the run
+    as one ``SaveFailed`` line at the next save or wait."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not ("orbax" in record.pathname and record.levelno >= logging.ERROR
+                    and "raised an exception" in record.getMessage())
 
 
 class UnreadableCheckpoint(Exception):
@@ -168,6 +200,7 @@ class _QuietReadOnly(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_QuietReadOnly())
+logging.getLogger("absl").addFilter(_QuietSaveThreads())
 
 
 class RunCheckpoints:
@@ -207,17 +240,52 @@ class RunCheckpoints:
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Starts saving ``state`` as checkpoint ``step``; returns once the arrays are off the devices
-        (async) or written (sync). Waits for the previous save first."""
+        (async) or written (sync). Waits for the previous save first.
+
+        Raises:
+          SaveFailed: this save, or the previous asynchronous one, could not be written.
+        """
+        self._check_free_space(step, state)
         meta = {**meta, CHECKSUMS: state_checksums(state)}
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                         meta=ocp.args.JsonSave(meta)), force=True)
+        with self._writing(step):
+            self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                             meta=ocp.args.JsonSave(meta)), force=True)
 
     def wait(self) -> None:
-        """Blocks until every started save is committed."""
-        self._manager.wait_until_finished()
+        """Blocks until every started save is committed (``SaveFailed`` when one could not be)."""
+        with self._writing(None):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.close()
+        with self._writing(None):
+            self._manager.close()
+
+    def _check_free_space(self, step: int, state: Any) -> None:
+        """``SaveFailed`` before anything is written when the file system cannot hold another
+        checkpoint: this process's shards, uncompressed (an upper bound), plus a margin."""
+        needed = sum(shard.data.nbytes for leaf in jax.tree.leaves(state) for shard in leaf.addressable_shards
+                     if shard.replica_id == 0)
+        needed += needed // 10 + SAVE_MARGIN_BYTES
+        free = shutil.disk_usage(self.root if self.root.exists() else self.root.parent).free
+        if free < needed:
+            raise SaveFailed("checkpoint", f"cannot write checkpoint {step} in {self.root}: it needs about "
+                             f"{needed / 1e6:,.0f} MB and {free / 1e6:,.0f} MB are free; the complete "
+                             f"checkpoints there are intact ({self.steps() or 'none'}); free space, then resume",
+                             background=False)
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None):
+        """Turns orbax's failure to write (a full disk, a file size limit, no permission), raised
+        in the next call after an asynchronous save, into one ``SaveFailed``."""
+        try:
+            yield
+        except SaveFailed:
+            raise
+        except Exception as err:
+            complete = [s for s in self.steps() if s != step]
+            raise SaveFailed("checkpoint", f"cannot write a checkpoint in {self.root} ({_write_problem(err)}); "
+                             f"the complete checkpoints there are intact ({complete or 'none'}); free space "
+                             "or fix the directory, then resume") from None
 
     def read_meta(self, step: int) -> dict:
         try:

@@ -36,7 +36,7 @@ from flax import nnx
 from meshtrain import distributed, hf
 from meshtrain.checkpoint import (CHECKPOINT_DIR, Restored, RunCheckpoints,
                                   UnreadableCheckpoint, check_params, checkpoint_meta, config_differences, load_params,
-                                  reorder_layers, resolve_restore_path, warn)
+                                  SaveFailed, reorder_layers, resolve_restore_path, warn)
 from meshtrain.cli import EXIT_USER_ERROR, HOST_MEMORY_MESSAGE, ArgumentParser, use_host_devices
 from meshtrain.config import Config, load_config, to_dict
 from meshtrain.data import DataChanged, global_batch, make_dataset
@@ -355,9 +355,11 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
             return _run(cfg, trainer, dataset, mesh, run_dir, checkpoints, preemption, fresh=fresh,
                         command=command, banner=banner)
     finally:
-        if checkpoints is not None:
-            checkpoints.close()  # waits for a save in flight
-        lock.release()
+        try:
+            if checkpoints is not None:
+                checkpoints.close()  # waits for a save in flight
+        finally:
+            lock.release()
 
 
 def _hold(run_dir: pathlib.Path) -> RunLock:
@@ -481,6 +483,12 @@ def main(argv: list[str] | None = None) -> int:
             distributed.initialize(_distributed_flags(args, cfg.distributed))  # before JAX's backends start
             train(cfg, print_sharding=args.print_sharding, fresh=args.fresh, command=command)
         sys.stdout.flush()  # a closed pipe fails here, inside the handler below, not at exit
+    except SaveFailed as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        if err.background:  # orbax's writer threads still fail: leave before they print at shutdown
+            sys.stdout.flush()
+            os._exit(EXIT_USER_ERROR)
+        return EXIT_USER_ERROR
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR

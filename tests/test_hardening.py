@@ -405,3 +405,56 @@ def test_item14_the_plan_cli_plans_a_plugin_family(capsys):
     assert planner.main(["--config", toy, "--devices", "8", "--device-memory", "1GB", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("model: toy_gpt, ") and "fits" in out
+
+
+def test_item7_a_full_disk_stops_with_one_line_before_writing_and_keeps_earlier_checkpoints(tmp_path, monkeypatch,
+                                                                                           capsys):
+    import collections
+    import shutil
+
+    from meshtrain import checkpoint as checkpoint_module
+
+    real = shutil.disk_usage
+    calls = []
+
+    def filling_up(path):
+        calls.append(path)
+        usage = real(path)
+        free = usage.free if len(calls) == 1 else 5 * 10 ** 6  # room for the first save only
+        return collections.namedtuple("usage", "total used free")(usage.total, usage.used, free)
+
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", filling_up)
+    code = main(["--config", TINY, *overrides(tmp_path, "checkpoint.every=1", steps=4)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: checkpoint: cannot write checkpoint 2 in {tmp_path / CHECKPOINT_DIR}: it "
+                             "needs about ") and "MB and 5 MB are free; the complete checkpoints there are " \
+                             "intact ([1])" in err[0]
+    assert complete_steps(tmp_path) == [1]
+    assert not list((tmp_path / CHECKPOINT_DIR).glob("*tmp*"))  # nothing half-written
+    restore(tmp_path, 1, config(tmp_path, steps=4))  # the earlier one is intact
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+@pytest.mark.slow
+def test_item7_a_write_that_fails_inside_orbax_is_one_error_line(tmp_path):
+    """The file system refuses the write itself (here a file-size limit, EFBIG): the run stops with
+    one error line naming the directory, exit 2. (orbax's writer threads may still print tracebacks
+    on their way down: that noise remains, see docs/checkpoints.md.)"""
+    import resource
+    import signal
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))  # below any state file, above the logs
+
+    command = [sys.executable, "-m", "meshtrain.train", "--host-devices", "8", "--config", TINY,
+               *overrides(tmp_path, "checkpoint.every=2", steps=6)]
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}  # no compilation cache: it would hit the limit too
+    proc = subprocess.run(command, cwd=REPO, env=env, preexec_fn=limited, capture_output=True, text=True,
+                          timeout=240)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert errors[0].startswith(f"error: checkpoint: cannot write a checkpoint in {tmp_path / CHECKPOINT_DIR} ("), \
+        errors[0]
+    assert "the complete checkpoints there are intact" in errors[0]
