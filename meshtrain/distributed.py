@@ -236,18 +236,25 @@ def lost_processes(timeout_s: float) -> list[int] | None:
     return sorted(set(range(count)) - set(answer[0]))
 
 
+# How long a failing process waits for the coordination service to say who is gone.
+LOST_QUERY_LIMIT_S = 15
+
+
 def _install_failure_hook(heartbeat_timeout_s: int) -> None:
     """An uncaught error in a multi-process run (typically a collective failing because a peer's
-    connection dropped) is reported with the processes that were lost, and this process exits at
+    connection dropped) is reported in one line with the processes that were lost (the traceback only
+    when every process is alive, so that the error is this process's own), and this process exits at
     once with status 1 instead of waiting at JAX's shutdown barrier for the dead peer."""
     previous = sys.excepthook
 
     def hook(kind, value, traceback):
-        previous(kind, value, traceback)
         if issubclass(kind, KeyboardInterrupt):
+            previous(kind, value, traceback)
             os._exit(130)
         me, count = jax.process_index(), jax.process_count()
-        lost = lost_processes(heartbeat_timeout_s + 10)
+        lost = lost_processes(min(heartbeat_timeout_s + 10, LOST_QUERY_LIMIT_S))
+        if lost == []:  # everyone is alive: the error is this process's own, and its traceback matters
+            previous(kind, value, traceback)
         if lost is None:
             who = "the coordinator (process 0) is unreachable, or the lost process is not known yet"
         elif lost:

@@ -275,11 +275,13 @@ class MetricsLogger:
             "mean_tokens_per_sec": sum(throughput) / len(throughput) if throughput else None,
         }
 
-    def close(self, summary: Mapping[str, object] | None = None) -> None:
+    def close(self, summary: Mapping[str, object] | None = None, *, print_summary: bool = True) -> None:
         """Finish the run: stop the display, close files, print and write the summary, plot the loss.
 
         ``summary`` holds extra entries (compile time, ``entropy_floor``, per-device
-        memory, ...) merged after the computed statistics. Idempotent.
+        memory, ...) merged after the computed statistics. ``print_summary=False`` (a run ended by
+        an error) writes summary.json without printing a summary that would look like a normal end.
+        Idempotent.
         """
         if not self.is_primary or self._closed:
             return
@@ -298,7 +300,8 @@ class MetricsLogger:
             f"  {key:<20} {format(value, '.6g') if isinstance(value, float) else value}"
             for key, value in result.items()
         ]
-        print("\n".join(lines), file=sys.stderr, flush=True)
+        if print_summary:
+            print("\n".join(lines), file=sys.stderr, flush=True)
 
         floor = extra.get("entropy_floor")
         _plot_loss(

@@ -407,7 +407,9 @@ def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, ch
     stop_on_nonfinite = cfg.train.on_nonfinite is NonFinitePolicy.STOP
     previous, saved, preempted = None, None, False
     with contextlib.ExitStack() as on_exit:
-        on_exit.callback(logger.close)  # idempotent; the normal path closes it with the summary
+        # Idempotent: the normal path closes it with the summary first; an error path writes
+        # summary.json marked as stopped, and prints no normal-looking summary.
+        on_exit.callback(logger.close, {"stopped_by_error": True}, print_summary=False)
         for step in range(start, steps):
             state, metrics = train_step(state, batch)  # dispatched asynchronously
             done = step + 1

@@ -114,6 +114,10 @@ def test_killing_one_process_stops_the_other(tmp_path):
                 proc.wait()
     assert procs[0].returncode != 0, output[-3000:]
     assert elapsed < 120
+    # Issue 12 item 11: the survivor says so in one line, without a traceback or a normal-looking summary.
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: process 0/2 stops after"), output[-3000:]
+    assert "Traceback" not in output and "run summary" not in output, output[-3000:]
     assert "lost process 1 of 2" in output, output[-3000:]
 
 
