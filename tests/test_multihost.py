@@ -66,6 +66,7 @@ def test_two_processes_match_one_and_checkpoint_restores_in_one(tmp_path, refere
     for rank in (0, 1):  # every process prints its start-up line; only process 0 logs the rest
         assert f"[{rank}] meshtrain: rank {rank}/2" in output, output
     assert "[1] meshtrain: process" not in output and "[0] meshtrain: process 0/2" in output
+    assert "connected peer ranks" not in output  # issue 12 item 16: no Gloo set-up chatter
     _close(losses(run_dir), reference_a, range(1, RESUMED + 1))
     # The 2-process checkpoint of step 3, continued by this single 8-device process.
     summary = train(config(resumed, *MESH_A, "checkpoint.enabled=false",
@@ -113,6 +114,7 @@ def test_killing_one_process_stops_the_other(tmp_path):
                 proc.kill()
                 proc.wait()
     assert procs[0].returncode != 0, output[-3000:]
+    print(f"survivor exited {elapsed:.1f} s after its peer was killed")
     assert elapsed < 120
     # Issue 12 item 11: the survivor says so in one line, without a traceback or a normal-looking summary.
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
