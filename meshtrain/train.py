@@ -97,7 +97,7 @@ class NonFiniteStop(Exception):
 EXIT_NONFINITE = 3
 # Sections whose changes between a checkpoint and the resumed run change the numbers (warned about).
 _NUMERIC_SECTIONS = ("model", "optimizer", "data", "train")
-_HARMLESS_FIELDS = ("train.log_every",)
+_HARMLESS_FIELDS = ("train.log_every", "train.profile_steps")
 
 
 def _any_process(flag: bool) -> bool:
@@ -208,6 +208,37 @@ class _Preemption:
     @property
     def requested(self) -> bool:
         return _any_process(self.received is not None)
+
+
+PROFILE_DIR = "profile"  # under run.dir: jax.profiler traces (TensorBoard's profile plugin, Perfetto)
+
+
+class _Profiler:
+    """Traces the steps of ``train.profile_steps`` with ``jax.profiler`` into ``run.dir/profile``."""
+
+    def __init__(self, steps: tuple[int, int] | None, log_dir: pathlib.Path, start: int):
+        self.steps, self.log_dir, self.active = steps, log_dir, False
+        if steps is not None and steps[1] <= start:
+            _log(f"train.profile_steps {steps[0]}-{steps[1]}: the run resumes after step {start}; not profiling")
+            self.steps = None
+
+    def before(self, step: int) -> None:
+        if self.steps is not None and not self.active and step >= self.steps[0]:
+            jax.profiler.start_trace(str(self.log_dir), create_perfetto_trace=True)
+            self.active = True
+
+    def after(self, step: int, metrics) -> None:
+        if self.active and step >= self.steps[1]:
+            jax.block_until_ready(metrics)
+            self.stop()
+            _log(f"profile of steps {self.steps[0]}-{step} written to {self.log_dir} (tensorboard --logdir "
+                 f"{self.log_dir}, or open the perfetto_trace.json.gz in ui.perfetto.dev)")
+            self.steps = None
+
+    def stop(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
 
 
 class _Saver:
@@ -410,9 +441,13 @@ def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, ch
         # Idempotent: the normal path closes it with the summary first; an error path writes
         # summary.json marked as stopped, and prints no normal-looking summary.
         on_exit.callback(logger.close, {"stopped_by_error": True}, print_summary=False)
+        profiler = _Profiler(cfg.train.profile_range, run_dir / PROFILE_DIR, start)
+        on_exit.callback(profiler.stop)
         for step in range(start, steps):
+            profiler.before(step + 1)
             state, metrics = train_step(state, batch)  # dispatched asynchronously
             done = step + 1
+            profiler.after(done, metrics)
             if done < steps:
                 try:
                     batch = global_batch(dataset, done, batch_size, trainer.batch_sharding)  # overlaps step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 
 from meshtrain.errors import ConfigError
 from meshtrain.precision import Precision
@@ -28,6 +29,18 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.SKIP
+    # Steps to trace with jax.profiler into run.dir/profile: "5-8" (first-last, 1-based) or 5; None = off.
+    profile_steps: str | int | None = None
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """(first, last) step of the profiler trace, or None."""
+        if self.profile_steps is None:
+            return None
+        if isinstance(self.profile_steps, int):
+            return self.profile_steps, self.profile_steps
+        first, _, last = self.profile_steps.partition("-")
+        return int(first), int(last or first)
 
     @property
     def uses_dynamic_loss_scale(self) -> bool:
@@ -39,3 +52,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be a positive integer, got {getattr(self, name)}")
+        if self.profile_steps is not None:
+            text = str(self.profile_steps)
+            if not re.fullmatch(r"[1-9][0-9]*(-[1-9][0-9]*)?", text) or self.profile_range[1] < self.profile_range[0]:
+                raise ConfigError("profile_steps", f"got {text!r}; give a step (5) or a range first-last (5-8) "
+                                  "of 1-based steps")

@@ -175,3 +175,23 @@ def test_an_unknown_flag_among_overrides_is_one_line(capsys, no_compile):
     assert main(["--config", TINY, "train.steps=2", "--no-such-flag", "mesh.data=1"]) == 2
     err = capsys.readouterr().err
     assert err == "error: arguments: unrecognized arguments: --no-such-flag\n"
+
+
+def test_profile_steps_writes_a_trace_of_those_steps(tmp_path, capsys):
+    """train.profile_steps=2-3: a jax.profiler trace (TensorBoard xplane + Perfetto JSON) in
+    run.dir/profile whose events include the executions of the train step."""
+    import gzip
+
+    assert main(["--config", TINY, "train.steps=4", "train.log_every=1", "train.profile_steps=2-3",
+                 "run.tensorboard=false", f"run.dir={tmp_path}"]) == 0
+    assert f"profile of steps 2-3 written to {tmp_path / 'profile'}" in capsys.readouterr().err
+    (xplane,) = (tmp_path / "profile").rglob("*.xplane.pb")
+    (perfetto,) = (tmp_path / "profile").rglob("perfetto_trace.json.gz")
+    events = json.load(gzip.open(perfetto))["traceEvents"]
+    assert any("jit_step" in str(event.get("name")) for event in events) and xplane.stat().st_size > 0
+
+
+@pytest.mark.parametrize("value", ["0", "5-3", "a-b", "2-"])
+def test_profile_steps_must_be_a_step_or_a_range(capsys, value):
+    assert main(["--config", TINY, f"train.profile_steps={value}"]) == 2
+    assert capsys.readouterr().err.startswith("error: train.profile_steps: ")
