@@ -44,9 +44,11 @@ trap 'cleanup; exit 130' INT TERM
 for (( rank = 0; rank < nproc; rank++ )); do
   # setsid: each rank (python and its prefixing sed) is one process group that cleanup can stop.
   # Gloo's "[Gloo] Rank r is connected to k peer ranks. Expected number of connected peer ranks is :
-  # k" lines (one per collective set-up, printed by C++ threads, sometimes two interleaved) are dropped.
+  # k" lines (one per collective set-up, printed piecewise by C++ threads, so several can interleave
+  # into fragments, down to lines of digits) are dropped.
   JAX_PLATFORMS=cpu setsid bash -c 'set -o pipefail; rank=$1; shift
-    "$@" 2>&1 | sed -u -e "/connected peer ranks is : [0-9]*$/d" -e "s/^/[$rank] /"' rank "$rank" \
+    "$@" 2>&1 | sed -u -e "/\[Gloo\]\|is connected to\|peer ranks/d" -e "/^[0-9][0-9]*$/d" -e "s/^/[$rank] /"' \
+    rank "$rank" \
     "$python" -u -m meshtrain.train --host-devices "$per" \
     --coordinator "127.0.0.1:$port" --num-processes "$nproc" --process-id "$rank" "${args[@]}" &
   pids+=($!)
