@@ -103,15 +103,6 @@ def _write_problem(err: BaseException) -> str:
     return found[-1] if found else _one_line(err)[:200]
 
 
-class _QuietSaveThreads(logging.Filter):
-    """Drops the traceback orbax's save thread logs when a write fails: the failure reaches the run
-    as one ``SaveFailed`` line at the next save or wait."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not ("orbax" in record.pathname and record.levelno >= logging.ERROR
-                    and "raised an exception" in record.getMessage())
-
-
 class UnreadableCheckpoint(Exception):
     """A complete-looking checkpoint whose files cannot be read back."""
 
@@ -190,17 +181,21 @@ def incomplete_saves(root: pathlib.Path) -> list[pathlib.Path]:
                   key=lambda p: (int(p.name.split(".")[0]) if p.name.split(".")[0].isdigit() else -1, p.name))
 
 
-class _QuietReadOnly(logging.Filter):
-    """Drops orbax's warnings that a read-only manager is read-only (printed on every tool run)."""
+class _QuietOrbax(logging.Filter):
+    """Drops two kinds of orbax log records: the warnings that a read-only manager is read-only
+    (printed on every tool run), and the traceback its save thread logs when a write fails (the
+    failure reaches the run as one ``SaveFailed`` line at the next save or wait)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not (message.startswith("Given directory is read only")
-                    or message.startswith("CheckpointManagerOptions.read_only=True"))
+        read_only = (message.startswith("Given directory is read only")
+                     or message.startswith("CheckpointManagerOptions.read_only=True"))
+        failed_write = ("orbax" in record.pathname and record.levelno >= logging.ERROR
+                        and "raised an exception" in message)
+        return not (read_only or failed_write)
 
 
-logging.getLogger("absl").addFilter(_QuietReadOnly())
-logging.getLogger("absl").addFilter(_QuietSaveThreads())
+logging.getLogger("absl").addFilter(_QuietOrbax())
 
 
 class RunCheckpoints:
@@ -338,7 +333,7 @@ class RunCheckpoints:
             if wrong:
                 raise UnreadableCheckpoint(f"the array data of {wrong[0]} (and {len(wrong) - 1} more) does not "
                                            "match the checksum recorded when it was saved")
-        stored = LayerOrder.of_config(meta.get("config", config), int(meta.get("mesh", {}).get("stage", 1)))
+        stored = LayerOrder.of_config(meta["config"], meta["mesh"].get("stage", 1))  # read_meta checked both
         return Restored(state=reorder_layers(state, stored, layer_order), step=step, meta=meta,
                         path=self.path(step))
 

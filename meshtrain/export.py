@@ -62,7 +62,7 @@ def export(run: str, out: str, step: int | None = None) -> pathlib.Path:
     out_dir = pathlib.Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError("--out", f"{out} exists and is not empty; choose a new directory")
-    cfg, restored = restore_run(run, _written_mesh(run, step), step=step, field="--run")
+    cfg, _, restored = restore_run(run, _written_mesh(run, step), step=step, field="--run")
     config = to_dict(cfg)
     written = save_params(out_dir, restored.state.params, {"step": restored.step, "source": str(restored.path),
                                                            "model": config["model"], "config": config})

@@ -82,11 +82,13 @@ def _check_no_stages(mesh: Mesh) -> None:
                           "uses no pipeline stages (use 1)")
 
 
-def inference_plan(model_cfg: Any, mesh: Mesh, rules: ShardingRules) -> ParallelPlan:
+def inference_plan(model_cfg: Any, mesh: Mesh, rules: ShardingRules,
+                   abstract_params: nnx.State | None = None) -> ParallelPlan:
     """The layout of ``model_cfg`` on ``mesh`` for inference or conversion (checked: no pipeline,
     every parameter dimension divisible by its split)."""
     _check_no_stages(mesh)
-    plan = ParallelPlan.of(model_cfg, mesh.shape, rules, TrainConfig(batch_size=mesh.devices.size))
+    plan = ParallelPlan.of(model_cfg, mesh.shape, rules, TrainConfig(batch_size=mesh.devices.size),
+                           abstract_params=abstract_params)
     plan.check()
     return plan
 
@@ -102,10 +104,9 @@ def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, st
     kind = source_kind(root, field=field)
     if kind is SourceKind.RUN:
         _check_no_stages(mesh)
-        cfg, restored = restore_run(root, mesh, rules, step=step, field=field)
-        return LoadedModel(cfg.model, abstract_model(cfg.model)[0], restored.state.params, mesh,
-                           inference_plan(cfg.model, mesh, rules).rules, SourceKind.RUN, restored.path,
-                           hf_config=_hf_source_config(cfg))
+        cfg, trainer, restored = restore_run(root, mesh, rules, step=step, field=field)
+        return LoadedModel(cfg.model, trainer.graphdef, restored.state.params, mesh, trainer.rules,
+                           SourceKind.RUN, restored.path, hf_config=_hf_source_config(cfg))
     if kind is SourceKind.HF:
         config = hf.read_config(root, field=field)
         cfg = hf.model_config(config)
@@ -116,7 +117,7 @@ def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, st
             raise ConfigError(field, f"cannot read {root / EXPORT_META}: {err}") from None
         cfg = config_from_dict({"model": meta.get("model", {})}).model
     graphdef, abstract = abstract_model(cfg)
-    plan = inference_plan(cfg, mesh, rules)
+    plan = inference_plan(cfg, mesh, rules, abstract)
     shardings = named_shardings(plan.param_specs(), mesh)
     if kind is SourceKind.HF:
         files = hf.SafetensorsFiles(root, field=field)
@@ -146,9 +147,10 @@ def _hf_source_config(cfg: Config) -> dict | None:
 
 
 def restore_run(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules | None = None, *,
-                step: int | None = None, field: str = "--run") -> tuple[Config, Restored]:
-    """(the run's config, its checkpoint ``step`` (default: the latest complete one)) restored onto
-    ``mesh`` under ``rules`` (default: the run's own), with the layers in model order."""
+                step: int | None = None, field: str = "--run") -> tuple[Config, Any, Restored]:
+    """(the run's config, the trainer laying it out on ``mesh`` under ``rules`` (default: the run's
+    own), its checkpoint ``step`` (default: the latest complete one) restored with the layers in model
+    order)."""
     from meshtrain.trainer import Trainer
 
     checkpoints, given_step = resolve_restore_path(str(path), field=field)
@@ -171,7 +173,7 @@ def restore_run(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules | Non
                               f"load another of {source.steps()}") from None
     finally:
         source.close()
-    return cfg, restored
+    return cfg, trainer, restored
 
 
 def mesh_and_rules(overrides: list[str]) -> tuple[Mesh, ShardingRules]:

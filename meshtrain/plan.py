@@ -29,6 +29,7 @@ from meshtrain.memory_model import ACTIVATION_COEFFICIENTS, UNRELIABLE, Estimate
 from meshtrain.metrics import peak_bf16_tflops
 from meshtrain.parallel.layout import ParallelPlan, abstract_model
 from meshtrain.parallel.offload import OffloadConfig
+from meshtrain.parallel.rules import ShardingRules
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
 from models.api import family_of
 from models.common import RematPolicy
@@ -159,16 +160,16 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
                 for micro in micros:
                     for offload in offloads:
                         layout = Layout(data, fsdp, tensor, stage, zero, remat, micro, offload)
-                        estimates.append(estimate(layout_plan(cfg, layout, abstract_params), layout,
+                        estimates.append(estimate(layout_plan(cfg, layout, rules, abstract_params), layout,
                                                   compute_bytes=compute_bytes, hw=hardware))
     return Plan(cfg, devices, device_memory, host_memory, hardware, estimates)
 
 
-def layout_plan(cfg: Config, layout: Layout, abstract_params=None) -> ParallelPlan:
+def layout_plan(cfg: Config, layout: Layout, rules: ShardingRules, abstract_params=None) -> ParallelPlan:
     """The ``ParallelPlan`` of ``cfg`` with ``layout`` applied: the object the trainer builds from."""
     pipeline = dataclasses.replace(cfg.pipeline, microbatches=layout.microbatches) if layout.stage > 1 \
         else cfg.pipeline
-    return ParallelPlan.of(dataclasses.replace(cfg.model, remat=layout.remat), layout.mesh, cfg.sharding.resolve(),
+    return ParallelPlan.of(dataclasses.replace(cfg.model, remat=layout.remat), layout.mesh, rules,
                            cfg.train, pipeline, ZeroConfig(ZeroStage(layout.zero)),
                            OffloadConfig(optimizer=layout.offload), abstract_params=abstract_params)
 

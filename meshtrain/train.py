@@ -265,6 +265,15 @@ class _Saver:
             self.last_time, self.last_step = time.monotonic(), done
         return self.checkpoints.path(done)
 
+    def save_before_stopping(self, done: int, state, what: str) -> str:
+        """Saves step ``done`` and waits for it: ``"<what> was saved to PATH"`` for the one line the
+        run stops with (or that nothing was saved)."""
+        path = self.save(done, state)
+        if path is None:
+            return "nothing was saved (checkpoint.enabled=false)"
+        self.checkpoints.wait()
+        return f"{what} was saved to {path}"
+
 
 def _restore_from(cfg: Config, trainer: Trainer, config: dict) -> Restored:
     """The state ``checkpoint.restore_from`` names (a step, a run or a checkpoints directory)."""
@@ -452,11 +461,7 @@ def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, ch
                 try:
                     batch = global_batch(dataset, done, batch_size, trainer.batch_sharding)  # overlaps step
                 except DataChanged as err:
-                    path = saver.save(done, state)
-                    if checkpoints is not None:
-                        checkpoints.wait()
-                    where = f"the state after step {done} was saved to {path}" if path is not None else \
-                        "nothing was saved (checkpoint.enabled=false)"
+                    where = saver.save_before_stopping(done, state, f"the state after step {done}")
                     raise ConfigError(err.field, f"{err.message}; {where}; restore the file and resume") from None
             if previous is not None:
                 reporter.report(*previous)  # reads step N-1 while step N runs
@@ -466,12 +471,8 @@ def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, ch
             bad = _nonfinite(metrics) if stop_on_nonfinite else {}
             if stop_on_nonfinite and _any_process(bool(bad)):
                 reporter.report(step, metrics, force=True)
-                path = saver.save(done, state)
-                if checkpoints is not None:
-                    checkpoints.wait()
+                where = saver.save_before_stopping(done, state, "the last good state")
                 values = ", ".join(f"{key} {value}" for key, value in bad.items()) or "non-finite values"
-                where = (f"the last good state was saved to {path}" if path is not None
-                         else "nothing was saved (checkpoint.enabled=false)")
                 raise NonFiniteStop(f"train.on_nonfinite=stop: step {done} had {values}; its update "
                                     f"was skipped and {where}")
             preempted = done < steps and preemption.requested  # the last step ends the run anyway

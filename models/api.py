@@ -43,7 +43,7 @@ class AxisRole(str, enum.Enum):
     """
 
     REPLICATED = "replicated"
-    TENSOR = "tensor"
+    TENSOR = "tensor_parallel"
 
 
 class ModelConfig(Protocol):

@@ -123,7 +123,7 @@ def test_item2_two_real_runs_on_one_directory(tmp_path, capsys):
     latest = complete_steps(tmp_path)[-1]
     train(config(tmp_path, steps=latest + 1))
     err = capsys.readouterr().err
-    assert "which is no longer running; taking over" in err and f"resumed from" in err
+    assert "which is no longer running; taking over" in err and "resumed from" in err
     assert complete_steps(tmp_path)[-1] == latest + 1
 
 

@@ -25,7 +25,7 @@ from meshtrain.errors import ConfigError, Infeasible
 from meshtrain.mesh import MESH_AXES
 from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.pipeline import STAGE, LayerOrder, PipelineConfig, pipeline_rules
-from meshtrain.parallel.rules import ShardingRules
+from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
 from meshtrain.parallel.zero import StateLayout, ZeroConfig, zero_layout
 from meshtrain.train_config import TrainConfig
 from models.api import ModelFamily, family_of
@@ -35,11 +35,6 @@ from models.common import logical_axes_of
 def abstract_model(model_cfg: Any) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract parameters with logical axes) of a model config; allocates nothing."""
     return nnx.split(nnx.eval_shape(lambda: family_of(model_cfg).build(model_cfg)))
-
-
-def spec_axes(entry: Any) -> tuple[str, ...]:
-    """The mesh axes of one PartitionSpec entry."""
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +81,11 @@ class ParallelPlan:
 
     def ways(self, spec: PartitionSpec, drop: str | None = None) -> list[int]:
         """How many ways each dimension of ``spec`` is split (ignoring mesh axis ``drop``)."""
-        return [math.prod(self.mesh_shape[a] for a in spec_axes(entry) if a != drop) for entry in spec]
+        return [math.prod(self.mesh_shape[a] for a in mesh_axes_of(entry) if a != drop) for entry in spec]
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        return spec_axes(self.rules.activation_spec(("batch",))[0])
+        return mesh_axes_of(self.rules.activation_spec(("batch",))[0])
 
     @property
     def data_parallel_size(self) -> int:
@@ -138,7 +133,7 @@ class ParallelPlan:
         spec = rules.param_spec(axes)
         for size, logical, entry, ways in zip(variable.shape, axes, spec, self.ways(spec)):
             if size % ways:
-                mesh_axes = spec_axes(entry)
+                mesh_axes = mesh_axes_of(entry)
                 where = "x".join(f"{a}={self.mesh_shape[a]}" for a in mesh_axes if self.mesh_shape[a] > 1)
                 divisors = [d for d in range(1, size + 1) if size % d == 0]
                 return Infeasible(

@@ -42,7 +42,8 @@ class AxisRule:
     activations: MeshAxes = None
 
 
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+def mesh_axes_of(axes: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes of a rule column or of one PartitionSpec entry (None, one axis or several)."""
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -64,7 +65,7 @@ class ShardingRules:
                               "every logical axis needs one (null = replicated)")
         for logical, rule in self.table.items():
             for column in ("params", "activations"):
-                axes = _as_tuple(getattr(rule, column))
+                axes = mesh_axes_of(getattr(rule, column))
                 unknown = [axis for axis in axes if axis not in MESH_AXES]
                 if unknown:
                     raise ConfigError(f"sharding.rules.{logical}.{column}",
@@ -88,7 +89,7 @@ class ShardingRules:
 
     def uses(self, mesh_axis: str) -> bool:
         """Whether any rule splits something over ``mesh_axis``."""
-        return any(mesh_axis in _as_tuple(rule.params) + _as_tuple(rule.activations)
+        return any(mesh_axis in mesh_axes_of(rule.params) + mesh_axes_of(rule.activations)
                    for rule in self.table.values())
 
     def param_spec(self, axes: tuple[str | None, ...]) -> PartitionSpec:
@@ -105,7 +106,7 @@ class ShardingRules:
             if logical is not None and logical not in self.table:
                 raise ConfigError("sharding.rules", f"no rule for logical axis {logical!r} (in {axes}); "
                                   f"known: {sorted(self.table)}")
-            mesh_axes = () if logical is None else _as_tuple(getattr(self.table[logical], column))
+            mesh_axes = () if logical is None else mesh_axes_of(getattr(self.table[logical], column))
             reused = [axis for axis in mesh_axes if axis in used]
             if reused:
                 raise ConfigError(f"sharding.rules.{logical}.{column}",

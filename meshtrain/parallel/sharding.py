@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshtrain.parallel.rules import ShardingRules
+from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
 from models.common import ActivationSharding, LogicalAxes, logical_axes_of
 
 BATCH_AXES: LogicalAxes = ("batch", "length")
@@ -33,7 +33,7 @@ def _split_sizes(spec: PartitionSpec, mesh: Mesh) -> list[int]:
     """How many ways each dimension of ``spec`` is split on ``mesh``."""
     sizes = []
     for entry in spec:
-        axes = () if entry is None else ((entry,) if isinstance(entry, str) else entry)
+        axes = mesh_axes_of(entry)
         sizes.append(math.prod(mesh.shape[axis] for axis in axes))
     return sizes
 

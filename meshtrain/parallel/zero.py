@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.rules import mesh_axes_of
 
 ZERO_AXIS = "fsdp"
 
@@ -60,8 +61,7 @@ class StateLayout:
 def drop_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
     """``spec`` with mesh axis ``axis`` removed from every dimension."""
     def entry_without(entry):
-        axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-        kept = tuple(a for a in axes if a != axis)
+        kept = tuple(a for a in mesh_axes_of(entry) if a != axis)
         return kept[0] if len(kept) == 1 else (kept or None)
 
     return PartitionSpec(*(entry_without(e) for e in spec))
