@@ -14,6 +14,7 @@ Sections and their owners::
     offload    meshtrain.parallel.offload.OffloadConfig
     run        meshtrain.config.RunConfig
     checkpoint meshtrain.checkpoint.CheckpointConfig
+    eval       meshtrain.evaluation.EvalConfig
     distributed meshtrain.distributed.DistributedConfig
 
 An override ``a.b=value`` parses ``value`` as YAML (``mesh.data=2``, ``train.precision=bf16``,
@@ -38,6 +39,7 @@ from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.data import DataConfig
 from meshtrain.distributed import DistributedConfig
 from meshtrain.errors import ConfigError
+from meshtrain.evaluation import EvalConfig
 from meshtrain.mesh import MeshConfig
 from meshtrain.optim import OptimizerConfig
 from meshtrain.parallel.offload import OffloadConfig
@@ -79,6 +81,7 @@ class Config:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
@@ -229,6 +232,9 @@ def _check_fields(path: str, cls: type, raw: dict) -> None:
             raise ConfigError(field, f"expected a list, got the string {_shown(value)}; write [{_shown(value)[1:-1]}]")
         if dataclasses.is_dataclass(hint):
             _check_mapping(field, hint, value)
+        elif origin is tuple and args and dataclasses.is_dataclass(args[0]) and isinstance(value, list):
+            for i, item in enumerate(value):
+                _check_mapping(f"{field}[{i}]", args[0], item)
         elif origin is dict and isinstance(value, dict) and dataclasses.is_dataclass(args[1]):
             for name, item in value.items():
                 _check_mapping(f"{field}.{name}", args[1], item)

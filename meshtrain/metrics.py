@@ -123,20 +123,26 @@ _DISPLAYED: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("tokens_per_sec", "tok/s", _format_count),
     ("tflops_per_device", "tflops/dev", "{:.3g}".format),
     ("mfu", "mfu", "{:.1%}".format),
+    ("eval_loss", "eval_loss", "{:.4f}".format),
+    ("eval_bits_per_byte", "eval_bpb", "{:.4f}".format),
 )
 
 
 def _plot_loss(
-    path: Path, steps: Sequence[int], losses: Sequence[float], *, entropy_floor: float | None, title: str
+    path: Path, steps: Sequence[int], losses: Sequence[float], *, entropy_floor: float | None, title: str,
+    eval_steps: Sequence[int] = (), eval_losses: Sequence[float] = (),
 ) -> None:
-    """Write a loss-vs-step PNG, with a dashed line at ``entropy_floor`` when given."""
+    """Write a loss-vs-step PNG (train, and held-out when evaluated), with a dashed line at
+    ``entropy_floor`` when given."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    ax.plot(steps, losses, label="loss")
+    ax.plot(steps, losses, label="train loss")
+    if eval_steps:
+        ax.plot(eval_steps, eval_losses, marker="o", label="eval loss")
     if entropy_floor is not None:
         ax.axhline(entropy_floor, linestyle="--", color="gray", label="entropy floor")
     ax.set_xlabel("step")
@@ -191,6 +197,8 @@ class MetricsLogger:
         self._steps: list[int] = []
         self._losses: list[float] = []
         self._tokens_per_sec: list[float] = []
+        self._eval_steps: list[int] = []
+        self._eval_losses: list[float] = []
         self._first_log: tuple[int, float] | None = None  # (step, monotonic time)
         if not is_primary:
             return
@@ -233,6 +241,9 @@ class MetricsLogger:
             self._losses.append(float(metrics["loss"]))
         if metrics.get("tokens_per_sec") is not None:
             self._tokens_per_sec.append(float(metrics["tokens_per_sec"]))
+        if metrics.get("eval_loss") is not None:
+            self._eval_steps.append(step)
+            self._eval_losses.append(float(metrics["eval_loss"]))
         if self._first_log is None:
             self._first_log = (step, now)
         first_step, first_time = self._first_log
@@ -245,9 +256,11 @@ class MetricsLogger:
         shown = {
             key: (label, "-" if metrics[key] is None else fmt(float(metrics[key])))
             for key, label, fmt in _DISPLAYED
-            if key in metrics
+            if key in metrics and ("loss" in metrics or metrics[key] is not None)
         }
-        if self._progress is not None:
+        if self._progress is not None and "loss" not in metrics:  # an evaluation: a line above the bar
+            self._progress.console.print("  ".join([f"step {step}"] + [f"{label} {text}" for label, text in shown.values()]))
+        elif self._progress is not None:
             self._progress.update(
                 self._task,
                 completed=step,
@@ -259,7 +272,8 @@ class MetricsLogger:
             width = len(str(self.total_steps))
             fields = [f"step {step:>{width}}/{self.total_steps}"]
             fields += [f"{label} {text}" for label, text in shown.values()]
-            fields.append(f"eta {eta}")
+            if "loss" in metrics:
+                fields.append(f"eta {eta}")
             print("  ".join(fields), file=sys.stderr, flush=True)
 
     def summary_stats(self) -> dict[str, object]:
@@ -273,6 +287,7 @@ class MetricsLogger:
             "last_loss": self._losses[-1] if self._losses else None,
             "best_loss": min(finite) if finite else None,
             "mean_tokens_per_sec": sum(throughput) / len(throughput) if throughput else None,
+            **({"last_eval_loss": self._eval_losses[-1]} if self._eval_losses else {}),
         }
 
     def close(self, summary: Mapping[str, object] | None = None, *, print_summary: bool = True) -> None:
@@ -310,4 +325,6 @@ class MetricsLogger:
             self._losses,
             entropy_floor=None if floor is None else float(floor),
             title=f"{self.run_dir.name} ({self.run_dir})",
+            eval_steps=self._eval_steps,
+            eval_losses=self._eval_losses,
         )

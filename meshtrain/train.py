@@ -22,6 +22,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -39,8 +40,10 @@ from meshtrain.checkpoint import (CHECKPOINT_DIR, Restored, RunCheckpoints,
                                   SaveFailed, reorder_layers, resolve_restore_path, warn)
 from meshtrain.cli import EXIT_USER_ERROR, HOST_MEMORY_MESSAGE, ArgumentParser, use_host_devices
 from meshtrain.config import Config, load_config, to_dict
-from meshtrain.data import DataChanged, global_batch, make_dataset
+from meshtrain.data import DataChanged, Packing, global_batch, make_dataset
+from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.errors import ConfigError
+from meshtrain.evaluation import Evaluator
 from meshtrain.mesh import make_mesh, mesh_shape
 from meshtrain.metrics import MetricsLogger, format_bytes, mfu, peak_bf16_tflops
 from meshtrain.parallel.pipeline import LayerOrder
@@ -95,6 +98,8 @@ class NonFiniteStop(Exception):
 
 
 EXIT_NONFINITE = 3
+DOCUMENT_ATTENTION_NOTE = ("packing: documents: attention applies the document mask with XLA's kernel "
+                           "(cuDNN's fused kernel takes no segment ids through public JAX, so it is not used)")
 # Sections whose changes between a checkpoint and the resumed run change the numbers (warned about).
 _NUMERIC_SECTIONS = ("model", "optimizer", "data", "train")
 _HARMLESS_FIELDS = ("train.log_every", "train.profile_steps")
@@ -119,6 +124,10 @@ class _StepReporter:
         self.num_devices, self.peak_tflops = num_devices, peak_tflops
         self.last_time, self.last_done = time.perf_counter(), start
         self.final_metrics: dict[str, float] = {}  # the last logged values (the last step's)
+
+    def exclude(self, seconds: float) -> None:
+        """Leaves ``seconds`` spent on other work (an evaluation) out of the step times."""
+        self.last_time += seconds
 
     def report(self, step: int, metrics: dict[str, jax.Array], *, force: bool = False) -> None:
         done = step + 1  # steps completed
@@ -377,12 +386,15 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
                                       cfg.sharding.replicated_warning_bytes):
         _log(f"warning: {name} stays fully replicated on mesh {dict(mesh.shape)} under rules {rules.name}")
     dataset = make_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
+    evaluator = (Evaluator(cfg.eval, cfg.data, dataset, trainer, vocab_size=cfg.model.vocab_size,
+                           seq_len=cfg.model.seq_len) if cfg.eval.every > 0 else None)
     devices = list(mesh.devices.flat)
     # Logged once the checkpoints are checked, so that bad input there stays a one-line error.
     banner = [f"meshtrain: process {jax.process_index()}/{jax.process_count()}, {len(devices)} x "
               f"{devices[0].device_kind}, mesh (data, fsdp, tensor, stage) = {mesh_shape(mesh)}, rules "
               f"{rules.name}, {cfg.model.num_params:,} parameters, precision {cfg.train.precision.value}",
-              trainer.pipeline_description, dataset.describe()]
+              trainer.pipeline_description, dataset.describe(), evaluator and evaluator.describe(),
+              DOCUMENT_ATTENTION_NOTE if cfg.data.packing is Packing.DOCUMENTS else ""]
 
     run_dir = pathlib.Path(cfg.run.dir)
     lock = _hold(run_dir)  # before anything is written there
@@ -392,7 +404,7 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
             checkpoints = RunCheckpoints(run_dir / CHECKPOINT_DIR, keep=cfg.checkpoint.keep,
                                          async_save=cfg.checkpoint.async_save)
         with _Preemption() as preemption:
-            return _run(cfg, trainer, dataset, mesh, run_dir, checkpoints, preemption, fresh=fresh,
+            return _run(cfg, trainer, dataset, evaluator, mesh, run_dir, checkpoints, preemption, fresh=fresh,
                         command=command, banner=banner)
     finally:
         try:
@@ -416,8 +428,21 @@ def _hold(run_dir: pathlib.Path) -> RunLock:
     return lock
 
 
-def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, checkpoints: RunCheckpoints | None,
-         preemption: _Preemption, *, fresh: bool, command: str, banner: list[str]) -> dict[str, object]:
+def _record_tokenizer(dataset, run_dir: pathlib.Path) -> None:
+    """Copies the tokenizer the data was made with to ``run_dir/tokenizer.json`` (where
+    ``meshtrain.generate --tokenizer auto`` looks), replacing an older copy only by a new file."""
+    if dataset.tokenizer_file is None:
+        return
+    target = run_dir / TOKENIZER_FILE
+    if not target.is_file() or target.read_bytes() != pathlib.Path(dataset.tokenizer_file).read_bytes():
+        partial = target.with_name(target.name + ".tmp")
+        shutil.copyfile(dataset.tokenizer_file, partial)
+        os.replace(partial, target)
+
+
+def _run(cfg: Config, trainer: Trainer, dataset, evaluator: Evaluator | None, mesh, run_dir: pathlib.Path,
+         checkpoints: RunCheckpoints | None, preemption: _Preemption, *, fresh: bool, command: str,
+         banner: list[str]) -> dict[str, object]:
     steps, batch_size = cfg.train.steps, cfg.train.batch_size
     state, start, restored, note = _initial_state(cfg, trainer, checkpoints, run_dir, fresh)
     for line in [*banner, note]:
@@ -429,6 +454,7 @@ def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, ch
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        _record_tokenizer(dataset, run_dir)
 
     batch = global_batch(dataset, start, batch_size, trainer.batch_sharding)
     compile_start = time.perf_counter()
@@ -445,7 +471,7 @@ def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, ch
                              peak_tflops=peak_bf16_tflops(devices[0].device_kind), start=start)
     saver = _Saver(cfg, checkpoints, mesh)
     stop_on_nonfinite = cfg.train.on_nonfinite is NonFinitePolicy.STOP
-    previous, saved, preempted = None, None, False
+    previous, saved, preempted, eval_metrics = None, None, False, {}
     with contextlib.ExitStack() as on_exit:
         # Idempotent: the normal path closes it with the summary first; an error path writes
         # summary.json marked as stopped, and prints no normal-looking summary.
@@ -475,6 +501,14 @@ def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, ch
                 values = ", ".join(f"{key} {value}" for key, value in bad.items()) or "non-finite values"
                 raise NonFiniteStop(f"train.on_nonfinite=stop: step {done} had {values}; its update "
                                     f"was skipped and {where}")
+            if evaluator is not None and cfg.eval.due(done, steps):
+                if previous is not None:
+                    reporter.report(*previous)  # the train line of this step first
+                    previous = None
+                eval_start = time.perf_counter()
+                eval_metrics = evaluator.run(state.params)
+                reporter.exclude(time.perf_counter() - eval_start)
+                logger.log(done, eval_metrics)
             preempted = done < steps and preemption.requested  # the last step ends the run anyway
             if preempted or done == steps or saver.due(done):
                 saved = saver.save(done, state)
@@ -495,7 +529,8 @@ def _run(cfg: Config, trainer: Trainer, dataset, mesh, run_dir: pathlib.Path, ch
                    "argument_bytes_per_device": memory.argument_size_in_bytes,
                    "temp_bytes_per_device": memory.temp_size_in_bytes,
                    "resumed_from": start if restored is not None else None,
-                   "checkpoint": None if saved is None else str(saved), "preempted": preempted}
+                   "checkpoint": None if saved is None else str(saved), "preempted": preempted,
+                   **eval_metrics}
         logger.close(summary)
     if preempted:
         done = int(jax.device_get(state.step))

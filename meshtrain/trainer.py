@@ -19,7 +19,7 @@ from meshtrain.optim import OptimizerConfig, make_optimizer
 from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_microbatches
 from meshtrain.parallel.offload import DEVICE, HOST, OffloadConfig, check_host_memory, with_memory_kind
 from meshtrain.parallel.layout import ParallelPlan, abstract_model
-from meshtrain.parallel.pipeline import Objective, PipelineConfig, make_value_and_grad
+from meshtrain.parallel.pipeline import Objective, PipelineConfig, make_loss, make_value_and_grad
 from meshtrain.parallel.rules import ShardingRules
 from meshtrain.parallel.sharding import activation_sharding, batch_sharding, named_shardings, optimizer_shardings
 from meshtrain.parallel.zero import StateLayout, ZeroConfig
@@ -91,6 +91,8 @@ class Trainer:
         self.train_step = jax.jit(
             self.step, in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+        self.eval_step = jax.jit(self.evaluate, in_shardings=(self.param_shardings, self.batch_sharding),
+                                 out_shardings=replicated)
 
     @property
     def pipeline_description(self) -> str:
@@ -120,12 +122,36 @@ class Trainer:
                                                                          sharding=sharding),
                             shapes, self.state_shardings)
 
-    def abstract_batch(self) -> Batch:
-        """Shapes and shardings of one global batch {inputs, targets, mask}."""
+    def abstract_batch(self, documents: bool = False) -> Batch:
+        """Shapes and shardings of one global batch {inputs, targets, mask}, and with ``documents``
+        (rows packed from several documents) {positions, segments}."""
         shape = (self.train_cfg.batch_size, self.model_cfg.seq_len)
         dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}
+        if documents:
+            dtypes.update(positions=jnp.int32, segments=jnp.int32)
         return {key: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
                 for key, dtype in dtypes.items()}
+
+    def _model_of(self, params: nnx.State) -> DecoderModel:
+        """The model on ``params`` cast to the compute dtype."""
+        return nnx.merge(self.graphdef, cast_floating(params, self.train_cfg.precision.compute_dtype))
+
+    def evaluate(self, params: nnx.State, batch: Batch) -> Metrics:
+        """Forward only: the summed token cross-entropy of a global batch (``loss_sum``, fp32) and its
+        target count (``target_tokens``), in ``train.grad_accum`` microbatches like a train step and
+        through the same pipeline schedule's forward. Aux losses are not part of it."""
+        compute_dtype = self.train_cfg.precision.compute_dtype
+        objective = Objective(lambda logits, mb: cross_entropy_sum(logits, mb["targets"], mb["mask"]),
+                              lambda aux_sum: jnp.zeros((), jnp.float32))
+        loss = make_loss(self.pipeline_cfg, self.mesh, self._model_of, objective,
+                         activation_sharding(self.rules, self.mesh), compute_dtype)
+
+        def add_microbatch(total: jax.Array, microbatch: Batch) -> tuple[jax.Array, None]:
+            return total + loss(params, microbatch), None
+
+        total, _ = jax.lax.scan(add_microbatch, jnp.zeros((), jnp.float32),
+                                split_microbatches(batch, self.train_cfg.grad_accum))
+        return {"loss_sum": total, "target_tokens": jnp.sum(batch["mask"])}
 
     def gradients(self, state: TrainState, batch: Batch) -> tuple[jax.Array, nnx.State, jax.Array]:
         """Mean loss and its fp32 gradients (unscaled) on a global batch, and the target count.
@@ -137,9 +163,6 @@ class Trainer:
         target_count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         rows = batch["mask"].shape[0]
 
-        def model_of(params: nnx.State) -> DecoderModel:
-            return nnx.merge(self.graphdef, cast_floating(params, compute_dtype))
-
         def of_logits(logits: jax.Array, microbatch: Batch) -> jax.Array:
             loss = cross_entropy_sum(logits, microbatch["targets"], microbatch["mask"]) / target_count
             return state.loss_scale.scale_loss(loss)
@@ -147,7 +170,7 @@ class Trainer:
         def of_aux(aux_sum: jax.Array) -> jax.Array:  # the layers' aux losses, a mean over rows
             return state.loss_scale.scale_loss(aux_sum.astype(jnp.float32) / rows)
 
-        value_and_grad = make_value_and_grad(self.pipeline_cfg, self.mesh, model_of, Objective(of_logits, of_aux),
+        value_and_grad = make_value_and_grad(self.pipeline_cfg, self.mesh, self._model_of, Objective(of_logits, of_aux),
                                              activation_sharding(self.rules, self.mesh), compute_dtype)
 
         def constrain_grads(grads: nnx.State) -> nnx.State:
@@ -160,7 +183,8 @@ class Trainer:
                 target_count)
 
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        """One optimizer step on a global batch {inputs, targets, mask}: [batch, length] each."""
+        """One optimizer step on a global batch {inputs, targets, mask} (and {positions, segments}
+        when its rows are packed from documents): [batch, length] each."""
         loss, grads, target_count = self.gradients(state, batch)
         grad_norm = optax.tree.norm(grads)
         old_opt_state = jax.device_put(state.opt_state, self.optimizer_compute_shardings)

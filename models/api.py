@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from models.common import ActivationSharding, RematPolicy
@@ -59,19 +60,55 @@ class ModelConfig(Protocol):
     def num_params(self) -> int: ...
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Documents:
+    """Where each token of rows packed from several documents sits (``data.packing: documents``).
+
+    Attributes:
+      positions: int32 [batch, length], the token's position within its document (0 at its first
+        token): position-dependent parts (rotary angles, learned position tables) restart there.
+      segments: int32 [batch, length], which document of the row the token belongs to (numbered
+        from 1 in the row; padding is segment 0). A token attends only to itself and earlier tokens
+        of the same segment.
+    """
+
+    positions: jax.Array
+    segments: jax.Array
+
+    def attention_mask(self) -> jax.Array:
+        """bool [batch, 1, length, length]: query t may attend key s (causal, same segment)."""
+        length = self.segments.shape[1]
+        causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
+        same = self.segments[:, :, None] == self.segments[:, None, :]
+        return (causal[None] & same)[:, None]
+
+
+def positions_of(documents: Documents | None, length: int) -> jax.Array:
+    """int32 [batch or 1, length]: the documents' positions, or 0..length-1 for one sequence per row."""
+    return jnp.arange(length, dtype=jnp.int32)[None] if documents is None else documents.positions
+
+
 class DecoderModel(Protocol):
     """What the framework (trainer, every pipeline schedule, the tools) calls on a family's module.
 
     ``layers`` holds the stacked layers: every parameter under it leads with the ``layers`` axis, and a
     module merged from a slice of them (a pipeline stage's chunk) runs just those layers.
+
+    ``documents`` is None when every row is one sequence (causal attention over the row, positions
+    0..length-1), and a ``Documents`` when rows are packed from several documents: attention must
+    then apply ``documents.attention_mask()`` and positions restart at each document, so that each
+    document's outputs equal those of the document run alone.
     """
 
     layers: nnx.Module
 
-    def embed(self, tokens: jax.Array, shard: ActivationSharding) -> jax.Array:
+    def embed(self, tokens: jax.Array, shard: ActivationSharding,
+              documents: Documents | None = None) -> jax.Array:
         """tokens [batch, length] -> x [batch, length, embed]."""
 
-    def run_layers(self, x: jax.Array, shard: ActivationSharding) -> tuple[jax.Array, jax.Array]:
+    def run_layers(self, x: jax.Array, shard: ActivationSharding,
+                   documents: Documents | None = None) -> tuple[jax.Array, jax.Array]:
         """x [batch, length, embed] through the layers this module holds -> (x, aux).
 
         ``aux`` is an fp32 scalar: the auxiliary losses of these layers (already weighted by their
@@ -98,9 +135,10 @@ class CachedDecoder(Protocol):
         """tokens [batch, length] at positions start.. -> (logits, the cache with them written)."""
 
 
-def forward(model: DecoderModel, tokens: jax.Array, shard: ActivationSharding) -> jax.Array:
+def forward(model: DecoderModel, tokens: jax.Array, shard: ActivationSharding,
+            documents: Documents | None = None) -> jax.Array:
     """tokens [batch, length] -> logits [batch, length, vocab] through the whole model."""
-    x, _ = model.run_layers(model.embed(tokens, shard), shard)
+    x, _ = model.run_layers(model.embed(tokens, shard, documents), shard, documents)
     return model.logits(x, shard)
 
 

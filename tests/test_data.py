@@ -114,7 +114,7 @@ def test_text_directory_concatenates_sorted(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"A" * 20)
     for path in (str(tmp_path), str(tmp_path / "*.txt")):
         ds = make_dataset(DataConfig(source=DataSource.TEXT, path=path), vocab_size=300, seq_len=9)
-        np.testing.assert_array_equal(ds.tokens, np.frombuffer(b"A" * 20 + b"B" * 20, np.uint8))
+        np.testing.assert_array_equal(ds.stream.array, np.frombuffer(b"A" * 20 + b"B" * 20, np.uint8))
 
 
 def test_tokens_npy_and_bin_epochs_cover_every_window(tmp_path, token_file):

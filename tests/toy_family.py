@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.api import AxisRole, ModelFamily, register
+from models.api import AxisRole, Documents, ModelFamily, positions_of, register
 from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
                            palm_train_flops_per_token, stacked_layers, unconstrained)
 
@@ -87,10 +87,10 @@ class Block(nnx.Module):
         self.down = logical_param(_normal(rngs, (m, d), m ** -0.5), ("mlp", "embed"))
         self.aux_loss_weight = cfg.aux_loss_weight
 
-    def __call__(self, x: jax.Array, shard: ActivationSharding) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, mask: jax.Array | None, shard: ActivationSharding) -> tuple[jax.Array, jax.Array]:
         qkv = jnp.einsum("btd,dcnh->cbtnh", _layer_norm(x, self.attn_norm[...]), self.qkv[...])
         q, k, v = (shard(part, ("batch", "length", "heads", "head_dim")) for part in qkv)
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        attended = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None, implementation="xla")
         x = shard(x + jnp.einsum("btnh,nhd->btd", attended, self.out[...]), BLE)
         hidden = shard(jax.nn.gelu(_layer_norm(x, self.mlp_norm[...]) @ self.up[...]), ("batch", "length", "mlp"))
         x = shard(x + hidden @ self.down[...], BLE)
@@ -111,17 +111,21 @@ class ToyGPT(nnx.Module):
         self.head = logical_param(_normal(rngs, (cfg.embed_dim, cfg.vocab_size), cfg.embed_dim ** -0.5),
                                   ("embed", "vocab"))
 
-    def embed(self, tokens: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
-        # A one-hot matmul rather than a gather: it partitions cleanly whatever splits the table.
-        one_hot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=self.token_embedding[...].dtype)
-        x = one_hot @ self.token_embedding[...] + self.position_embedding[...][: tokens.shape[1]][None]
-        return shard(x, BLE)
+    def embed(self, tokens: jax.Array, shard: ActivationSharding = unconstrained,
+              documents: Documents | None = None) -> jax.Array:
+        # One-hot matmuls rather than gathers: they partition cleanly whatever splits the tables.
+        dtype = self.token_embedding[...].dtype
+        one_hot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=dtype)
+        positions = jax.nn.one_hot(positions_of(documents, tokens.shape[1]), self.cfg.seq_len, dtype=dtype)
+        return shard(one_hot @ self.token_embedding[...] + positions @ self.position_embedding[...], BLE)
 
-    def run_layers(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> tuple[jax.Array, jax.Array]:
+    def run_layers(self, x: jax.Array, shard: ActivationSharding = unconstrained,
+                   documents: Documents | None = None) -> tuple[jax.Array, jax.Array]:
         layer_def, layer_state = nnx.split(self.layers)
+        mask = None if documents is None else documents.attention_mask()
 
         def run_layer(x, one_layer_state):
-            return nnx.merge(layer_def, one_layer_state)(x, shard)
+            return nnx.merge(layer_def, one_layer_state)(x, mask, shard)
 
         # Each layer's aux loss is a scan output, not a carry: a carry created here would not match
         # the type the layers give it inside a pipeline stage (varying over the manual stage axis).

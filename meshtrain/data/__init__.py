@@ -7,23 +7,36 @@ the mesh or the number of processes. Three sources:
 * ``markov``: an embedded, generated order-2 Markov chain (no download) with an exactly known
   entropy floor, so a training run can be judged against the best achievable loss.
 * ``text``: local files read as bytes (byte-level tokens 0..255).
-* ``tokens``: pre-tokenised ids in a ``.npy`` file or a raw ``.bin`` file.
+* ``tokens``: a prepared directory (``python -m meshtrain.data prepare``: token shards, document
+  boundaries, its tokenizer; ``meshtrain/data/corpus.py``), or pre-tokenised ids in one ``.npy`` or
+  raw ``.bin`` file; ``data.mixture`` draws from several with weights.
+
+Windows (``data.packing``): ``concat`` cuts the token stream into windows of ``seq_len + 1`` and
+drops the incomplete tail; ``documents`` (prepared directories) takes the same windows, pads the
+tail, and adds per-token ``positions`` and ``segments`` (``models.api.Documents``) so that no token
+attends across a document boundary, positions restart at each document, and no target is the first
+token of a document predicted from the one before (its ``mask`` is 0, as is padding's).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
+import functools
 import glob
 import math
 import os
 import stat
+import sys
 from typing import Callable, Protocol
 
 import grain
 import jax
 import numpy as np
 
+from meshtrain.data.corpus import CorpusSplit, PreparedCorpus, is_prepared_dir
+from meshtrain.data.tokenizer import file_sha256, load_tokenizer, tokenizer_file
 from meshtrain.errors import ConfigError
 
 # Domain tags put first in every SeedSequence entropy list, so the chain, the example streams and
@@ -31,6 +44,8 @@ from meshtrain.errors import ConfigError
 _CHAIN_STREAM = 0x6D61726B
 _EXAMPLE_STREAM = 0x65786D70
 _SHUFFLE_STREAM = 0x73687566
+_HELD_OUT_STREAM = 0x68656C64  # markov evaluation examples: the same chain, another sample stream
+TRAIN_SPLIT = "train"
 
 _TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
 _MAX_CHECK_CHUNK = 1 << 24  # tokens per chunk when scanning a file for its largest id
@@ -44,7 +59,22 @@ class DataSource(str, enum.Enum):
 
     MARKOV = "markov"  # generated order-2 Markov chain (default; needs no files)
     TEXT = "text"  # local text files as bytes: tokens 0..255
-    TOKENS = "tokens"  # pre-tokenised ids: .npy (loaded memory-mapped) or raw .bin
+    TOKENS = "tokens"  # a prepared directory, or pre-tokenised ids: .npy (memory-mapped) or raw .bin
+
+
+class Packing(str, enum.Enum):
+    """How windows relate to documents (see the module docstring)."""
+
+    CONCAT = "concat"  # windows of the concatenated stream; attention runs across documents
+    DOCUMENTS = "documents"  # the same windows, masked and positioned per document; tail padded
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureEntry:
+    """One dataset of ``data.mixture``: a prepared directory (or ``.npy``/``.bin``) and its weight."""
+
+    path: str
+    weight: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +84,21 @@ class DataConfig:
     Attributes:
       source: where tokens come from.
       path: for ``text``: a file, a directory (all files below it) or a glob, concatenated in
-        sorted path order; for ``tokens``: one ``.npy`` or ``.bin`` file; empty for ``markov``.
+        sorted path order; for ``tokens``: a prepared directory (its ``train`` split) or one
+        ``.npy`` or ``.bin`` file; empty for ``markov`` and with ``mixture``.
       token_dtype: element type of a ``.bin`` file (one of ``uint8 uint16 uint32 int32 int64``).
       seed: data order (file sources) or chain and sample (markov) seed, in [0, 2**32).
       markov_branching: likely successors per context of the markov chain; the j-th has weight
         proportional to 3**-j, rotated by a class of the older context token (see MarkovDataset).
       markov_noise: probability that the markov chain instead emits a uniformly random token; it
         must be > 0 so that the chain has a unique stationary distribution.
+      packing: ``concat`` or ``documents`` (needs prepared directories: they record the boundaries).
+      tokenizer: a ``tokenizer.json`` (or a directory holding one) the ids come from. For a prepared
+        directory it defaults to the directory's own and, when given, must be the same file; it is
+        copied into the run directory, where ``meshtrain.generate --tokenizer auto`` finds it.
+      mixture: for ``tokens``: several datasets drawn with these weights (normalised), example ``i``
+        from dataset ``d`` by grain's deterministic weighted interleave, so the batches depend on
+        ``(seed, step)`` only; each dataset shuffles its own windows.
     """
 
     source: DataSource = DataSource.MARKOV
@@ -69,6 +107,9 @@ class DataConfig:
     seed: int = 0
     markov_branching: int = 4
     markov_noise: float = 0.01
+    packing: Packing = Packing.CONCAT
+    tokenizer: str = ""
+    mixture: tuple[MixtureEntry, ...] = ()
 
     def __post_init__(self):
         valid_sources = ", ".join(repr(s.value) for s in DataSource)
@@ -78,11 +119,29 @@ class DataConfig:
             raise ConfigError(
                 "path", "must be empty when source is 'markov' (it reads no files); "
                 "use source 'text' or 'tokens' to train on files")
-        if self.source is not DataSource.MARKOV and not self.path:
+        if self.mixture:
+            if self.source is not DataSource.TOKENS:
+                raise ConfigError("mixture", f"needs source 'tokens', got {self.source.value!r}")
+            if self.path:
+                raise ConfigError("path", "must be empty with data.mixture (each entry names its path)")
+            for i, entry in enumerate(self.mixture):
+                if not entry.path:
+                    raise ConfigError(f"mixture[{i}].path", "must name a prepared directory or .npy/.bin file")
+                if not isinstance(entry.weight, (int, float)) or not 0 < entry.weight < math.inf:
+                    raise ConfigError(f"mixture[{i}].weight", f"got {entry.weight!r}; must be a finite number > 0")
+        elif self.source is not DataSource.MARKOV and not self.path:
             raise ConfigError(
                 "path", f"required when source is {self.source.value!r}: "
                 + ("a file, directory or glob of text files" if self.source is DataSource.TEXT
-                   else "a .npy or .bin file of token ids"))
+                   else "a prepared directory or a .npy or .bin file of token ids"))
+        if not isinstance(self.packing, Packing):
+            raise ConfigError("packing", f"got {self.packing!r}; valid: 'concat', 'documents'")
+        if self.packing is Packing.DOCUMENTS and self.source is not DataSource.TOKENS:
+            raise ConfigError("packing", f"'documents' needs source 'tokens' from a prepared directory "
+                              f"(it records the document boundaries), got source {self.source.value!r}")
+        if self.tokenizer and self.source is not DataSource.TOKENS:
+            raise ConfigError("tokenizer", f"only applies to source 'tokens' (source {self.source.value!r} "
+                              "has no tokenizer)")
         if self.token_dtype not in _TOKEN_DTYPES:
             raise ConfigError("token_dtype", f"got {self.token_dtype!r}; valid: "
                               + ", ".join(_TOKEN_DTYPES))
@@ -102,9 +161,12 @@ class TokenDataset(Protocol):
 
     seq_len: int
     entropy_floor: float | None  # exact best-possible loss in nats/target, if known
+    bytes_per_token: float | None  # UTF-8 text bytes per token, where known (bits per byte)
+    tokenizer_file: str | None  # the tokenizer.json the ids come from, where known
 
     def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        """Examples for global indices int64 [n]: inputs/targets int32 [n, seq_len], mask f32."""
+        """Examples for global indices int64 [n]: inputs/targets int32 [n, seq_len], mask f32; with
+        ``packing: documents`` also positions/segments int32 [n, seq_len]."""
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -187,6 +249,16 @@ class MarkovDataset:
         self._successor_cdf = np.cumsum(self.successor_mass / ((1 - self.noise) * self.marginal[:, None]), 1)
         self._sample_cdf = np.cumsum(self.weights)
         self.entropy_floor = self._entropy_floor()
+        self.sample_stream = _EXAMPLE_STREAM
+
+    bytes_per_token = None
+    tokenizer_file = None
+
+    def held_out(self) -> MarkovDataset:
+        """The same chain sampled from another stream: examples no training step sees."""
+        held_out = copy.copy(self)
+        held_out.sample_stream = _HELD_OUT_STREAM
+        return held_out
 
     def _stationary_states(self) -> np.ndarray:
         """Exact stationary distribution [K, vocab] of the state (class of the older token, newest
@@ -241,7 +313,7 @@ class MarkovDataset:
         """Examples for global indices int64 [n]; see TokenDataset.rows."""
         indices = _check_indices(indices)
         n, v, steps = indices.shape[0], self.vocab_size, self.seq_len + 1
-        uniforms = np.stack([np.random.default_rng([_EXAMPLE_STREAM, self.seed, int(i)])
+        uniforms = np.stack([np.random.default_rng([self.sample_stream, self.seed, int(i)])
                              .random(steps - 1) for i in indices]) if n else np.zeros((0, steps - 1))
         tokens = np.empty((n, steps), np.int64)
         tokens[:, 0], tokens[:, 1] = self._first_pairs(uniforms[:, 0])
@@ -276,24 +348,68 @@ class MarkovDataset:
                 f"(uniform {math.log(self.vocab_size):.4f})")
 
 
+class TokenStream(Protocol):
+    """A split's tokens as one stream: a prepared split (``CorpusSplit``) or an ``ArrayStream``."""
+
+    num_tokens: int
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [stop - start] of the stream."""
+
+
+class ArrayStream:
+    """A 1-D token array (memory-mapped from a file, or in memory) as a ``TokenStream``."""
+
+    def __init__(self, array: np.ndarray):
+        self.array, self.num_tokens = array, int(array.shape[0])
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        return self.array[start:stop]
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamInfo:
+    """What a token stream's source knows about it besides its tokens.
+
+    Attributes:
+      label: for the start-up line. watched: files the stream reads, checked for changes before
+      every read. document_starts: int64 [documents + 1] offsets where each document starts (last =
+      num_tokens), for ``packing: documents``. bytes_per_token, tokenizer_file: see ``TokenDataset``.
+    """
+
+    label: str
+    watched: tuple[str, ...] = ()
+    document_starts: np.ndarray | None = None
+    bytes_per_token: float | None = None
+    tokenizer_file: str | None = None
+
+
 class FileDataset:
-    """Non-overlapping windows of ``seq_len + 1`` tokens of a 1-D token array, shuffled per epoch.
+    """Windows of ``seq_len + 1`` tokens of a token stream, shuffled per epoch (or in order).
 
     Example ``i`` is window ``perm_e(i % num_windows)`` of epoch ``e = i // num_windows``, where
-    ``perm_e`` is grain's seeded index shuffle (a different permutation every epoch).
+    ``perm_e`` is grain's seeded index shuffle (a different permutation every epoch); unshuffled
+    (``shuffle=False``, evaluation) example ``i`` is window ``i % num_windows``. Without document
+    boundaries the incomplete tail is dropped; with them (``packing: documents``) it is padded with
+    token 0 in segment 0, masked.
     """
 
     entropy_floor = None
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, seed: int, label: str):
-        self.tokens, self.seq_len, self.label = tokens, seq_len, label
+    def __init__(self, stream: TokenStream, info: StreamInfo, *, seq_len: int, seed: int, shuffle: bool = True):
+        self.stream, self.info, self.seq_len = stream, info, seq_len
+        self.bytes_per_token, self.tokenizer_file = info.bytes_per_token, info.tokenizer_file
         # A memory-mapped file that shrinks under the run would kill it with SIGBUS on the next read:
-        # its identity is checked before every read instead (one stat call).
-        self._watched = tokens.filename if isinstance(tokens, np.memmap) and tokens.filename else None
-        self._identity = _identity(self._watched) if self._watched else None
-        self.num_windows = tokens.shape[0] // (seq_len + 1)
-        shuffle_seed = int(np.random.SeedSequence([_SHUFFLE_STREAM, seed]).generate_state(1)[0])
-        self._order = grain.MapDataset.range(self.num_windows).shuffle(seed=shuffle_seed).repeat()
+        # its identity is checked before every read instead (one stat call per file).
+        self._identities = {path: _identity(path) for path in info.watched}
+        window = seq_len + 1
+        self.num_windows = (stream.num_tokens // window if info.document_starts is None
+                            else -(-stream.num_tokens // window))
+        order = grain.MapDataset.range(self.num_windows)
+        if shuffle:
+            shuffle_seed = int(np.random.SeedSequence([_SHUFFLE_STREAM, seed]).generate_state(1)[0])
+            order = order.shuffle(seed=shuffle_seed)
+        self._order = order.repeat()
 
     def windows(self, indices: np.ndarray) -> np.ndarray:
         """Window numbers int64 [n] of global example indices int64 [n]."""
@@ -303,18 +419,86 @@ class FileDataset:
         """Examples for global indices int64 [n]; see TokenDataset.rows.
 
         Raises:
-          DataChanged: the memory-mapped token file was truncated, replaced or rewritten.
+          DataChanged: a memory-mapped token file was truncated, replaced or rewritten.
         """
-        if self._watched is not None and _identity(self._watched) != self._identity:
-            size, now = self._identity[0], _identity(self._watched)
-            change = f"{size} -> {now[0]} bytes" if now[0] != size else "rewritten or replaced"
-            raise DataChanged("data.path", f"{self._watched} changed while training ({change})")
-        starts = self.windows(indices) * (self.seq_len + 1)
-        return _as_rows(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)])
+        for path, identity in self._identities.items():
+            now = _identity(path)
+            if now != identity:
+                change = f"{identity[0]} -> {now[0]} bytes" if now[0] != identity[0] else "rewritten or replaced"
+                raise DataChanged("data.path", f"{path} changed while training ({change})")
+        window, total = self.seq_len + 1, self.stream.num_tokens
+        starts = self.windows(indices) * window
+        tokens = np.zeros((starts.shape[0], window), np.int64)
+        for row, start in enumerate(starts):
+            piece = self.stream.tokens(int(start), min(int(start) + window, total))
+            tokens[row, :piece.shape[0]] = piece
+        rows = _as_rows(tokens)
+        if self.info.document_starts is not None:
+            rows.update(_document_layout(starts, window, self.info.document_starts, total))
+        return rows
 
     def describe(self) -> str:
-        return (f"data: {self.label}: {self.tokens.shape[0]:,} tokens, {self.num_windows:,} "
-                f"windows of {self.seq_len + 1}; entropy floor unknown")
+        packing = "documents" if self.info.document_starts is not None else "concat"
+        return (f"data: {self.info.label}: {self.stream.num_tokens:,} tokens, {self.num_windows:,} "
+                f"windows of {self.seq_len + 1}, packing {packing}; entropy floor unknown")
+
+
+def _document_layout(starts: np.ndarray, window: int, document_starts: np.ndarray,
+                     num_tokens: int) -> dict[str, np.ndarray]:
+    """mask f32, positions and segments int32, each [n, window - 1], of the windows beginning at
+    ``starts`` [n]: a target counts only when it continues the document of its input; positions
+    count from the document's first token in the window; segments number the window's documents
+    from 1; padding (past the stream's end) is segment 0, masked."""
+    index = starts[:, None] + np.arange(window)  # [n, window] positions in the stream
+    valid = index < num_tokens
+    document = np.searchsorted(document_starts, index, side="right") - 1
+    first = np.maximum(document_starts[document], starts[:, None])
+    positions = np.where(valid, index - first, 0)
+    segments = np.where(valid, document - document[:, :1] + 1, 0)
+    mask = (document[:, 1:] == document[:, :-1]) & valid[:, 1:]
+    return {"mask": mask.astype(np.float32), "positions": positions[:, :-1].astype(np.int32),
+            "segments": segments[:, :-1].astype(np.int32)}
+
+
+class MixtureDataset:
+    """Examples drawn from several datasets with weights: example ``i`` is example ``j`` of dataset
+    ``d``, with ``(d, j)`` from grain's deterministic weighted interleave (``MapDataset.mix``: every
+    prefix holds each dataset in proportion to its weight, to within one example)."""
+
+    entropy_floor = None
+
+    def __init__(self, datasets: list[TokenDataset], weights: list[float], labels: list[str]):
+        self.datasets, self.seq_len = datasets, datasets[0].seq_len
+        self.weights = [w / sum(weights) for w in weights]
+        self.labels = labels
+        sources = [grain.MapDataset.range(sys.maxsize).map(functools.partial(_tagged, d))
+                   for d in range(len(datasets))]
+        self._mixed = grain.MapDataset.mix(sources, self.weights)
+        self.tokenizer_file = datasets[0].tokenizer_file
+        per_byte = [d.bytes_per_token for d in datasets]
+        self.bytes_per_token = None if None in per_byte else float(np.dot(self.weights, per_byte))
+
+    def sources(self, indices: np.ndarray) -> np.ndarray:
+        """int64 [n, 2]: (dataset, its example) of each global example index."""
+        return np.array([self._mixed[int(i)] for i in _check_indices(indices)], np.int64).reshape(-1, 2)
+
+    def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        picks = self.sources(indices)
+        parts = {d: self.datasets[d].rows(picks[picks[:, 0] == d, 1]) for d in np.unique(picks[:, 0])}
+        first = next(iter(parts.values()))
+        rows = {key: np.empty((picks.shape[0], *value.shape[1:]), value.dtype) for key, value in first.items()}
+        for d, part in parts.items():
+            for key, value in part.items():
+                rows[key][picks[:, 0] == d] = value
+        return rows
+
+    def describe(self) -> str:
+        entries = ", ".join(f"{w:.3g} x {label}" for w, label in zip(self.weights, self.labels))
+        return f"data: mixture of {len(self.datasets)}: {entries}; entropy floor unknown"
+
+
+def _tagged(dataset: int, example: int) -> tuple[int, int]:
+    return dataset, example
 
 
 class DataChanged(ConfigError):
@@ -343,85 +527,130 @@ def _text_files(path: str) -> list[str]:
     return files
 
 
-def _text_tokens(cfg: DataConfig, vocab_size: int) -> tuple[np.ndarray, str]:
+def _memmapped(array: np.ndarray) -> tuple[str, ...]:
+    return (array.filename,) if isinstance(array, np.memmap) and array.filename else ()
+
+
+def _text_stream(cfg: DataConfig, path: str, field: str, vocab_size: int) -> tuple[TokenStream, StreamInfo]:
     if vocab_size < 256:
         raise ConfigError("model.vocab_size", f"is {vocab_size}; source 'text' uses byte tokens "
                           "0..255, so it must be >= 256")
-    files = _text_files(cfg.path)
+    files = _text_files(path)
     if len(files) == 1:
         size = os.path.getsize(files[0])
         tokens = np.memmap(files[0], np.uint8, mode="r") if size else np.zeros(0, np.uint8)
     else:
         tokens = np.concatenate([np.fromfile(f, np.uint8) for f in files])
-    return tokens, f"text bytes from {cfg.path} ({len(files)} file{'s' * (len(files) > 1)})"
+    label = f"text bytes from {path} ({len(files)} file{'s' * (len(files) > 1)})"
+    return ArrayStream(tokens), StreamInfo(label, _memmapped(tokens), bytes_per_token=1.0)
 
 
-def _load_npy(cfg: DataConfig) -> np.ndarray:
+def _load_npy(path: str, field: str, token_dtype: str) -> np.ndarray:
+    del token_dtype
     try:
-        tokens = np.load(cfg.path, mmap_mode="r", allow_pickle=False)
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as err:  # truncated, header only, random bytes, pickled
-        raise ConfigError("data.path", f"{cfg.path} is not a readable .npy array of token ids "
+        raise ConfigError(field, f"{path} is not a readable .npy array of token ids "
                           f"({' '.join(str(err).split())[:160]})") from None
     if not isinstance(tokens, np.ndarray):
-        raise ConfigError("data.path", f"{cfg.path} is not a single .npy array (an .npz archive?)")
+        raise ConfigError(field, f"{path} is not a single .npy array (an .npz archive?)")
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-        raise ConfigError("data.path", f"{cfg.path} holds {tokens.dtype} {tokens.shape}; "
+        raise ConfigError(field, f"{path} holds {tokens.dtype} {tokens.shape}; "
                           "expected a 1-D integer array of token ids")
     return tokens
 
 
-def _load_bin(cfg: DataConfig) -> np.ndarray:
-    dtype = np.dtype(cfg.token_dtype)
-    size = os.path.getsize(cfg.path)
+def _load_bin(path: str, field: str, token_dtype: str) -> np.ndarray:
+    dtype = np.dtype(token_dtype)
+    size = os.path.getsize(path)
     if size % dtype.itemsize:
-        raise ConfigError("data.path", f"{cfg.path} has {size} bytes, not a whole number of "
-                          f"{cfg.token_dtype} tokens; is data.token_dtype right?")
-    return np.memmap(cfg.path, dtype, mode="r") if size else np.zeros(0, dtype)
+        raise ConfigError(field, f"{path} has {size} bytes, not a whole number of "
+                          f"{token_dtype} tokens; is data.token_dtype right?")
+    return np.memmap(path, dtype, mode="r") if size else np.zeros(0, dtype)
 
 
-_ID_LOADERS: dict[str, Callable[[DataConfig], np.ndarray]] = {".npy": _load_npy, ".bin": _load_bin}
+_ID_LOADERS: dict[str, Callable[[str, str, str], np.ndarray]] = {".npy": _load_npy, ".bin": _load_bin}
 
 
-def _check_regular_file(path: str) -> None:
-    """A ConfigError on ``data.path`` unless ``path`` is a regular file (or a link to one)."""
+def _check_regular_file(path: str, field: str) -> None:
+    """A ConfigError on ``field`` unless ``path`` is a regular file (or a link to one)."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         what = "a broken symbolic link" if os.path.islink(path) else "no such file"
-        raise ConfigError("data.path", f"{what}: {path}") from None
+        raise ConfigError(field, f"{what}: {path}") from None
     except OSError as err:  # a symlink loop, a name too long, no permission
-        raise ConfigError("data.path", f"cannot open {path}: {err.strerror or err}") from None
+        raise ConfigError(field, f"cannot open {path}: {err.strerror or err}") from None
     if not stat.S_ISREG(mode):
         kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
                 else "not a regular file")
-        raise ConfigError("data.path", f"{path} is {kind}; give a .npy or .bin file of token ids")
+        raise ConfigError(field, f"{path} is {kind}; give a prepared directory or a .npy or .bin file "
+                          "of token ids")
 
 
-def _id_tokens(cfg: DataConfig, vocab_size: int) -> tuple[np.ndarray, str]:
-    _check_regular_file(cfg.path)
-    load = _ID_LOADERS.get(os.path.splitext(cfg.path)[1])
-    if load is None:
-        raise ConfigError("data.path", f"{cfg.path}: expected a .npy or .bin file of token ids")
-    tokens = load(cfg)
+def _check_ids(tokens: np.ndarray, path: str, field: str, vocab_size: int) -> None:
     for start in range(0, tokens.shape[0], _MAX_CHECK_CHUNK):
         chunk = tokens[start:start + _MAX_CHECK_CHUNK]
         low, high = int(chunk.min()), int(chunk.max())
         if high >= vocab_size or low < 0:
             bad = high if high >= vocab_size else low
-            raise ConfigError("data.path", f"token id {bad} in {cfg.path} is outside [0, "
+            raise ConfigError(field, f"token id {bad} in {path} is outside [0, "
                               f"model.vocab_size {vocab_size}); raise model.vocab_size or fix the "
                               "tokenizer/data.token_dtype")
-    return tokens, f"tokens from {cfg.path}"
 
 
-def _file_dataset(read: Callable[[DataConfig, int], tuple[np.ndarray, str]]):
-    def build(cfg: DataConfig, vocab_size: int, seq_len: int) -> FileDataset:
-        tokens, label = read(cfg, vocab_size)
-        if tokens.shape[0] < seq_len + 1:
-            raise ConfigError("data.path", f"{cfg.path} has {tokens.shape[0]} tokens; need at "
-                              f"least seq_len + 1 = {seq_len + 1}")
-        return FileDataset(tokens, seq_len=seq_len, seed=cfg.seed, label=label)
-    return build
+def _given_tokenizer(cfg: DataConfig, vocab_size: int) -> tuple[str, str] | None:
+    """(tokenizer.json path, sha256) of ``data.tokenizer``, checked against the vocabulary."""
+    if not cfg.tokenizer:
+        return None
+    tokenizer = load_tokenizer(cfg.tokenizer, "data.tokenizer")
+    path = str(tokenizer_file(cfg.tokenizer))
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise ConfigError("model.vocab_size", f"is {vocab_size}, smaller than the {tokenizer.get_vocab_size()} "
+                          f"tokens of data.tokenizer {path}; raise model.vocab_size")
+    return path, file_sha256(path)
+
+
+def _id_stream(cfg: DataConfig, path: str, field: str, vocab_size: int, split: str = TRAIN_SPLIT,
+               ) -> tuple[TokenStream, StreamInfo]:
+    """The token stream at ``path``: a prepared directory's ``split``, or one .npy/.bin file."""
+    given = _given_tokenizer(cfg, vocab_size)
+    if os.path.isdir(path):
+        corpus = PreparedCorpus.open(path, field=field)
+        record = corpus.tokenizer
+        if given is not None and given[1] != record.sha256:
+            raise ConfigError("data.tokenizer", f"{path} was prepared with another tokenizer ({record.file}, "
+                              f"sha256 {record.sha256[:12]}) than data.tokenizer {given[0]} (sha256 "
+                              f"{given[1][:12]}); prepare the corpus again with this tokenizer, or drop "
+                              "data.tokenizer")
+        if record.vocab_size > vocab_size:
+            raise ConfigError("model.vocab_size", f"is {vocab_size}, smaller than the {record.vocab_size} "
+                              f"tokens of the tokenizer {path} was prepared with; raise model.vocab_size")
+        part: CorpusSplit = corpus.split(split, field=field)
+        starts = part.document_starts() if cfg.packing is Packing.DOCUMENTS else None
+        info = StreamInfo(f"{path} ({split}: {part.num_documents:,} documents)", tuple(part.shard_paths),
+                          starts, part.text_bytes and part.num_tokens and part.text_bytes / part.num_tokens,
+                          record.file)
+        return part, info
+    if cfg.packing is Packing.DOCUMENTS:
+        raise ConfigError("data.packing", f"'documents' needs the document boundaries of a prepared "
+                          f"directory (python -m meshtrain.data prepare); {path} is a single file of ids")
+    _check_regular_file(path, field)
+    load = _ID_LOADERS.get(os.path.splitext(path)[1])
+    if load is None:
+        raise ConfigError(field, f"{path}: expected a prepared directory or a .npy or .bin file of token ids")
+    tokens = load(path, field, cfg.token_dtype)
+    _check_ids(tokens, path, field, vocab_size)
+    return ArrayStream(tokens), StreamInfo(f"tokens from {path}", _memmapped(tokens),
+                                           tokenizer_file=given and given[0])
+
+
+def _file_dataset(stream: TokenStream, info: StreamInfo, path: str, field: str, *, seq_len: int, seed: int,
+                  shuffle: bool = True) -> FileDataset:
+    if stream.num_tokens < (1 if info.document_starts is not None else seq_len + 1):
+        raise ConfigError(field, f"{path} has {stream.num_tokens} tokens; need at least seq_len + 1 = "
+                          f"{seq_len + 1}")
+    return FileDataset(stream, info, seq_len=seq_len, seed=seed, shuffle=shuffle)
 
 
 def _markov_dataset(cfg: DataConfig, vocab_size: int, seq_len: int) -> MarkovDataset:
@@ -432,24 +661,76 @@ def _markov_dataset(cfg: DataConfig, vocab_size: int, seq_len: int) -> MarkovDat
                          branching=cfg.markov_branching, noise=cfg.markov_noise)
 
 
+def _text_dataset(cfg: DataConfig, vocab_size: int, seq_len: int) -> FileDataset:
+    stream, info = _text_stream(cfg, cfg.path, "data.path", vocab_size)
+    return _file_dataset(stream, info, cfg.path, "data.path", seq_len=seq_len, seed=cfg.seed)
+
+
+def _tokens_dataset(cfg: DataConfig, vocab_size: int, seq_len: int) -> TokenDataset:
+    if not cfg.mixture:
+        stream, info = _id_stream(cfg, cfg.path, "data.path", vocab_size)
+        return _file_dataset(stream, info, cfg.path, "data.path", seq_len=seq_len, seed=cfg.seed)
+    datasets, hashes = [], []
+    for i, entry in enumerate(cfg.mixture):
+        field = f"data.mixture[{i}].path"
+        stream, info = _id_stream(cfg, entry.path, field, vocab_size)
+        digest = file_sha256(info.tokenizer_file) if info.tokenizer_file else None
+        if hashes and digest != hashes[0]:
+            raise ConfigError(field, f"{entry.path} was tokenized with another tokenizer than "
+                              f"{cfg.mixture[0].path}; a mixture needs one tokenizer")
+        hashes.append(digest)
+        seed = int(np.random.SeedSequence([cfg.seed, i]).generate_state(1)[0])  # each its own order
+        datasets.append(_file_dataset(stream, info, entry.path, field, seq_len=seq_len, seed=seed))
+    return MixtureDataset(datasets, [entry.weight for entry in cfg.mixture], [e.path for e in cfg.mixture])
+
+
 _BUILDERS: dict[DataSource, Callable[[DataConfig, int, int], TokenDataset]] = {
     DataSource.MARKOV: _markov_dataset,
-    DataSource.TEXT: _file_dataset(_text_tokens),
-    DataSource.TOKENS: _file_dataset(_id_tokens),
+    DataSource.TEXT: _text_dataset,
+    DataSource.TOKENS: _tokens_dataset,
 }
 
 
-def make_dataset(cfg: DataConfig, *, vocab_size: int, seq_len: int) -> TokenDataset:
-    """The dataset ``cfg`` describes, for a model of ``vocab_size`` and sequences of ``seq_len``.
-
-    Raises:
-      ConfigError: with the full dotted field (``data.path``, ``model.vocab_size``, ...).
-    """
+def _check_shape(vocab_size: int, seq_len: int) -> None:
     if vocab_size < 2:
         raise ConfigError("model.vocab_size", f"is {vocab_size}; must be >= 2")
     if seq_len < 1:
         raise ConfigError("model.seq_len", f"is {seq_len}; must be >= 1")
+
+
+def make_dataset(cfg: DataConfig, *, vocab_size: int, seq_len: int) -> TokenDataset:
+    """The training dataset ``cfg`` describes, for a model of ``vocab_size`` and sequences of ``seq_len``.
+
+    Raises:
+      ConfigError: with the full dotted field (``data.path``, ``model.vocab_size``, ...).
+    """
+    _check_shape(vocab_size, seq_len)
     return _BUILDERS[cfg.source](cfg, vocab_size, seq_len)
+
+
+def make_held_out_dataset(cfg: DataConfig, train: TokenDataset, *, path: str, split: str, field: str,
+                          vocab_size: int, seq_len: int) -> TokenDataset:
+    """The evaluation examples, in order (window i is example i; no shuffle).
+
+    ``path`` empty: held out from the training data: ``split`` of ``data.path``'s prepared directory,
+    or the markov chain's other sample stream. Otherwise ``path``'s ``split`` (a prepared directory),
+    or the text or token file(s) at ``path`` read like the training source. ``field`` names ``path``.
+    """
+    _check_shape(vocab_size, seq_len)
+    if isinstance(train, MarkovDataset):
+        if path:
+            raise ConfigError(field, "the markov source holds its evaluation examples out itself; leave it empty")
+        return train.held_out()
+    if not path:
+        if cfg.source is not DataSource.TOKENS or cfg.mixture or not is_prepared_dir(cfg.path):
+            raise ConfigError(field, "needs a path: only a prepared directory (data.path) has a held-out "
+                              "split of its own")
+        path, field = cfg.path, "data.path"
+    if cfg.source is DataSource.TEXT:
+        stream, info = _text_stream(cfg, path, field, vocab_size)
+    else:
+        stream, info = _id_stream(cfg, path, field, vocab_size, split)
+    return _file_dataset(stream, info, path, field, seq_len=seq_len, seed=cfg.seed, shuffle=False)
 
 
 def global_batch(dataset: TokenDataset, step: int, batch_size: int,

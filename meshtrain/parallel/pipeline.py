@@ -36,6 +36,7 @@ from jax.sharding import Mesh, PartitionSpec
 from meshtrain.errors import ConfigError, Infeasible
 from meshtrain.parallel.accumulate import Batch, split_microbatches
 from meshtrain.parallel.rules import AxisRule, ShardingRules
+from models.api import Documents
 
 STAGE = "stage"
 
@@ -43,8 +44,16 @@ STAGE = "stage"
 ValueAndGrad = Callable[[nnx.State, Batch], tuple[jax.Array, nnx.State]]
 # params (fp32, possibly one stage's slice of the layers) -> a model in the compute dtype.
 ModelOf = Callable[[nnx.State], Any]
+# (params, microbatch) -> its scaled loss, forward only (evaluation).
+Loss = Callable[[nnx.State, Batch], jax.Array]
 # Values crossing stages are fp32; each stage computes in the compute dtype.
 CROSSING_DTYPE = jnp.float32
+
+
+def documents_of(batch: Batch) -> Documents | None:
+    """The batch's document layout (``positions`` and ``segments`` [rows, length]) when its rows are
+    packed from several documents, else None."""
+    return Documents(batch["positions"], batch["segments"]) if "segments" in batch else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,22 +226,28 @@ def _slice_layers(params: nnx.State, start: jax.Array, count: int) -> nnx.State:
     return _map_layers(params, lambda x: jax.lax.dynamic_slice_in_dim(x, start, count))
 
 
-def sequential(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
-               shard, compute_dtype) -> ValueAndGrad:
-    """No pipeline: autodiff of the whole model."""
+def sequential_loss(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
+                    shard, compute_dtype) -> Loss:
+    """No pipeline: the whole model's loss."""
     del cfg, mesh, compute_dtype
 
     def loss(params: nnx.State, batch: Batch) -> jax.Array:
-        model = model_of(params)
-        x, aux = model.run_layers(model.embed(batch["inputs"], shard), shard)
+        model, documents = model_of(params), documents_of(batch)
+        x, aux = model.run_layers(model.embed(batch["inputs"], shard, documents), shard, documents)
         return objective.of_logits(model.logits(x, shard), batch) + objective.of_aux(aux)
 
-    return jax.value_and_grad(loss)
+    return loss
 
 
-def circular(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
-             shard, compute_dtype) -> ValueAndGrad:
-    """GPipe (V = 1) and interleaved (V > 1) schedules, differentiated by autodiff.
+def sequential(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
+               shard, compute_dtype) -> ValueAndGrad:
+    """No pipeline: autodiff of the whole model."""
+    return jax.value_and_grad(sequential_loss(cfg, mesh, model_of, objective, shard, compute_dtype))
+
+
+def circular_loss(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
+                  shard, compute_dtype) -> Loss:
+    """The loss through the GPipe (V = 1) and interleaved (V > 1) schedules' forward.
 
     Stage s at tick t works on the item that entered stage 0 at tick t - s: microbatch
     (t - s) mod M on its local chunk (t - s) // M. Stage 0 injects microbatch t while t < M and
@@ -241,11 +256,12 @@ def circular(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Obje
     stages, chunks, micro = mesh.shape[STAGE], cfg.chunks_per_stage, cfg.microbatches
     ticks = chunks * micro + stages - 1
 
-    def run_stack(params: nnx.State, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def run_stack(params: nnx.State, x: jax.Array, documents: Documents | None) -> tuple[jax.Array, jax.Array]:
         """x: [rows, length, embed] (fp32) through every layer, pipelined; and the aux-loss sum."""
         layers_per_chunk = jax.tree.leaves(params["layers"])[0].shape[0] // (stages * chunks)
 
-        def stage_loop(params: nnx.State, inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        def stage_loop(params: nnx.State, inputs: jax.Array,
+                       documents: Documents | None) -> tuple[jax.Array, jax.Array]:
             stage = jax.lax.axis_index(STAGE)
             current = _stage_varying(jnp.zeros_like(inputs[0]))
             ring_buffer = _stage_varying(jnp.zeros_like(inputs))  # stage 0: items coming round again
@@ -259,7 +275,8 @@ def circular(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Obje
                 fresh = jnp.where(t < micro, inputs[jnp.minimum(t, micro - 1)], ring_buffer[microbatch])
                 current = jnp.where(stage == 0, fresh, current)
                 model = model_of(_slice_layers(params, chunk * layers_per_chunk, layers_per_chunk))
-                current, aux = model.run_layers(current.astype(compute_dtype), shard)
+                own_documents = jax.tree.map(lambda a: a[microbatch], documents)
+                current, aux = model.run_layers(current.astype(compute_dtype), shard, own_documents)
                 current = current.astype(CROSSING_DTYPE)
                 aux_sum = aux_sum + jnp.where((item >= 0) & (item < chunks * micro), aux, 0.0)
                 done = (stage == stages - 1) & (item >= 0) & (item // micro == chunks - 1)
@@ -275,18 +292,26 @@ def circular(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Obje
             return (jax.lax.psum(jnp.where(stage == stages - 1, outputs, 0.0), STAGE),
                     jax.lax.psum(aux_sum, STAGE))
 
-        pipelined = jax.shard_map(stage_loop, mesh=mesh, in_specs=(_stage_specs(params), PartitionSpec()),
+        pipelined = jax.shard_map(stage_loop, mesh=mesh,
+                                  in_specs=(_stage_specs(params), PartitionSpec(), PartitionSpec()),
                                   out_specs=(PartitionSpec(), PartitionSpec()), axis_names={STAGE})
-        outputs, aux_sum = pipelined(params, split_microbatches(x, micro))
+        outputs, aux_sum = pipelined(params, split_microbatches(x, micro),
+                                     split_microbatches(documents, micro))
         return _merge(outputs), aux_sum
 
     def loss(params: nnx.State, batch: Batch) -> jax.Array:
-        model = model_of(params)
-        x = model.embed(batch["inputs"], shard).astype(CROSSING_DTYPE)
-        x, aux_sum = run_stack(params, x)
+        model, documents = model_of(params), documents_of(batch)
+        x = model.embed(batch["inputs"], shard, documents).astype(CROSSING_DTYPE)
+        x, aux_sum = run_stack(params, x, documents)
         return objective.of_logits(model.logits(x.astype(compute_dtype), shard), batch) + objective.of_aux(aux_sum)
 
-    return jax.value_and_grad(loss)
+    return loss
+
+
+def circular(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
+             shard, compute_dtype) -> ValueAndGrad:
+    """GPipe (V = 1) and interleaved (V > 1) schedules, differentiated by autodiff."""
+    return jax.value_and_grad(circular_loss(cfg, mesh, model_of, objective, shard, compute_dtype))
 
 
 def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
@@ -296,9 +321,9 @@ def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: O
     ticks = micro + 2 * stages - 2
     stash_size = min(micro, 2 * stages - 1)
 
-    def stage_forward(params: nnx.State, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def stage_forward(params: nnx.State, x: jax.Array, documents: Documents | None) -> tuple[jax.Array, jax.Array]:
         """This stage's layers: (output, its share of the loss from the layers' aux losses)."""
-        y, aux = model_of(params).run_layers(x.astype(compute_dtype), shard)
+        y, aux = model_of(params).run_layers(x.astype(compute_dtype), shard, documents)
         return y.astype(CROSSING_DTYPE), objective.of_aux(aux)
 
     def head_loss(params: nnx.State, y: jax.Array, microbatch: Batch) -> jax.Array:
@@ -326,9 +351,9 @@ def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: O
             f_index = jnp.clip(forward_mb, 0, micro - 1)
             x = jnp.where(stage == 0, inputs[f_index], carry["forward_in"])
             stash = jnp.where(forward_ok, carry["stash"].at[f_index % stash_size].set(x), carry["stash"])
-            y, aux_loss = stage_forward(params, x)
             # The last stage turns its output into the loss and the loss's gradient at once.
             microbatch = jax.tree.map(lambda a: a[f_index], microbatches)
+            y, aux_loss = stage_forward(params, x, documents_of(microbatch))
             loss, (head_grads, d_y) = jax.value_and_grad(head_loss, argnums=(0, 1))(params, y, microbatch)
             head_ok = forward_ok & (stage == last)
             # Backward of microbatch t - (2S - 2 - stage): the last stage's is the one just run.
@@ -336,7 +361,9 @@ def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: O
             backward_ok = (backward_mb >= 0) & (backward_mb < micro)
             b_index = jnp.clip(backward_mb, 0, micro - 1)
             cotangent = jnp.where(stage == last, d_y, carry["backward_in"])
-            _, stage_vjp = jax.vjp(stage_forward, params, stash[b_index % stash_size])
+            backward_documents = documents_of(jax.tree.map(lambda a: a[b_index], microbatches))
+            _, stage_vjp = jax.vjp(lambda p, x: stage_forward(p, x, backward_documents),
+                                   params, stash[b_index % stash_size])
             layer_grads, d_x = stage_vjp((cotangent, jnp.ones_like(aux_loss)))
             add = lambda acc, g, ok: jax.tree.map(lambda a, b: a + jnp.where(ok, b, 0.0), acc, g)
             grads = add(add(carry["grads"], layer_grads, backward_ok), head_grads, head_ok)
@@ -353,7 +380,7 @@ def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: O
         return jax.lax.psum(carry["loss"], STAGE), grads, jax.lax.psum(carry["d_inputs"], STAGE)
 
     def value_and_grad(params: nnx.State, batch: Batch) -> tuple[jax.Array, nnx.State]:
-        embed = lambda p: model_of(p).embed(batch["inputs"], shard).astype(CROSSING_DTYPE)
+        embed = lambda p: model_of(p).embed(batch["inputs"], shard, documents_of(batch)).astype(CROSSING_DTYPE)
         x, embed_vjp = jax.vjp(embed, params)
         specs = _stage_specs(params)
         run = jax.shard_map(schedule, mesh=mesh, in_specs=(specs, PartitionSpec(), PartitionSpec()),
@@ -378,3 +405,11 @@ def make_value_and_grad(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, obje
     """The loss-and-gradient function of one (accumulation) microbatch for ``mesh`` and ``cfg``."""
     schedule = sequential if mesh.shape[STAGE] == 1 else _SCHEDULES[cfg.schedule]
     return schedule(cfg, mesh, model_of, objective, shard, compute_dtype)
+
+
+def make_loss(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
+              shard, compute_dtype) -> Loss:
+    """The forward-only loss of a batch for ``mesh`` and ``cfg`` (evaluation): every schedule's
+    forward is GPipe's (1F1B differs only in when backwards run; interleaved keeps its chunks)."""
+    loss = sequential_loss if mesh.shape[STAGE] == 1 else circular_loss
+    return loss(cfg, mesh, model_of, objective, shard, compute_dtype)

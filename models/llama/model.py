@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from models.api import Documents, forward, positions_of
 from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
                            palm_train_flops_per_token, stacked_layers, unconstrained)
 
@@ -230,20 +231,19 @@ def rotary_frequencies(head_dim: int, theta: float,
                      jnp.where(wavelength < short_limit, inv_freq, between))
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float,
-                  scaling: RopeScalingConfig = RopeScalingConfig(),
-                  start: int | jax.Array = 0) -> tuple[jax.Array, jax.Array]:
-    """cos, sin: [length, head_dim // 2] in fp32 for positions start..start+seq_len-1."""
-    positions = (start + jnp.arange(seq_len)).astype(jnp.float32)
-    angles = positions[:, None] * rotary_frequencies(head_dim, theta, scaling)[None, :]
+def rotary_tables(positions: jax.Array, head_dim: int, theta: float,
+                  scaling: RopeScalingConfig = RopeScalingConfig()) -> tuple[jax.Array, jax.Array]:
+    """cos, sin: [batch or 1, length, head_dim // 2] in fp32 for positions int [batch or 1, length]."""
+    angles = positions.astype(jnp.float32)[..., None] * rotary_frequencies(head_dim, theta, scaling)
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates x: [batch, length, heads, head_dim] by position (half-split convention, as HF Llama)."""
+    """Rotates x: [batch, length, heads, head_dim] by position (half-split convention, as HF Llama);
+    cos, sin: [batch or 1, length, head_dim // 2]."""
     x32 = x.astype(jnp.float32)
     first, second = jnp.split(x32, 2, axis=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return rotated.astype(x.dtype)
 
@@ -275,11 +275,17 @@ class Attention(nnx.Module):
         attended = checkpoint_name(shard(attended, ("batch", "length", "heads", "head_dim")), "attention")
         return jnp.einsum("btnh,nhd->btd", attended, self.out[...])
 
-    def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
+    def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], mask: jax.Array | None,
                  shard: ActivationSharding) -> jax.Array:
-        """x: [batch, length, embed] -> [batch, length, embed]."""
+        """x: [batch, length, embed] -> [batch, length, embed]. ``mask``: None for causal attention
+        over the row, else bool [batch, 1, length, length] (``Documents.attention_mask``), applied
+        by XLA's kernel whatever ``attention`` says: cuDNN's fused kernel takes no document
+        segments through public JAX."""
         q, k, v = self._project(x, rotary, shard)
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+        if mask is None:
+            attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+        else:
+            attended = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
         return self._output(attended, shard)
 
     def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
@@ -324,9 +330,9 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
+    def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], mask: jax.Array | None,
                  shard: ActivationSharding) -> jax.Array:
-        x = shard(x + self.attention(self.attn_norm(x), rotary, shard), BATCH_LENGTH_EMBED)
+        x = shard(x + self.attention(self.attn_norm(x), rotary, mask, shard), BATCH_LENGTH_EMBED)
         return shard(x + self.mlp(self.mlp_norm(x), shard), BATCH_LENGTH_EMBED)
 
     def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
@@ -360,29 +366,36 @@ class Llama(nnx.Module):
         self.head = None if cfg.tie_embeddings else logical_param(
             _normal(rngs, (cfg.embed_dim, cfg.vocab_size), cfg.embed_dim ** -0.5), ("embed", "vocab"))
 
-    def __call__(self, tokens: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
+    def __call__(self, tokens: jax.Array, shard: ActivationSharding = unconstrained,
+                 documents: Documents | None = None) -> jax.Array:
         """tokens: [batch, length] -> logits [batch, length, vocab]."""
-        x, _ = self.run_layers(self.embed(tokens, shard), shard)
-        return self.logits(x, shard)
+        return forward(self, tokens, shard, documents)
 
     # The three pieces of ``models.api.DecoderModel``: a pipeline runs the stacked layers over
     # stages while the embedding and the head stay outside the stage loop.
 
-    def embed(self, tokens: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
-        """tokens: [batch, length] -> x: [batch, length, embed]."""
+    def embed(self, tokens: jax.Array, shard: ActivationSharding = unconstrained,
+              documents: Documents | None = None) -> jax.Array:
+        """tokens: [batch, length] -> x: [batch, length, embed] (``documents`` unused: positions
+        enter through the rotary embeddings)."""
+        del documents
         table = shard(self.embedding[...], ("vocab", "embed"))
         return shard(jnp.take(table, tokens, axis=0), BATCH_LENGTH_EMBED)
 
-    def run_layers(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> tuple[jax.Array, jax.Array]:
+    def run_layers(self, x: jax.Array, shard: ActivationSharding = unconstrained,
+                   documents: Documents | None = None) -> tuple[jax.Array, jax.Array]:
         """Applies every layer this module holds (``layers`` may be a pipeline stage's slice) in
         order with ``lax.scan`` and the configured remat policy: [batch, length, embed] -> same,
-        and the auxiliary loss (Llama has none: 0)."""
+        and the auxiliary loss (Llama has none: 0). With ``documents``, rotary positions restart
+        at each document and attention stays within it."""
         cfg = self.cfg
-        rotary = rotary_tables(x.shape[1], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        rotary = rotary_tables(positions_of(documents, x.shape[1]), cfg.head_dim, cfg.rope_theta,
+                               cfg.rope_scaling)
+        mask = None if documents is None else documents.attention_mask()
         layer_def, layer_state = nnx.split(self.layers)
 
         def run_layer(x: jax.Array, one_layer_state) -> tuple[jax.Array, None]:
-            return nnx.merge(layer_def, one_layer_state)(x, rotary, shard), None
+            return nnx.merge(layer_def, one_layer_state)(x, rotary, mask, shard), None
 
         x, _ = jax.lax.scan(cfg.remat.wrap(run_layer, cfg.remat_names), x, layer_state)
         return x, jnp.zeros((), jnp.float32)
@@ -406,7 +419,8 @@ class Llama(nnx.Module):
         token is one call of length 1."""
         cfg = self.cfg
         x = self.embed(tokens, shard)
-        rotary = rotary_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, start)
+        rotary = rotary_tables(start + jnp.arange(tokens.shape[1])[None], cfg.head_dim, cfg.rope_theta,
+                               cfg.rope_scaling)
         layer_def, layer_state = nnx.split(self.layers)
 
         def run_layer(x: jax.Array, layer_and_cache) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:

@@ -1,0 +1,96 @@
+"""Held-out evaluation during training: the ``eval`` section and the ``Evaluator``.
+
+Every ``eval.every`` steps and after the last step, the model's mean token cross-entropy over the
+first ``eval.batches`` global batches (``train.batch_size`` rows each) of held-out windows, in
+order. ``Trainer.eval_step`` is one jitted forward with the training shardings (compiled once, on
+any mesh, through the pipeline schedule's forward when ``mesh.stage`` > 1). Reported:
+
+* ``eval_loss``: sum of the targets' cross-entropy / number of targets (nats per token);
+* ``eval_perplexity``: ``exp(eval_loss)``;
+* ``eval_bits_per_byte``: ``eval_loss / ln 2 / bytes_per_token``, where the held-out data knows its
+  UTF-8 text bytes per token (a prepared split: text bytes / tokens, its end-of-document tokens
+  included; byte-level text: 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from meshtrain.data import DataConfig, FileDataset, Packing, TokenDataset, global_batch, make_held_out_dataset
+from meshtrain.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """The ``eval`` section.
+
+    Attributes:
+      every: evaluate every this many steps and after the last one; 0 = never.
+      batches: global batches (of ``train.batch_size`` rows) per evaluation; fewer when the
+        held-out data has fewer windows.
+      path: where the held-out windows come from: empty = held out from the training data (the
+        ``split`` of ``data.path``'s prepared directory; the markov source's other sample
+        stream); else a prepared directory (its ``split``), or files read like ``data.path``.
+      split: the prepared directory's split to evaluate on.
+    """
+
+    every: int = 0
+    batches: int = 4
+    path: str = ""
+    split: str = "val"
+
+    def __post_init__(self):
+        for name in ("every", "batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "every" else 1):
+                raise ConfigError(name, f"got {value!r}; must be an integer >= {0 if name == 'every' else 1}")
+        if not self.split:
+            raise ConfigError("split", "must name a split of a prepared directory (train or val)")
+
+    def due(self, done: int, steps: int) -> bool:
+        """Whether to evaluate after step ``done`` of ``steps``."""
+        return self.every > 0 and (done % self.every == 0 or done == steps)
+
+
+class Evaluator:
+    """The held-out batches of a run and the compiled forward that scores them."""
+
+    def __init__(self, cfg: EvalConfig, data_cfg: DataConfig, train_data: TokenDataset, trainer, *,
+                 vocab_size: int, seq_len: int):
+        self.dataset = make_held_out_dataset(data_cfg, train_data, path=cfg.path, split=cfg.split,
+                                             field="eval.path", vocab_size=vocab_size, seq_len=seq_len)
+        self.batch_size, self.batches, self.every = trainer.train_cfg.batch_size, cfg.batches, cfg.every
+        if isinstance(self.dataset, FileDataset):
+            self.batches = min(cfg.batches, self.dataset.num_windows // self.batch_size)
+            if self.batches == 0:
+                raise ConfigError("eval.batches", f"the held-out data has {self.dataset.num_windows} windows of "
+                                  f"{seq_len + 1} tokens, fewer than one batch of train.batch_size "
+                                  f"{self.batch_size}; hold out more (prepare --val-fraction) or lower "
+                                  "train.batch_size")
+        self.sharding = trainer.batch_sharding
+        documents = data_cfg.packing is Packing.DOCUMENTS
+        self.step = trainer.eval_step.lower(trainer.abstract_state().params,
+                                            trainer.abstract_batch(documents)).compile()
+
+    def describe(self) -> str:
+        source = (self.dataset.info.label if isinstance(self.dataset, FileDataset)
+                  else "the markov chain's held-out sample stream")
+        return (f"eval: every {self.every} steps and after the last, {self.batches} batches of "
+                f"{self.batch_size} windows from {source}")
+
+    def run(self, params) -> dict[str, float]:
+        """The held-out metrics of ``params`` (see the module docstring)."""
+        loss_sum, targets = 0.0, 0.0
+        for index in range(self.batches):
+            batch = global_batch(self.dataset, index, self.batch_size, self.sharding)
+            out = jax.device_get(self.step(params, batch))
+            loss_sum += float(out["loss_sum"])
+            targets += float(out["target_tokens"])
+        loss = loss_sum / max(targets, 1.0)
+        per_byte = self.dataset.bytes_per_token
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
+                "eval_bits_per_byte": None if not per_byte else loss / math.log(2) / per_byte,
+                "eval_tokens": targets}
