@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import shutil
 import sys
 
 import jax
 
 from meshtrain.checkpoint import RunCheckpoints, UnreadableCheckpoint, resolve_restore_path, save_params
+from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.cli import ArgumentParser, run, use_host_devices
 from meshtrain.config import config_from_dict, to_dict
 from meshtrain.errors import ConfigError
@@ -66,6 +68,9 @@ def export(run: str, out: str, step: int | None = None) -> pathlib.Path:
     config = to_dict(cfg)
     written = save_params(out_dir, restored.state.params, {"step": restored.step, "source": str(restored.path),
                                                            "model": config["model"], "config": config})
+    tokenizer = restored.path.parent.parent / TOKENIZER_FILE  # the run's, when its data recorded one
+    if jax.process_index() == 0 and tokenizer.is_file():
+        shutil.copyfile(tokenizer, written / TOKENIZER_FILE)
     if jax.process_index() == 0:
         print(f"exported the parameters of {restored.path} (step {restored.step}, {cfg.model.num_params:,} "
               f"parameters) to {written}; fine-tune with checkpoint.init_from={written}", file=sys.stderr)

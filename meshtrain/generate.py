@@ -1,9 +1,11 @@
 """``python -m meshtrain.generate --run RUN_DIR (or --hf DIR) --prompt "..."``
 
 Greedy (``--temperature 0``, the default) or temperature sampling with a KV cache, enough to
-sanity-check a model. Tokenizer (``--tokenizer``): ``auto`` uses the model directory's
-``tokenizer.json`` (the ``tokenizers`` package) when it has one, else bytes (UTF-8 bytes are the
-token ids 0..255, as ``data.source=text`` trains them); ``bytes``; or a path to a ``tokenizer.json``.
+sanity-check a model. Tokenizer (``--tokenizer``): ``auto`` uses the ``tokenizer.json`` of the model's
+directory (a run directory records the one its data was tokenized with; an export and an HF
+directory carry theirs), else UTF-8 bytes as ids 0..255 for a model trained on ``data.source=text``,
+and refuses any other model (its ids are not bytes); ``bytes`` forces byte ids; or a path to a
+``tokenizer.json``.
 Prints the prompt followed by the generated text. Bad input prints one ``error: field: what is
 wrong`` line and exits 2.
 """
@@ -23,14 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from meshtrain.data.tokenizer import TOKENIZER_FILE, end_of_document_id
 from meshtrain.loading import LoadedModel, load_model
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.sharding import data_parallel_size
 from meshtrain.cli import ArgumentParser, add_mesh_arguments, mesh_from_args, run
 from models.api import CachedDecoder, family_of
 from models.common import ActivationSharding, unconstrained
-
-TOKENIZER_FILE = "tokenizer.json"
 
 
 class Tokenizer(Protocol):
@@ -94,11 +95,27 @@ def _eos_id(model_dir: pathlib.Path, hf_config: dict | None) -> int | None:
     return None
 
 
+def end_of_document_id_or_none(tokenizer) -> int | None:
+    """The id of the tokenizer's usual end-of-document token, or None when it has none."""
+    try:
+        return end_of_document_id(tokenizer, None, "--tokenizer")[1]
+    except ConfigError:
+        return None
+
+
 def make_tokenizer(choice: str, model: LoadedModel) -> Tokenizer:
     """The tokenizer ``--tokenizer`` names for ``model`` (see the module docstring)."""
-    model_dir = model.path if model.path.is_dir() else model.path.parent
+    model_dir = model.home or (model.path if model.path.is_dir() else model.path.parent)
     if choice == "auto":
-        choice = str(model_dir / TOKENIZER_FILE) if (model_dir / TOKENIZER_FILE).is_file() else "bytes"
+        if (model_dir / TOKENIZER_FILE).is_file():
+            choice = str(model_dir / TOKENIZER_FILE)
+        elif model.trained_on_bytes:
+            choice = "bytes"
+        else:
+            learned = ("was not trained on bytes (data.source=text)" if model.trained_on_bytes is False
+                       else "does not say it was trained on bytes")
+            raise ConfigError("--tokenizer", f"{model_dir} holds no {TOKENIZER_FILE} and {learned}, so byte ids "
+                              "would be wrong; give --tokenizer PATH/tokenizer.json (or bytes to force them)")
     if choice == "bytes":
         if model.cfg.vocab_size < 256:
             raise ConfigError("--tokenizer", f"bytes need a vocabulary of at least 256, but the model has "
@@ -107,7 +124,11 @@ def make_tokenizer(choice: str, model: LoadedModel) -> Tokenizer:
     path = pathlib.Path(choice)
     if not path.is_file():
         raise ConfigError("--tokenizer", f"no such file: {choice}; use auto, bytes or a tokenizer.json path")
-    return HFTokenizer(path, eos_id=_eos_id(model_dir, model.hf_config))
+    eos_id = _eos_id(model_dir, model.hf_config)
+    tokenizer = HFTokenizer(path, eos_id=eos_id)
+    if eos_id is None:  # a tokenizer of our own: the end-of-document token prepare inserted
+        tokenizer.eos_id = end_of_document_id_or_none(tokenizer._tokenizer)
+    return tokenizer
 
 
 def generate_tokens(graphdef: nnx.GraphDef, params: nnx.State, prompt: np.ndarray, max_new_tokens: int, *,

@@ -51,6 +51,8 @@ class LoadedModel:
     path: pathlib.Path
     hf_config: dict | None = None  # the config.json an HF model (or an import of one) came with
     hf_dtypes: dict[str, str] | None = None  # its tensors' dtypes
+    home: pathlib.Path | None = None  # the directory that holds its tokenizer.json, if it has one
+    trained_on_bytes: bool | None = None  # whether it learned UTF-8 bytes as ids (None: unknown)
 
     @property
     def shard(self) -> ActivationSharding:
@@ -106,7 +108,8 @@ def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, st
         _check_no_stages(mesh)
         cfg, trainer, restored = restore_run(root, mesh, rules, step=step, field=field)
         return LoadedModel(cfg.model, trainer.graphdef, restored.state.params, mesh, trainer.rules,
-                           SourceKind.RUN, restored.path, hf_config=_hf_source_config(cfg))
+                           SourceKind.RUN, restored.path, hf_config=_hf_source_config(cfg),
+                           home=restored.path.parent.parent, trained_on_bytes=_trained_on_bytes(to_dict(cfg)))
     if kind is SourceKind.HF:
         config = hf.read_config(root, field=field)
         cfg = hf.model_config(config)
@@ -123,12 +126,19 @@ def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, st
         files = hf.SafetensorsFiles(root, field=field)
         params = hf.load_params(files, hf.adapter_of(family_of(cfg), field=field), abstract, shardings,
                                 field=field)
-        return LoadedModel(cfg, graphdef, params, mesh, plan.rules, kind, root, config, hf.tensor_dtypes(files))
+        return LoadedModel(cfg, graphdef, params, mesh, plan.rules, kind, root, config, hf.tensor_dtypes(files),
+                           home=root, trained_on_bytes=False)
     target = check_params(str(root), abstract, shardings, model_config=model_dict(cfg), field=field)
     nnx.replace_by_pure_dict(abstract, load_params(str(root), target, field=field))  # filled in place
     source_hf = meta.get("hf", {})
     return LoadedModel(cfg, graphdef, abstract, mesh, plan.rules, kind, root, source_hf.get("config"),
-                       source_hf.get("dtypes"))
+                       source_hf.get("dtypes"), home=root, trained_on_bytes=_trained_on_bytes(meta.get("config")))
+
+
+def _trained_on_bytes(config: dict | None) -> bool | None:
+    """Whether a run's config trained on UTF-8 bytes (``data.source: text``); None when unrecorded."""
+    data = (config or {}).get("data")
+    return None if not isinstance(data, dict) else data.get("source") == "text"
 
 
 def _hf_source_config(cfg: Config) -> dict | None:
