@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast clean
+.PHONY: setup train stdlib test test-fast clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,14 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/python -m meshtrain.train --config configs/tiny.yaml --host-devices 8 run.dir=runs/tiny-$$(date +%Y%m%d-%H%M%S)
 
+# Real text, no download: the installed standard library's docstrings -> a BPE tokenizer -> a
+# prepared directory (documents, 10% held out) -> training with evaluation (configs/stdlib_docs.yaml).
+stdlib: $(STAMP)
+	$(VENV)/bin/python scripts/stdlib_docstrings.py --out data/stdlib_docstrings.jsonl
+	$(VENV)/bin/python -m meshtrain.data train-tokenizer --input data/stdlib_docstrings.jsonl --vocab-size 2048 --out data/stdlib_tokenizer
+	$(VENV)/bin/python -m meshtrain.data prepare --tokenizer data/stdlib_tokenizer --input data/stdlib_docstrings.jsonl --out data/stdlib_docs --val-fraction 0.1 --overwrite
+	$(VENV)/bin/python -m meshtrain.train --config configs/stdlib_docs.yaml --host-devices 8 run.dir=runs/stdlib_docs-$$(date +%Y%m%d-%H%M%S)
+
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
 
@@ -26,4 +34,4 @@ test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not slow"
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs data .pytest_cache

@@ -12,9 +12,12 @@
    (device and host bytes) and the step time.
 4. checkpoint: the tiny state after one step saved (per-array checksums computed on the device) and
    restored; the restore verifies the checksums and must equal the saved state bit for bit.
+5. packing: the tiny model's logits for one window of three documents (``data.packing=documents``:
+   per-document positions and attention mask) equal each document run alone, on the device (fp32,
+   highest matmul precision, ``--packing-tol``).
 
 ``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs everything on the CPU with tiny shapes, in seconds;
-the test suite runs that. Exit status 1 when the loss check fails. Last line: ``json: {...}``.
+the test suite runs that. Exit status 1 when the loss, checkpoint or packing check fails. Last line: ``json: {...}``.
 """
 
 from __future__ import annotations
@@ -100,6 +103,37 @@ def checkpoint_check(load_config, bench) -> dict:
     return {"save_s": save_s, "bit_equal": equal, "passed": equal}
 
 
+def packing_check(load_config, tol: float) -> dict:
+    """Logits of a packed window of three documents vs each document alone, on the default device."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from models.api import Documents, family_of, forward
+    from models.common import unconstrained
+
+    cfg = load_config("configs/tiny.yaml").model
+    graphdef, params = nnx.split(family_of(cfg).build(cfg, seed=0))
+    run = jax.jit(lambda p, tokens, documents: forward(nnx.merge(graphdef, p), tokens, unconstrained, documents))
+    lengths = (20, 30, cfg.seq_len - 50)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, cfg.seq_len)
+    segments = np.repeat(np.arange(1, 4), lengths)
+    positions = np.concatenate([np.arange(n) for n in lengths])
+    pieces = np.zeros((3, cfg.seq_len), np.int64)  # each document alone, zero-padded after it (causal)
+    for i, (start, n) in enumerate(zip(np.cumsum((0,) + lengths[:-1]), lengths)):
+        pieces[i, :n] = tokens[start:start + n]
+    with jax.default_matmul_precision("highest"):
+        packed = np.asarray(run(params, jnp.asarray(tokens[None]), Documents(jnp.asarray(positions[None], jnp.int32),
+                                                                         jnp.asarray(segments[None], jnp.int32))))[0]
+        alone = np.asarray(run(params, jnp.asarray(pieces), None))
+    expected = np.concatenate([alone[i, :n] for i, n in enumerate(lengths)])
+    diff = float(np.abs(packed - expected).max())
+    ok = diff <= tol
+    log(f"packing: max |packed - alone| over 3 documents = {diff:.2e} (tolerance {tol:.0e}): {'PASS' if ok else 'FAIL'}")
+    return {"max_abs_diff": diff, "tolerance": tol, "passed": ok}
+
+
 def fits(compiled, limit: int | None) -> tuple[bool, int]:
     memory = compiled.memory_analysis()
     need = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
@@ -161,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remat", help="skip the search: this remat policy ...")
     parser.add_argument("--batch", type=int, default=16, help="... with this global batch")
     parser.add_argument("--loss-tol", type=float, default=2e-4)
+    parser.add_argument("--packing-tol", type=float, default=1e-4)
     parser.add_argument("--skip-offload", action="store_true")
     args = parser.parse_args(argv)
     args.dry_overrides = TINY_1B if args.dry_run else []
@@ -209,10 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         report["offload"] = offload(load_config, bench, args, max(1, report["throughput"]["batch_size"] // 2))
         report["offload"]["wall_s"] = time.perf_counter() - phase
     report["checkpoint"] = checkpoint_check(load_config, bench)
+    report["packing"] = packing_check(load_config, args.packing_tol)
     report["wall_s"] = time.perf_counter() - started
     log(f"gpu_check done in {report['wall_s']:.1f} s")
     print("json: " + json.dumps(report), flush=True)
-    return 0 if report["loss_check"]["passed"] and report["checkpoint"]["passed"] else 1
+    passed = all(report[name]["passed"] for name in ("loss_check", "checkpoint", "packing"))
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
