@@ -428,6 +428,12 @@ def _hold(run_dir: pathlib.Path) -> RunLock:
     return lock
 
 
+def _stopped_by(err: DataChanged, saver: _Saver, done: int, state) -> ConfigError:
+    """Saves the state after step ``done`` and returns the one-line error to stop with."""
+    where = saver.save_before_stopping(done, state, f"the state after step {done}")
+    return ConfigError(err.field, f"{err.message}; {where}; restore the file and resume")
+
+
 def _record_tokenizer(dataset, run_dir: pathlib.Path) -> None:
     """Copies the tokenizer the data was made with to ``run_dir/tokenizer.json`` (where
     ``meshtrain.generate --tokenizer auto`` looks), replacing an older copy only by a new file."""
@@ -487,8 +493,7 @@ def _run(cfg: Config, trainer: Trainer, dataset, evaluator: Evaluator | None, me
                 try:
                     batch = global_batch(dataset, done, batch_size, trainer.batch_sharding)  # overlaps step
                 except DataChanged as err:
-                    where = saver.save_before_stopping(done, state, f"the state after step {done}")
-                    raise ConfigError(err.field, f"{err.message}; {where}; restore the file and resume") from None
+                    raise _stopped_by(err, saver, done, state) from None
             if previous is not None:
                 reporter.report(*previous)  # reads step N-1 while step N runs
             previous = (step, metrics)
@@ -506,7 +511,10 @@ def _run(cfg: Config, trainer: Trainer, dataset, evaluator: Evaluator | None, me
                     reporter.report(*previous)  # the train line of this step first
                     previous = None
                 eval_start = time.perf_counter()
-                eval_metrics = evaluator.run(state.params)
+                try:
+                    eval_metrics = evaluator.run(state.params)
+                except DataChanged as err:
+                    raise _stopped_by(err, saver, done, state) from None
                 reporter.exclude(time.perf_counter() - eval_start)
                 logger.log(done, eval_metrics)
             preempted = done < steps and preemption.requested  # the last step ends the run anyway
