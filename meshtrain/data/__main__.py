@@ -1,0 +1,86 @@
+"""``python -m meshtrain.data prepare ...`` and ``python -m meshtrain.data train-tokenizer ...``
+
+``prepare`` tokenizes text files (one document each) and ``.jsonl`` files (one document a line)
+with a Hugging Face tokenizer into a prepared directory of token shards (see
+``meshtrain.data.corpus`` and docs/data.md) and prints one summary line per split.
+``train-tokenizer`` trains a byte-level BPE on the same kind of input and prints the path of the
+``tokenizer.json`` it wrote.
+
+Options::
+
+    prepare --tokenizer TOK --input GLOB [--input GLOB ...] --out DIR
+            [--val-fraction F | --val-input GLOB ...] [--text-field text] [--eos TOKEN]
+            [--shard-tokens N] [--overwrite] [--no-progress]
+    train-tokenizer --input GLOB [--input GLOB ...] --vocab-size N --out DIR [--text-field text]
+
+Globs are quoted so that the shell leaves them alone (``--input 'data/**/*.jsonl'``). Bad input
+prints one ``error: field: what is wrong`` line and exits 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+
+from meshtrain.cli import ArgumentParser, run
+from meshtrain.data.corpus import DEFAULT_SHARD_TOKENS, DocumentReader, input_files, prepare
+from meshtrain.data.tokenizer import train_bpe
+
+_MB = 1e6
+
+
+def _parse_args(argv: list[str] | None):
+    parser = ArgumentParser(prog="python -m meshtrain.data", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    preparer = commands.add_parser("prepare", help="text -> prepared directory of token shards")
+    preparer.add_argument("--tokenizer", required=True, help="tokenizer.json, or a directory holding one")
+    preparer.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
+                          help="every 1/F-th document goes to the val split (0 <= F < 1)")
+    preparer.add_argument("--val-input", action="append", default=[], metavar="GLOB",
+                          help="files of the val split instead (repeatable)")
+    preparer.add_argument("--eos", help="end-of-document token (default: the first of the usual ones)")
+    preparer.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
+                          help=f"a shard closes once it holds N tokens (default {DEFAULT_SHARD_TOKENS})")
+    preparer.add_argument("--overwrite", action="store_true", help="replace an already prepared --out")
+    preparer.add_argument("--no-progress", action="store_true", help="no progress bar")
+    trainer = commands.add_parser("train-tokenizer", help="text -> byte-level BPE tokenizer.json")
+    trainer.add_argument("--vocab-size", type=int, required=True, metavar="N")
+    for command in (preparer, trainer):
+        command.add_argument("--input", action="append", required=True, metavar="GLOB",
+                             help="text or .jsonl files (repeatable; ** is recursive)")
+        command.add_argument("--out", required=True, help="directory to write")
+        command.add_argument("--text-field", default="text", help="field of a .jsonl line holding its text")
+    args = parser.parse_args(argv)
+    if args.overrides:
+        parser.error(f"unexpected arguments: {' '.join(args.overrides)}")
+    return args
+
+
+def _summary(out: str, name: str, documents: int, tokens: int, text_bytes: int, seconds: float) -> str:
+    return (f"{out} {name}: {documents:,} documents, {tokens:,} tokens, {text_bytes / _MB:.2f} MB of text, "
+            f"{tokens / text_bytes:.3f} tokens/byte, {seconds:.1f} s, {text_bytes / _MB / max(seconds, 1e-9):.1f} MB/s")
+
+
+def _data(argv: list[str] | None) -> None:
+    args = _parse_args(argv)
+    if args.command == "prepare":
+        report = prepare(args.input, args.tokenizer, args.out, val_fraction=args.val_fraction,
+                         val_inputs=args.val_input, text_field=args.text_field, eos=args.eos,
+                         shard_tokens=args.shard_tokens, overwrite=args.overwrite, progress=not args.no_progress)
+        for name, split in report.corpus.splits.items():
+            print(_summary(args.out, name, split.num_documents, split.num_tokens, split.text_bytes,
+                           report.seconds[name]))
+    else:
+        console = Console(stderr=True, soft_wrap=True, highlight=False)
+        reader = DocumentReader(input_files(args.input, "--input"), args.text_field, "--input",
+                                lambda line: console.print(line, markup=False))
+        print(train_bpe((text for text, _ in reader), args.vocab_size, args.out))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(_data, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

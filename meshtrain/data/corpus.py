@@ -1,0 +1,581 @@
+"""Prepared corpora: text documents tokenized once into token shards that training memory-maps.
+
+A prepared directory holds::
+
+    index.json               the format, dtype, tokenizer and splits below; written last, atomically
+    tokenizer.json           a copy of the tokenizer used
+    train-00000.bin ...      raw little-endian ids of ``dtype``: each document's tokens, then EOS
+    train-00000.docs.npy     int64 [documents + 1]: where each document starts in that shard
+    val-00000.bin ...        the held-out split (with .docs.npy), when asked for
+
+``prepare`` writes one (``python -m meshtrain.data prepare``); ``PreparedCorpus.open`` reads it.
+Documents never straddle shards, every file is written as ``*.tmp``, fsynced and renamed, and
+``.prepare-incomplete`` marks a directory until its index is written: a rerun after an interruption
+restarts cleanly and writes the same bytes as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import glob
+import hashlib
+import io
+import json
+import os
+import pathlib
+import re
+import time
+from typing import BinaryIO, Callable, Iterator, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer
+from rich.console import Console
+from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+
+from meshtrain.data.tokenizer import (TOKENIZER_FILE, end_of_document_id, file_sha256, load_tokenizer,
+                                      tokenizer_file)
+from meshtrain.errors import ConfigError
+
+FORMAT = "meshtrain-corpus/1"
+INDEX_FILE = "index.json"
+INCOMPLETE_MARKER = ".prepare-incomplete"
+TRAIN, VAL = "train", "val"
+DEFAULT_SHARD_TOKENS = 2 ** 27
+BATCH_TEXT_BYTES = 4 << 20  # text per encode_batch_fast call
+SNIFF_BYTES = 8192  # a file with a NUL byte or broken UTF-8 here is binary
+JSONL_SUFFIX = ".jsonl"
+_UINT16_VOCAB = 2 ** 16
+_UINT32_VOCAB = 2 ** 32
+_HASH_CHUNK_TOKENS = 1 << 24
+_PREPARED_NAME = re.compile(r"^(?:(?:train|val)-\d{5}(?:\.bin|\.docs\.npy)|index\.json|tokenizer\.json)(?:\.tmp)?$")
+_PARALLELISM_OFF = ("", "0", "false", "off", "no", "n", "f")
+
+
+# ---- reading the input documents ----
+
+def input_files(patterns: Sequence[str], field: str) -> list[pathlib.Path]:
+    """The files the globs match (``**`` recursive), each once, in sorted absolute-path order; a
+    ``ConfigError(field)`` when there are none or a glob matches no file."""
+    if not patterns:
+        raise ConfigError(field, "give at least one glob of input files")
+    files = set()
+    for pattern in patterns:
+        matched = [os.path.abspath(path) for path in glob.glob(pattern, recursive=True) if os.path.isfile(path)]
+        if not matched:
+            raise ConfigError(field, f"{pattern!r} matches no file")
+        files.update(matched)
+    return [pathlib.Path(path) for path in sorted(files)]
+
+
+def _binary_reason(path: pathlib.Path, head: bytes) -> str | None:
+    """Why the file starting with ``head`` is not read as text, or None when it is text."""
+    if path.suffix == ".parquet":
+        return "parquet is not read (pyarrow is not a dependency); convert it to jsonl"
+    if b"\0" in head:
+        return f"binary: a NUL byte in its first {SNIFF_BYTES // 1024} KiB"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if err.start < len(head) - 3:  # not just a character cut at the end of the sniffed bytes
+            return f"not UTF-8 text (byte {err.start})"
+    return None
+
+
+class DocumentReader:
+    """Iterates ``(text, utf8_bytes)`` over the documents of ``files`` in order: a ``.jsonl`` file
+    holds one per line (its ``text_field``), any other file is one document. Binary files are
+    skipped with a one-line ``warn``; empty documents and blank lines are skipped. Raises
+    ``ConfigError(field)`` at the end when no document was found.
+
+    Counters advanced while iterating: ``bytes_read`` (input bytes consumed, skipped files
+    included), ``files_read``, ``skipped`` (binary files).
+    """
+
+    def __init__(self, files: Sequence[pathlib.Path], text_field: str, field: str, warn: Callable[[str], None]):
+        self.files, self.text_field, self.field, self.warn = list(files), text_field, field, warn
+        self.bytes_read = self.files_read = self.skipped = 0
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        documents = 0
+        for path in self.files:
+            for document in self._documents(path):
+                documents += 1
+                yield document
+            self.files_read += 1
+        if not documents:
+            raise ConfigError(self.field, f"no text documents in {self.field} ({len(self.files)} files: "
+                              f"{self.skipped} skipped as binary, the rest empty)")
+
+    def _documents(self, path: pathlib.Path) -> Iterator[tuple[str, int]]:
+        with open(path, "rb") as stream:
+            head = stream.read(SNIFF_BYTES)
+            reason = _binary_reason(path, head)
+            if reason is None and path.suffix == JSONL_SUFFIX:
+                stream.seek(0)
+                yield from self._jsonl_documents(path, stream)
+                return
+            if reason is None:
+                data = head + stream.read()
+                try:
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    reason = f"not UTF-8 text (byte {err.start})"
+            if reason is not None:
+                self.warn(f"warning: {self.field}: skipped {path} ({reason})")
+                self.skipped += 1
+                self.bytes_read += os.fstat(stream.fileno()).st_size
+                return
+        self.bytes_read += len(data)
+        if text:
+            yield text, len(data)
+
+    def _jsonl_documents(self, path: pathlib.Path, stream: BinaryIO) -> Iterator[tuple[str, int]]:
+        for number, line in enumerate(stream, 1):
+            self.bytes_read += len(line)
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise ConfigError(self.field, f"{where} is not a line of JSON ({err})") from None
+            if not isinstance(record, dict) or self.text_field not in record:
+                keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+                raise ConfigError("--text-field", f"{where} has no {self.text_field!r} field (it has: {keys})")
+            text = record[self.text_field]
+            if not isinstance(text, str):
+                raise ConfigError("--text-field", f"{where}: {self.text_field!r} is a {type(text).__name__}, not text")
+            try:
+                size = len(text.encode("utf-8"))
+            except UnicodeEncodeError:
+                raise ConfigError(self.field, f"{where}: {self.text_field!r} holds a lone surrogate "
+                                  f"(\\ud800-\\udfff escape), which is not text") from None
+            if text:
+                yield text, size
+
+
+# ---- writing a prepared directory ----
+
+def _commit(stream: BinaryIO, path: pathlib.Path) -> None:
+    """Flushes, fsyncs and closes ``stream`` (open on ``path.tmp``), then renames it to ``path``."""
+    stream.flush()
+    os.fsync(stream.fileno())
+    stream.close()
+    os.replace(stream.name, path)
+
+
+def _write_file(path: pathlib.Path, data: bytes) -> None:
+    stream = open(f"{path}.tmp", "wb")
+    stream.write(data)
+    _commit(stream, path)
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Little-endian uint16 when every id fits, else uint32; ``ConfigError`` beyond uint32."""
+    if vocab_size > _UINT32_VOCAB:
+        raise ConfigError("--tokenizer", f"a vocabulary of {vocab_size:,} ids does not fit uint32")
+    return np.dtype("<u2" if vocab_size <= _UINT16_VOCAB else "<u4")
+
+
+class _SplitWriter:
+    """Appends one split's documents to shards ``{split}-NNNNN.bin`` + ``.docs.npy``, closing a
+    shard once it holds ``shard_tokens`` tokens (documents never straddle shards)."""
+
+    def __init__(self, out: pathlib.Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
+        self.documents = self.tokens = self.text_bytes = 0
+        self.shards: list[dict] = []
+        self._stream: BinaryIO | None = None
+        self._hash = hashlib.sha256()  # of the open shard's bytes
+        self._starts = [0]  # offsets in the open shard where its documents start, then its length
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, text_bytes: int) -> None:
+        """tokens: [sum(lengths)] the documents' ids, each ending in EOS; lengths: [documents]."""
+        ends = np.cumsum(lengths)
+        first, offset = 0, 0  # first document not yet written, and where it starts in ``tokens``
+        while first < len(lengths):
+            room = self.shard_tokens - self._starts[-1]
+            last = min(int(np.searchsorted(ends[first:] - offset, room)) + first, len(lengths) - 1)
+            self._write(tokens[offset:ends[last]], ends[first:last + 1] - offset)
+            first, offset = last + 1, int(ends[last])
+            if self._starts[-1] >= self.shard_tokens:
+                self._close_shard()
+        self.documents += len(lengths)
+        self.tokens += len(tokens)
+        self.text_bytes += text_bytes
+
+    def _write(self, tokens: np.ndarray, ends: np.ndarray) -> None:
+        if self._stream is None:
+            self._stream = open(self.out / f"{self._name()}.bin.tmp", "wb")
+        data = np.ascontiguousarray(tokens, self.dtype).data
+        self._stream.write(data)
+        self._hash.update(data)
+        self._starts.extend((self._starts[-1] + ends).tolist())
+
+    def _name(self) -> str:
+        return f"{self.split}-{len(self.shards):05d}"
+
+    def _close_shard(self) -> None:
+        name = self._name()
+        _commit(self._stream, self.out / f"{name}.bin")
+        self._stream = None
+        offsets = io.BytesIO()
+        np.save(offsets, np.asarray(self._starts, np.int64))
+        _write_file(self.out / f"{name}.docs.npy", offsets.getvalue())
+        self.shards.append({"file": f"{name}.bin", "tokens": self._starts[-1], "documents": len(self._starts) - 1,
+                            "sha256": self._hash.hexdigest()})
+        self._starts, self._hash = [0], hashlib.sha256()
+
+    def record(self) -> dict:
+        """Closes the open shard; the split's entry of index.json."""
+        if self._stream is not None:
+            self._close_shard()
+        return {"tokens": self.tokens, "documents": self.documents, "text_bytes": self.text_bytes,
+                "shards": self.shards}
+
+
+def _remove_prepared_files(out: pathlib.Path) -> None:
+    for path in out.iterdir():
+        if _PREPARED_NAME.match(path.name):
+            path.unlink()
+
+
+def _claim(out: pathlib.Path, overwrite: bool, say: Callable[[str], None]) -> None:
+    """Makes ``out`` ready for a fresh write, marked incomplete, or refuses (never deleting
+    anything but a prepared or interrupted corpus's own files)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError("--out", f"{out} is a file, not a directory")
+    if (out / INCOMPLETE_MARKER).exists():
+        say(f"{out}: an earlier prepare was interrupted; removing its partial files and starting again")
+    elif (out / INDEX_FILE).exists():
+        if not overwrite:
+            raise ConfigError("--out", f"{out} is already prepared; remove it or choose another directory "
+                              "(or pass --overwrite)")
+    elif out.exists() and any(out.iterdir()):
+        raise ConfigError("--out", f"{out} is not empty and holds no prepared corpus; give a new or empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / INCOMPLETE_MARKER).touch()
+    _fsync_dir(out)
+    _remove_prepared_files(out)
+
+
+def _val_selector(val_fraction: float) -> Callable[[int], bool]:
+    """Whether document i goes to val: floor((i+1)F) > floor(iF), F taken as the decimal it prints as
+    (so exactly floor(F n) of n documents, evenly spread)."""
+    if not 0 <= val_fraction < 1:
+        raise ConfigError("--val-fraction", f"must be in [0, 1), got {val_fraction}")
+    exact = fractions.Fraction(repr(float(val_fraction)))
+    return lambda i: (i + 1) * exact.numerator // exact.denominator > i * exact.numerator // exact.denominator
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareReport:
+    """What ``prepare`` wrote, and the seconds spent on each split (a batch's time shared by its
+    text bytes)."""
+
+    corpus: "PreparedCorpus"
+    seconds: dict[str, float]
+
+
+def _count(number: int) -> str:
+    """12345678 -> "12.3M": short enough that the progress line fits 80 columns."""
+    for unit, size in (("G", 10 ** 9), ("M", 10 ** 6), ("k", 10 ** 3)):
+        if number >= size:
+            return f"{number / size:.1f}{unit}"
+    return str(number)
+
+
+class _Progress:
+    """The rich progress bar on stderr (files, documents, tokens, MB/s, ETA by input bytes)."""
+
+    def __init__(self, console: Console, total_bytes: int, total_files: int, enabled: bool):
+        self.bar = Progress(BarColumn(bar_width=12), TaskProgressColumn(),
+                            TextColumn("{task.fields[files]}/{task.fields[total_files]} files"),
+                            TextColumn("{task.fields[documents]} docs"), TextColumn("{task.fields[tokens]} tokens"),
+                            TransferSpeedColumn(), TimeRemainingColumn(), console=console, disable=not enabled)
+        self.task = self.bar.add_task("prepare", total=total_bytes, files=0, total_files=total_files,
+                                      documents="0", tokens="0")
+
+    def update(self, done_bytes: int, files: int, writers: dict[str, _SplitWriter]) -> None:
+        self.bar.update(self.task, completed=done_bytes, files=files,
+                        documents=_count(sum(writer.documents for writer in writers.values())),
+                        tokens=_count(sum(writer.tokens for writer in writers.values())))
+
+
+class _Encoder:
+    """Tokenizes batches of ``(text, utf8_bytes, split)`` documents into their splits' writers,
+    each document's ids followed by ``eos_id``; ``seconds`` per split shares each batch's time
+    (since the previous batch: reading included) by its text bytes."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_id: int, writers: dict[str, _SplitWriter]):
+        self.tokenizer, self.eos_id, self.writers = tokenizer, eos_id, writers
+        self.seconds = dict.fromkeys(writers, 0.0)
+        self._mark = time.perf_counter()
+
+    def encode(self, batch: list[tuple[str, int, str]]) -> None:
+        ids = {split: [] for split in self.writers}
+        lengths = {split: [] for split in self.writers}
+        text_bytes = dict.fromkeys(self.writers, 0)
+        encodings = self.tokenizer.encode_batch_fast([text for text, _, _ in batch], add_special_tokens=False)
+        for (_, size, split), encoding in zip(batch, encodings):
+            document_ids = encoding.ids
+            ids[split].extend(document_ids)
+            ids[split].append(self.eos_id)
+            lengths[split].append(len(document_ids) + 1)
+            text_bytes[split] += size
+        for split, writer in self.writers.items():
+            if lengths[split]:
+                writer.add(np.array(ids[split], writer.dtype), np.array(lengths[split], np.int64), text_bytes[split])
+        now = time.perf_counter()
+        for split in self.writers:
+            self.seconds[split] += (now - self._mark) * text_bytes[split] / sum(text_bytes.values())
+        self._mark = now
+
+
+def prepare(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fraction: float = 0.0,
+            val_inputs: Sequence[str] = (), text_field: str = "text", eos: str | None = None,
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False, progress: bool = True,
+            batch_bytes: int = BATCH_TEXT_BYTES) -> PrepareReport:
+    """Tokenizes the documents of ``inputs`` (globs) into the prepared directory ``out``.
+
+    Every document's ids (``encode_batch_fast(add_special_tokens=False)``: ``encode_batch`` without
+    character offsets, about ``batch_bytes`` of text a call, on all cores; a special token written
+    in the text is encoded as text) are followed by the EOS id. The ``val`` split takes document i
+    when floor((i+1) val_fraction) > floor(i val_fraction), or the documents of ``val_inputs``.
+    The output does not depend on ``batch_bytes`` or on an earlier interrupted run. Bad input is a
+    one-line ``ConfigError`` naming the CLI flag.
+    """
+    console = Console(stderr=True, soft_wrap=True, highlight=False)
+    say = lambda line: console.print(line, markup=False)
+    if val_inputs and val_fraction:
+        raise ConfigError("--val-input", "give --val-fraction or --val-input, not both")
+    is_val = _val_selector(val_fraction)
+    if shard_tokens < 1:
+        raise ConfigError("--shard-tokens", f"must be a positive number of tokens, got {shard_tokens}")
+    tokenizer = load_tokenizer(tokenizer_path, "--tokenizer")
+    tokenizer.encode_special_tokens = True
+    eos_token, eos_id = end_of_document_id(tokenizer, eos, "--eos")
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    dtype = token_dtype(vocab_size)
+    out_dir = pathlib.Path(out).absolute()
+    train_files = input_files(inputs, "--input")
+    val_files = input_files(val_inputs, "--val-input") if val_inputs else []
+    if set(train_files) & set(val_files):
+        raise ConfigError("--val-input", f"{sorted(set(train_files) & set(val_files))[0]} is also an --input file")
+    if any(out_dir in path.parents for path in train_files + val_files):
+        raise ConfigError("--input", f"matches files inside --out {out_dir}")
+    if os.environ.get("TOKENIZERS_PARALLELISM", "true").strip().lower() in _PARALLELISM_OFF:
+        say("warning: TOKENIZERS_PARALLELISM turns off tokenizers' threads: one core encodes; unset it")
+    _claim(out_dir, overwrite, say)
+
+    readers = [(DocumentReader(train_files, text_field, "--input", say), None)]
+    if val_files:
+        readers.append((DocumentReader(val_files, text_field, "--val-input", say), VAL))
+    encoder = _Encoder(tokenizer, eos_id, {split: _SplitWriter(out_dir, split, dtype, shard_tokens)
+                                           for split in ([TRAIN, VAL] if val_files or val_fraction else [TRAIN])})
+    all_files = train_files + val_files
+    bar = _Progress(console, sum(path.stat().st_size for path in all_files), len(all_files), progress)
+    with bar.bar:
+        done_bytes = done_files = 0
+        for reader, split in readers:
+            batch, size = [], 0
+            for number, (text, text_bytes) in enumerate(reader):
+                batch.append((text, text_bytes, split or (VAL if is_val(number) else TRAIN)))
+                size += text_bytes
+                if size >= batch_bytes:
+                    encoder.encode(batch)
+                    batch, size = [], 0
+                    bar.update(done_bytes + reader.bytes_read, done_files + reader.files_read, encoder.writers)
+            if batch:
+                encoder.encode(batch)
+            done_bytes, done_files = done_bytes + reader.bytes_read, done_files + reader.files_read
+            bar.update(done_bytes, done_files, encoder.writers)
+    writers = encoder.writers
+    if val_fraction and not writers[VAL].documents:
+        raise ConfigError("--val-fraction", f"{val_fraction} of {writers[TRAIN].documents} documents rounds "
+                          "down to no val document; raise it or use --val-input")
+
+    _write_file(out_dir / TOKENIZER_FILE, tokenizer_file(tokenizer_path).read_bytes())
+    index = {"format": FORMAT, "dtype": dtype.name,
+             "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(out_dir / TOKENIZER_FILE),
+                           "vocab_size": vocab_size, "eos": eos_token, "eos_id": eos_id},
+             "splits": {split: writer.record() for split, writer in writers.items()}}
+    _fsync_dir(out_dir)
+    _write_file(out_dir / INDEX_FILE, (json.dumps(index, indent=1) + "\n").encode())
+    (out_dir / INCOMPLETE_MARKER).unlink()
+    _fsync_dir(out_dir)
+    return PrepareReport(PreparedCorpus.open(str(out_dir), field="--out"), encoder.seconds)
+
+
+# ---- reading a prepared directory ----
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerRecord:
+    """The tokenizer a corpus was prepared with. file: absolute path of its copy in the directory."""
+
+    file: str
+    sha256: str
+    vocab_size: int
+    eos: str
+    eos_id: int
+
+
+class CorpusSplit:
+    """One split: the concatenation of its shards' tokens, read through a memory map per shard.
+
+    Attributes: name, num_tokens, num_documents, text_bytes (UTF-8 bytes of the documents' text),
+    shard_paths (absolute paths of the ``.bin`` shards, in order).
+    """
+
+    def __init__(self, name: str, record: dict, directory: pathlib.Path, dtype: np.dtype, field: str):
+        self.name, self.dtype, self.field = name, dtype, field
+        self.num_tokens, self.num_documents = int(record["tokens"]), int(record["documents"])
+        self.text_bytes = int(record["text_bytes"])
+        self.shard_paths = [str(directory / shard["file"]) for shard in record["shards"]]
+        self._shards = record["shards"]
+        self._bounds = np.cumsum([0] + [int(shard["tokens"]) for shard in self._shards])  # [shards + 1]
+        self._maps: dict[int, np.memmap] = {}
+        self._document_starts: np.ndarray | None = None
+
+    def _map(self, shard: int) -> np.memmap:
+        if shard not in self._maps:
+            self._maps[shard] = np.memmap(self.shard_paths[shard], dtype=self.dtype, mode="r")
+        return self._maps[shard]
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [stop - start] at [start, stop) of the split's stream (a copy, stored dtype); the
+        range may span shards."""
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"[{start}, {stop}) is outside the {self.name} split's {self.num_tokens} tokens")
+        pieces, position = [], start
+        while position < stop:
+            shard = int(np.searchsorted(self._bounds, position, side="right")) - 1
+            end = min(stop, int(self._bounds[shard + 1]))
+            pieces.append(self._map(shard)[position - self._bounds[shard]:end - self._bounds[shard]])
+            position = end
+        return np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
+
+    def _shard_starts(self, shard: int) -> np.ndarray:
+        """int64 [documents + 1] of one shard, checked against its index entry."""
+        path = self.shard_paths[shard].removesuffix(".bin") + ".docs.npy"
+        try:
+            starts = np.load(path)
+        except (OSError, ValueError) as err:
+            raise ConfigError(self.field, f"{path} is not readable ({err}); prepare the corpus again") from None
+        entry = self._shards[shard]
+        if (starts.dtype != np.int64 or starts.shape != (int(entry["documents"]) + 1,) or starts[0] != 0
+                or starts[-1] != int(entry["tokens"]) or np.any(np.diff(starts) < 1)):
+            raise ConfigError(self.field, f"{path} does not match its shard ({entry['documents']} documents, "
+                              f"{entry['tokens']} tokens); prepare the corpus again")
+        return starts
+
+    def document_starts(self) -> np.ndarray:
+        """int64 [num_documents + 1] (read-only): where each document starts in the split's stream;
+        the last entry is num_tokens."""
+        if self._document_starts is None:
+            parts = [self._shard_starts(shard)[:-1] + self._bounds[shard] for shard in range(len(self._shards))]
+            starts = np.concatenate(parts + [np.array([self.num_tokens], np.int64)])
+            starts.flags.writeable = False
+            self._document_starts = starts
+        return self._document_starts
+
+    def verify(self, eos_id: int, vocab_size: int) -> None:
+        """Checks every shard's SHA-256, its document offsets, that every document ends in
+        ``eos_id`` and that every id is below ``vocab_size``; ``ConfigError`` at the first fault."""
+        for shard, path in enumerate(self.shard_paths):
+            if file_sha256(path) != self._shards[shard]["sha256"]:
+                raise ConfigError(self.field, f"{path}: SHA-256 differs from index.json; the shard changed")
+            tokens = self._map(shard)
+            if np.any(tokens[self._shard_starts(shard)[1:] - 1] != eos_id):
+                raise ConfigError(self.field, f"{path}: a document does not end in the EOS id {eos_id}")
+            for chunk in range(0, len(tokens), _HASH_CHUNK_TOKENS):
+                if int(tokens[chunk:chunk + _HASH_CHUNK_TOKENS].max()) >= vocab_size:
+                    raise ConfigError(self.field, f"{path}: an id is not below the vocabulary size {vocab_size}")
+
+
+def _index_error(path: pathlib.Path, field: str, problem: str) -> ConfigError:
+    return ConfigError(field, f"{path / INDEX_FILE} {problem}; prepare the corpus again")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PreparedCorpus:
+    """A prepared directory, opened. path: absolute; dtype: the shards' id type; splits by name."""
+
+    path: str
+    dtype: np.dtype
+    tokenizer: TokenizerRecord
+    splits: dict[str, CorpusSplit]
+
+    @classmethod
+    def open(cls, path: str, field: str = "data.path") -> "PreparedCorpus":
+        """Reads ``path/index.json`` and checks that every shard is there with the size it should
+        have (not its hash: see ``verify``); a one-line ``ConfigError(field)`` otherwise."""
+        directory = pathlib.Path(path).absolute()
+        if not directory.is_dir():
+            raise ConfigError(field, f"{path} is not a directory")
+        if (directory / INCOMPLETE_MARKER).exists():
+            raise ConfigError(field, f"{path}: preparation was interrupted; rerun prepare")
+        if not (directory / INDEX_FILE).is_file():
+            raise ConfigError(field, f"{path} is not a prepared directory (no {INDEX_FILE}); make one with "
+                              "python -m meshtrain.data prepare")
+        try:
+            index = json.loads((directory / INDEX_FILE).read_text())
+        except (ValueError, UnicodeDecodeError) as err:
+            raise _index_error(directory, field, f"is not JSON ({err})") from None
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            found = index.get("format") if isinstance(index, dict) else None
+            raise _index_error(directory, field, f"has format {found!r}, not {FORMAT!r}")
+        try:
+            dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[index["dtype"]])
+            record = index["tokenizer"]
+            tokenizer = TokenizerRecord(str(directory / record["file"]), record["sha256"], int(record["vocab_size"]),
+                                        record["eos"], int(record["eos_id"]))
+            splits = {name: CorpusSplit(name, split, directory, dtype, field)
+                      for name, split in index["splits"].items()}
+            shard_tokens = {name: [int(shard["tokens"]) for shard in split["shards"]]
+                            for name, split in index["splits"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise _index_error(directory, field, f"is malformed ({type(err).__name__}: {err})") from None
+        if TRAIN not in splits:
+            raise _index_error(directory, field, f"has no {TRAIN!r} split")
+        for name, split in splits.items():
+            if sum(shard_tokens[name]) != split.num_tokens:
+                raise _index_error(directory, field, f"counts {split.num_tokens} {name} tokens but its shards "
+                                   f"{sum(shard_tokens[name])}")
+            for shard_path, tokens in zip(split.shard_paths, shard_tokens[name]):
+                if not os.path.isfile(shard_path):
+                    raise ConfigError(field, f"{shard_path} is missing; prepare the corpus again")
+                if os.path.getsize(shard_path) != tokens * dtype.itemsize:
+                    raise ConfigError(field, f"{shard_path} has {os.path.getsize(shard_path)} bytes, not "
+                                      f"{tokens} tokens x {dtype.itemsize}; prepare the corpus again")
+        return cls(str(directory), dtype, tokenizer, splits)
+
+    def split(self, name: str, field: str = "data.path") -> CorpusSplit:
+        """The split called ``name``; ``ConfigError(field)`` when the corpus has none."""
+        if name not in self.splits:
+            hint = "; prepare with --val-fraction or --val-input" if name == VAL else ""
+            raise ConfigError(field, f"{self.path} has no {name!r} split (it has {', '.join(self.splits)}){hint}")
+        return self.splits[name]
+
+    def verify(self, field: str = "data.path") -> None:
+        """Reads everything: the tokenizer's and every shard's SHA-256 against index.json, the
+        document offsets, the EOS ending every document; ``ConfigError(field)`` at the first fault."""
+        if file_sha256(self.tokenizer.file) != self.tokenizer.sha256:
+            raise ConfigError(field, f"{self.tokenizer.file}: SHA-256 differs from index.json")
+        for split in self.splits.values():
+            split.verify(self.tokenizer.eos_id, self.tokenizer.vocab_size)
+
+
+def is_prepared_dir(path: str) -> bool:
+    """Whether ``path`` is a directory holding an ``index.json`` (complete or not: open checks)."""
+    return os.path.isfile(os.path.join(path, INDEX_FILE))
