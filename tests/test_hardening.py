@@ -463,7 +463,9 @@ def test_item7_a_write_that_fails_inside_orbax_is_one_error_line(tmp_path):
 
     command = [sys.executable, "-m", "meshtrain.train", "--host-devices", "8", "--config", TINY,
                *overrides(tmp_path, "checkpoint.every=2", steps=6)]
-    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}  # no compilation cache: it would hit the limit too
+    # No compilation cache and no bytecode files: under the size limit both would be written truncated,
+    # and a truncated .pyc in the tree breaks every later process that imports the module.
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"}
     proc = subprocess.run(command, cwd=REPO, env=env, preexec_fn=limited, capture_output=True, text=True,
                           timeout=240)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
