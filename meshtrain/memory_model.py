@@ -30,6 +30,7 @@ from flax import nnx
 from meshtrain.mesh import MESH_AXES
 from meshtrain.parallel.layout import ParallelPlan
 from meshtrain.parallel.pipeline import Schedule
+from meshtrain.parallel.rules import mesh_axes_of
 from meshtrain.parallel.zero import ZERO_AXIS
 from models.common import RematPolicy
 # Device order, slowest to fastest varying (meshtrain.mesh): an axis is inside one node when it and
@@ -197,12 +198,15 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
     else:
         est.optimizer = round(2 * FP32 * o_local)
 
-    # Activations. Tokens per device per accumulation microbatch.
-    tokens = rows * model.seq_len
+    # Activations. Tokens per device per accumulation microbatch: context parallelism splits the
+    # positions ``cp`` ways; sequence parallelism splits the residual stream ``sp`` ways more.
+    cp = plan.ways(plan.rules.activation_spec(("length",)))[0]
+    sp = max(1, plan.ways(plan.rules.activation_spec(("sequence",)))[0] // cp)
+    tokens = rows * model.seq_len / cp
     layers_here = model.num_layers // stages if model.num_layers % stages == 0 else model.num_layers
     vocab_local = model.vocab_size / mesh["tensor"]
     a_working = ACTIVATION_COEFFICIENTS.get(layout.remat, 1.0)
-    saved, working = family.activation_bytes(model, mesh["tensor"], layout.remat, compute_bytes)
+    saved, working = family.activation_bytes(model, mesh["tensor"], layout.remat, compute_bytes, sp)
     est.activations = round(layers_here * tokens * saved)
     if stages > 1:
         if schedule is Schedule.ONE_F_ONE_B:  # only min(M, 2S-1) stage inputs are stashed
@@ -213,7 +217,7 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
             est.activations += round(6 * ticks * tokens / micro * model.embed_dim * FP32)
         # Embedding outputs, stage outputs and the ring buffer / input gradients: fp32, all microbatches.
         est.activations += round(3 * tokens * model.embed_dim * FP32)
-    est.batch = BATCH_BYTES_PER_TOKEN * rows * grad_accum * model.seq_len
+    est.batch = BATCH_BYTES_PER_TOKEN * rows * grad_accum * model.seq_len  # token arrays: whole rows
     working_tokens = tokens / micro
     copy = compute_bytes * p_local if compute_bytes != FP32 else 0.0
     gathered = 2 * layer_full * compute_bytes if (zero >= 3 and mesh["fsdp"] > 1) else 0.0
@@ -253,6 +257,15 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
         if 1 <= zero <= 2:
             nbytes += ring(f) * full_params * FP32  # all-gather of the updated parameters
         comm["fsdp"] = nbytes
+    kv_length = plan.ways(plan.rules.activation_spec(("kv_length",)))[0]
+    if cp > kv_length:
+        # Context parallelism (all-gather): keys and values gathered per layer forward (again to
+        # recompute), their gradients reduce-scattered backward; counted at embed wide each, the
+        # bound GQA stays under.
+        count = 2 + 2 + (2 if layout.remat is RematPolicy.FULL else 0)
+        for axis in mesh_axes_of(plan.rules.activation_spec(("length",))[0]):
+            comm[axis] = comm.get(axis, 0.0) + (model.num_layers / stages * count * ring(cp) * rows * grad_accum
+                                                * model.seq_len * model.embed_dim * compute_bytes)
     if mesh["data"] > 1:
         comm["data"] = grad_accum * 2 * ring(mesh["data"]) * g_local * FP32
     if stages > 1:

@@ -26,9 +26,11 @@ from flax import nnx
 
 from models.common import ActivationSharding, RematPolicy
 
-# Logical axes the framework itself names (batch rows, sequence, hidden size, vocabulary, the
-# stacked-layer axis). A family adds its own in ``ModelFamily.axis_roles``.
-FRAMEWORK_AXES = ("batch", "length", "embed", "vocab", "layers")
+# Logical axes the framework itself names: batch rows; positions in the residual stream
+# (``sequence``), in attention queries and block-internal activations (``length``) and in attention
+# keys and values (``kv_length``), so that sequence and context parallelism can split them apart;
+# hidden size, vocabulary, the stacked-layer axis. A family adds its own in ``ModelFamily.axis_roles``.
+FRAMEWORK_AXES = ("batch", "sequence", "length", "kv_length", "embed", "vocab", "layers")
 # ``model.family`` when a config names none (every config and run directory from before families).
 DEFAULT_FAMILY = "llama"
 # The stacked-layers sub-module of every family: parameters under it lead with the ``layers`` axis.
@@ -188,9 +190,10 @@ class ModelFamily:
       axis_roles: the family's logical axes beyond ``FRAMEWORK_AXES`` and the role of each.
       flops_per_token: training (forward + backward) FLOPs per token, for MFU.
       recompute_flops_per_token: extra forward FLOPs per token that a remat policy recomputes.
-      activation_bytes: ``(cfg, tensor, remat, compute_bytes) -> (saved, working)`` bytes per token
-        and layer on one device: what the backward keeps under ``remat``, and one layer's live set
-        during its backward (for ``meshtrain.plan``).
+      activation_bytes: ``(cfg, tensor, remat, compute_bytes, sequence) -> (saved, working)`` bytes per
+        token and layer on one device: what the backward keeps under ``remat``, and one layer's
+        live set during its backward (for ``meshtrain.plan``). ``sequence``: how many more ways the
+        residual stream's positions are split than the blocks' (sequence parallelism's ``tensor``).
       hf: the Hugging Face adapter, or None when the family has none.
     """
 
@@ -200,7 +203,7 @@ class ModelFamily:
     axis_roles: Mapping[str, AxisRole]
     flops_per_token: Callable[[Any], float]
     recompute_flops_per_token: Callable[[Any, RematPolicy], float]
-    activation_bytes: Callable[[Any, int, RematPolicy, int], tuple[float, float]]
+    activation_bytes: Callable[[Any, int, RematPolicy, int, int], tuple[float, float]]
     hf: HFAdapter | None = None
 
     def __post_init__(self):

@@ -4,6 +4,7 @@
         [--attention auto|xla|cudnn] [--json FILE] [section.field=value ...]
     python scripts/bench.py --sweep layouts --host-devices 8 [--out docs/img/layout_bench.png]
     python scripts/bench.py --sweep depth --host-devices 8
+    python scripts/bench.py --sweep context --host-devices 8 [--seqs 1024 2048 4096] [--out PNG]
 
 Batches are random tokens of the config's shape (no data file is read). After one warm-up step,
 ``--steps`` steps are timed one by one (each waits for its result); the median is reported.
@@ -248,6 +249,64 @@ def sweep_layouts(config: str, overrides: list[str], steps: int, out: str | None
     return rows
 
 
+# Long-sequence schemes of --sweep context on 8 devices: (name, mesh, preset). Equal batch (2 rows).
+CONTEXT_LAYOUTS = (
+    ("FSDP 2 x TP 4", (1, 2, 4, 1), "fsdp_tp"),
+    ("FSDP 2 x TP 4 + SP", (1, 2, 4, 1), "fsdp_tp_sp"),
+    ("CP 8 (all-gather)", (1, 8, 1, 1), "fsdp_cp"),
+    ("CP 2 x TP 4", (1, 2, 4, 1), "fsdp_tp_cp"),
+)
+CONTEXT_MODEL = ["model.num_layers=2", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=16",
+                 "model.embed_dim=128", "model.mlp_dim=512", "model.vocab_size=256", "train.batch_size=2",
+                 "train.precision=fp32", "model.remat=full", "model.attention=xla"]
+
+
+def sweep_context(config: str, overrides: list[str], seqs: list[int], steps: int, out: str | None) -> list[dict]:
+    """Per-device memory and tokens/s of each long-sequence scheme at each sequence length."""
+    from meshtrain.config import load_config
+
+    rows = []
+    for seq in seqs:
+        for name, (data, fsdp, tensor, stage), preset in CONTEXT_LAYOUTS:
+            cfg = load_config(config, [*CONTEXT_MODEL, *overrides, f"model.seq_len={seq}", f"mesh.data={data}",
+                                       f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", f"mesh.stage={stage}",
+                                       f"sharding.preset={preset}"])
+            result = run(cfg, steps=steps)
+            rows.append({"layout": name, "seq_len": seq, **result})
+            mem = result["memory_per_device"]
+            print(f"seq {seq:>6}  {name:<20} temp {mem['temp_bytes'] / 1e6:8.1f} MB  args "
+                  f"{mem['argument_bytes'] / 1e6:6.2f} MB  {result['tokens_per_sec']:9,.0f} tokens/s  "
+                  f"{json.dumps(result['collectives'])}", flush=True)
+    if out:
+        _plot_context(rows, out)
+        print(f"plot: {out}")
+    return rows
+
+
+def _plot_context(rows, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (mem_ax, speed_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in dict.fromkeys(row["layout"] for row in rows):
+        mine = [row for row in rows if row["layout"] == name]
+        seqs = [row["seq_len"] for row in mine]
+        mem_ax.plot(seqs, [row["memory_per_device"]["temp_bytes"] / 1e6 for row in mine], marker="o", label=name)
+        speed_ax.plot(seqs, [row["tokens_per_sec"] for row in mine], marker="o", label=name)
+    mem_ax.set_ylabel("temporaries per device, MB (memory_analysis)")
+    speed_ax.set_ylabel("tokens/s (8 simulated CPU devices, 2 cores)")
+    for ax in (mem_ax, speed_ax):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
 def sweep_depth(config: str, overrides: list[str], depths: list[int]) -> list[dict]:
     """Compile time of the scanned model's train step vs number of layers (no steps run)."""
     from meshtrain.config import load_config
@@ -306,9 +365,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time a hand-written jax.jit step, interleaved, and print the ratio")
     parser.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
                         help="model.attention: jax.nn.dot_product_attention's implementation (cudnn: GPU only)")
-    parser.add_argument("--sweep", choices=("layouts", "depth"), help="run a sweep instead of one config")
+    parser.add_argument("--sweep", choices=("layouts", "depth", "context"), help="run a sweep instead of one config")
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096],
+                        help="sequence lengths of --sweep context")
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 32], help="layer counts of --sweep depth")
-    parser.add_argument("--out", help="--sweep layouts: PNG plot path")
+    parser.add_argument("--out", help="--sweep layouts / context: PNG plot path")
     parser.add_argument("--json", dest="json_path", help="also write the result(s) as JSON to this file")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value")
     args = parser.parse_args(argv)
@@ -334,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         results = sweep_layouts(args.config, args.overrides, args.steps, args.out)
     elif args.sweep == "depth":
         results = sweep_depth(args.config, args.overrides, args.depths)
+    elif args.sweep == "context":
+        results = sweep_context(args.config, args.overrides, args.seqs, args.steps, args.out)
     else:
         cfg = load_config(args.config, [*args.overrides, f"model.attention={args.attention}"])
         results = run(cfg, steps=args.steps, vs_baseline=args.vs_baseline)

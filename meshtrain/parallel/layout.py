@@ -120,6 +120,16 @@ class ParallelPlan:
                 f"train.grad_accum {accum} = {dp * accum}",
                 f"batch {batch} not divisible by {'x'.join(self.batch_axes)}={dp}"
                 + (f" x grad_accum {accum}" if accum > 1 else "")))
+        for logical in ("sequence", "length", "kv_length"):
+            mesh_axes = mesh_axes_of(rules.activation_spec((logical,))[0])
+            ways = math.prod(self.mesh_shape[a] for a in mesh_axes)
+            if self.model.seq_len % ways:
+                where = "x".join(f"{a}={self.mesh_shape[a]}" for a in mesh_axes)
+                found.append(Infeasible(
+                    "model.seq_len", f"{self.model.seq_len} positions cannot be split {ways} ways ({logical!r} "
+                    f"over {where} in rules {rules.name}); use a multiple of {ways}",
+                    f"seq {self.model.seq_len} not divisible by {where}"))
+                break
         if self.stages > 1:
             found += self.pipeline.problems(self.stages, self.model.num_layers, self.rows_per_shard)
         for path, variable in nnx.to_flat_state(self.abstract_params):

@@ -11,6 +11,24 @@ is the composition of contributions, later ones overriding earlier ones::
     vocab          -                  -                        param+act: tensor   param+act: tensor
     (role TENSOR)  -                  -                        param+act: tensor   param+act: tensor
 
+Long sequences (``sequence``: the residual stream; ``length``: queries and block-internal
+activations; ``kv_length``: keys and values)::
+
+    name           fsdp_tp_sp (Megatron-SP)      fsdp_cp (context parallel)   fsdp_tp_cp
+    batch          act: data+fsdp                act: data                    act: data
+    sequence       act: tensor                   act: fsdp                    act: fsdp
+    length         -                             act: fsdp                    act: fsdp
+    kv_length      -                             - (keys, values gathered)    -
+    (the rest as fsdp_tp; fsdp_cp has no tensor split)
+
+Sequence parallelism splits the residual stream's positions over ``tensor`` between the
+tensor-parallel matmuls, so norms and residual adds hold 1/T of the activations, and XLA gathers the
+positions before the column-parallel matmuls and scatters them after the row-parallel ones (in
+place of TP's all-reduce). Context parallelism splits every position axis but the keys' over the
+``fsdp`` ranks (which also keep FSDP's parameter split): each rank holds its slice of the queries
+and activations and all-gathers the keys and values, so attention's per-rank activations fall by
+the CP size; the ranks share rows no longer, so the batch splits over ``data`` only.
+
 The table names the framework's logical axes (``models.api.FRAMEWORK_AXES``); a model family's own
 axes get the row of their ``AxisRole`` (for Llama: ``heads``, ``kv_heads`` and ``mlp`` are TENSOR,
 ``head_dim`` REPLICATED) unless the table overrides them by name (``ShardingRules.completed``).
@@ -130,6 +148,9 @@ FULLY_SHARDED = {"embed": AxisRule(params="fsdp")}
 TENSOR_SPLIT = AxisRule(params="tensor", activations="tensor")
 TENSOR_PARALLEL = {"vocab": TENSOR_SPLIT}
 TENSOR_PARALLEL_ROLES = {AxisRole.TENSOR: TENSOR_SPLIT}
+SEQUENCE_PARALLEL = {"sequence": AxisRule(activations="tensor")}
+CONTEXT_PARALLEL = {"batch": AxisRule(activations="data"), "sequence": AxisRule(activations="fsdp"),
+                    "length": AxisRule(activations="fsdp")}
 
 
 class Preset(str, enum.Enum):
@@ -139,6 +160,9 @@ class Preset(str, enum.Enum):
     FSDP = "fsdp"
     TP = "tp"
     FSDP_TP = "fsdp_tp"
+    FSDP_TP_SP = "fsdp_tp_sp"
+    FSDP_CP = "fsdp_cp"
+    FSDP_TP_CP = "fsdp_tp_cp"
 
     @property
     def rules(self) -> ShardingRules:
@@ -151,6 +175,11 @@ PRESETS: dict[Preset, ShardingRules] = {
     Preset.TP: ShardingRules("tp", {**REPLICATED, **DATA_PARALLEL, **TENSOR_PARALLEL}, TENSOR_PARALLEL_ROLES),
     Preset.FSDP_TP: ShardingRules("fsdp_tp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED,
                                               **TENSOR_PARALLEL}, TENSOR_PARALLEL_ROLES),
+    Preset.FSDP_TP_SP: ShardingRules("fsdp_tp_sp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED,
+                                                    **TENSOR_PARALLEL, **SEQUENCE_PARALLEL}, TENSOR_PARALLEL_ROLES),
+    Preset.FSDP_CP: ShardingRules("fsdp_cp", {**REPLICATED, **FULLY_SHARDED, **CONTEXT_PARALLEL}),
+    Preset.FSDP_TP_CP: ShardingRules("fsdp_tp_cp", {**REPLICATED, **FULLY_SHARDED, **TENSOR_PARALLEL,
+                                                    **CONTEXT_PARALLEL}, TENSOR_PARALLEL_ROLES),
 }
 
 

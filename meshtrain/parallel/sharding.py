@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
 from models.common import ActivationSharding, LogicalAxes, logical_axes_of
 
-BATCH_AXES: LogicalAxes = ("batch", "length")
+BATCH_AXES: LogicalAxes = ("batch", None)  # token arrays: rows split, each row whole on its devices
 
 
 def _is_variable(x: Any) -> bool:

@@ -40,8 +40,12 @@ from models.common import (ActivationSharding, InvalidField, RematPolicy, logica
 # Activations a NAMED remat policy may keep (tagged with ``checkpoint_name`` in the layer).
 CHECKPOINT_NAMES = ("query", "key", "value", "attention", "mlp_hidden")
 
-BATCH_LENGTH_EMBED = ("batch", "length", "embed")
-KV_AXES = ("batch", "length", "kv_heads", "head_dim")
+# The residual stream (embedding output, residual adds, norms) runs along ``sequence``; inside the
+# attention and MLP blocks the positions are ``length`` (queries, hidden units) and ``kv_length``
+# (keys, values). Rules may split them differently: sequence parallelism splits ``sequence`` over
+# ``tensor`` only; context parallelism splits all but ``kv_length`` (keys and values gathered).
+RESIDUAL_AXES = ("batch", "sequence", "embed")
+KV_AXES = ("batch", "kv_length", "kv_heads", "head_dim")
 
 
 class AttentionKernel(str, enum.Enum):
@@ -175,15 +179,17 @@ def recompute_flops_per_token(cfg: LlamaConfig, remat: RematPolicy) -> float:
             RematPolicy.FULL: 2 * layer_matmul + attention_forward}.get(remat, 0.0)
 
 
-def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_bytes: int) -> tuple[float, float]:
+def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
+                     sequence: int = 1) -> tuple[float, float]:
     """(saved, working) activation bytes per token and layer on one device.
 
     ``saved``: what the backward pass keeps per layer under ``remat``; ``working``: the live set of
     one layer while its backward runs (its recomputed activations and their gradients). Counts in
-    vectors per token: d = embed, q = heads*head_dim/tensor, k = kv_heads*head_dim/tensor,
-    f = mlp/tensor in the compute dtype, s = heads/tensor * seq_len attention scores in fp32.
+    vectors per token: d = embed / sequence (the residual stream, split ``sequence`` ways by sequence
+    parallelism), q = heads*head_dim/tensor, k = kv_heads*head_dim/tensor, f = mlp/tensor in the
+    compute dtype, s = heads/tensor * seq_len attention scores in fp32.
     """
-    d = cfg.embed_dim
+    d = cfg.embed_dim / sequence
     q = cfg.num_heads * cfg.head_dim / tensor
     k = cfg.num_kv_heads * cfg.head_dim / tensor
     f = cfg.mlp_dim / tensor
@@ -332,16 +338,16 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], mask: jax.Array | None,
                  shard: ActivationSharding) -> jax.Array:
-        x = shard(x + self.attention(self.attn_norm(x), rotary, mask, shard), BATCH_LENGTH_EMBED)
-        return shard(x + self.mlp(self.mlp_norm(x), shard), BATCH_LENGTH_EMBED)
+        x = shard(x + self.attention(self.attn_norm(x), rotary, mask, shard), RESIDUAL_AXES)
+        return shard(x + self.mlp(self.mlp_norm(x), shard), RESIDUAL_AXES)
 
     def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
                values: jax.Array, start: jax.Array, shard: ActivationSharding
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The layer at positions start.. with this layer's KV cache (see ``Attention.cached``)."""
         attended, keys, values = self.attention.cached(self.attn_norm(x), rotary, keys, values, start, shard)
-        x = shard(x + attended, BATCH_LENGTH_EMBED)
-        return shard(x + self.mlp(self.mlp_norm(x), shard), BATCH_LENGTH_EMBED), keys, values
+        x = shard(x + attended, RESIDUAL_AXES)
+        return shard(x + self.mlp(self.mlp_norm(x), shard), RESIDUAL_AXES), keys, values
 
 
 @jax.tree_util.register_dataclass
@@ -380,7 +386,7 @@ class Llama(nnx.Module):
         enter through the rotary embeddings)."""
         del documents
         table = shard(self.embedding[...], ("vocab", "embed"))
-        return shard(jnp.take(table, tokens, axis=0), BATCH_LENGTH_EMBED)
+        return shard(jnp.take(table, tokens, axis=0), RESIDUAL_AXES)
 
     def run_layers(self, x: jax.Array, shard: ActivationSharding = unconstrained,
                    documents: Documents | None = None) -> tuple[jax.Array, jax.Array]:
@@ -403,6 +409,7 @@ class Llama(nnx.Module):
     def logits(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
         """x: [batch, length, embed] -> logits [batch, length, vocab]."""
         head = self.embedding[...].T if self.head is None else self.head[...]
+        x = shard(x, ("batch", "length", "embed"))  # whole positions: the vocabulary may split over tensor
         return shard(self.final_norm(x) @ head, ("batch", "length", "vocab"))
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
