@@ -233,18 +233,25 @@ def sweep_layouts(config: str, overrides: list[str], steps: int, out: str | None
     from meshtrain.config import load_config
 
     rows = []
-    for name, (data, fsdp, tensor, stage), preset, extra in LAYOUTS:
-        cfg = load_config(config, [*SWEEP_MODEL, *overrides, f"mesh.data={data}", f"mesh.fsdp={fsdp}",
-                                   f"mesh.tensor={tensor}", f"mesh.stage={stage}", f"sharding.preset={preset}",
-                                   *extra])
+    for name, mesh, preset, extra in LAYOUTS:
+        cfg = load_config(config, [*SWEEP_MODEL, *overrides, *_layout_overrides(mesh, preset), *extra])
         result = run(cfg, steps=steps)
         rows.append({"layout": name, **result})
         mem = result["memory_per_device"]
         print(f"{name:<28} step {result['step_time_s_median'] * 1e3:8.1f} ms  args "
               f"{mem['argument_bytes'] / 1e6:6.2f} MB  temp {mem['temp_bytes'] / 1e6:6.2f} MB  "
               f"compile {result['compile_s']:5.1f} s  {json.dumps(result['collectives'])}", flush=True)
+    return _plotted(rows, out, _plot_layouts)
+
+
+def _layout_overrides(mesh: tuple[int, int, int, int], preset: str) -> list[str]:
+    return [*(f"mesh.{axis}={size}" for axis, size in zip(("data", "fsdp", "tensor", "stage"), mesh)),
+            f"sharding.preset={preset}"]
+
+
+def _plotted(rows: list[dict], out: str | None, plot) -> list[dict]:
     if out:
-        _plot_layouts(rows, out)
+        plot(rows, out)
         print(f"plot: {out}")
     return rows
 
@@ -267,20 +274,16 @@ def sweep_context(config: str, overrides: list[str], seqs: list[int], steps: int
 
     rows = []
     for seq in seqs:
-        for name, (data, fsdp, tensor, stage), preset in CONTEXT_LAYOUTS:
-            cfg = load_config(config, [*CONTEXT_MODEL, *overrides, f"model.seq_len={seq}", f"mesh.data={data}",
-                                       f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", f"mesh.stage={stage}",
-                                       f"sharding.preset={preset}"])
+        for name, mesh, preset in CONTEXT_LAYOUTS:
+            cfg = load_config(config, [*CONTEXT_MODEL, *overrides, f"model.seq_len={seq}",
+                                       *_layout_overrides(mesh, preset)])
             result = run(cfg, steps=steps)
             rows.append({"layout": name, "seq_len": seq, **result})
             mem = result["memory_per_device"]
             print(f"seq {seq:>6}  {name:<20} temp {mem['temp_bytes'] / 1e6:8.1f} MB  args "
                   f"{mem['argument_bytes'] / 1e6:6.2f} MB  {result['tokens_per_sec']:9,.0f} tokens/s  "
                   f"{json.dumps(result['collectives'])}", flush=True)
-    if out:
-        _plot_context(rows, out)
-        print(f"plot: {out}")
-    return rows
+    return _plotted(rows, out, _plot_context)
 
 
 def _plot_context(rows, path) -> None:
