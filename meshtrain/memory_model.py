@@ -257,11 +257,11 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
         if 1 <= zero <= 2:
             nbytes += ring(f) * full_params * FP32  # all-gather of the updated parameters
         comm["fsdp"] = nbytes
-    kv_length = plan.ways(plan.rules.activation_spec(("kv_length",)))[0]
-    if cp > kv_length:
-        # Context parallelism (all-gather): keys and values gathered per layer forward (again to
-        # recompute), their gradients reduce-scattered backward; counted at embed wide each, the
-        # bound GQA stays under.
+    if cp > 1:
+        # Context parallelism: keys and values gathered (all-gather scheme) or passed round the ring
+        # (ring scheme: the same (CP-1)/CP of them per device) per layer forward and again to
+        # recompute, their gradients reduced backward; counted at embed wide each, the bound GQA
+        # stays under.
         count = 2 + 2 + (2 if layout.remat is RematPolicy.FULL else 0)
         for axis in mesh_axes_of(plan.rules.activation_spec(("length",))[0]):
             comm[axis] = comm.get(axis, 0.0) + (model.num_layers / stages * count * ring(cp) * rows * grad_accum

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.common import ActivationSharding, RematPolicy
+from models.common import ActivationSharding, RematPolicy, segment_mask
 
 # Logical axes the framework itself names: batch rows; positions in the residual stream
 # (``sequence``), in attention queries and block-internal activations (``length``) and in attention
@@ -80,10 +80,7 @@ class Documents:
 
     def attention_mask(self) -> jax.Array:
         """bool [batch, 1, length, length]: query t may attend key s (causal, same segment)."""
-        length = self.segments.shape[1]
-        causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
-        same = self.segments[:, :, None] == self.segments[:, None, :]
-        return (causal[None] & same)[:, None]
+        return segment_mask(self.segments)
 
 
 def positions_of(documents: Documents | None, length: int) -> jax.Array:
@@ -99,7 +96,8 @@ class DecoderModel(Protocol):
 
     ``documents`` is None when every row is one sequence (causal attention over the row, positions
     0..length-1), and a ``Documents`` when rows are packed from several documents: attention must
-    then apply ``documents.attention_mask()`` and positions restart at each document, so that each
+    then stay within ``documents.segments`` (``shard.attend`` does, as does
+    ``documents.attention_mask()``) and positions restart at each document, so that each
     document's outputs equal those of the document run alone.
     """
 

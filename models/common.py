@@ -11,6 +11,7 @@ import enum
 from typing import Callable, Protocol
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 LogicalAxes = tuple[str | None, ...]
@@ -24,16 +25,48 @@ class InvalidField(ValueError):
         self.field, self.message = field, message
 
 
+def segment_mask(segments: jax.Array) -> jax.Array:
+    """bool [batch, 1, length, length]: query t may attend key s (s <= t, same segment id)."""
+    length = segments.shape[1]
+    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
+    return (causal[None] & (segments[:, :, None] == segments[:, None, :]))[:, None]
+
+
+def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
+                   implementation: str | None) -> jax.Array:
+    """Causal self-attention with ``jax.nn.dot_product_attention``: q [batch, length, heads,
+    head_dim], k, v [batch, length, kv_heads, head_dim] -> [batch, length, heads, head_dim]. With
+    ``segments`` (int [batch, length]) a token attends only within its segment, through XLA's
+    kernel whatever ``implementation`` asks: cuDNN's fused kernel takes no segment ids through
+    public JAX."""
+    if segments is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segments), implementation="xla")
+
+
 class ActivationSharding(Protocol):
-    """Constrains an activation to the layout its logical axes map to (identity off-mesh)."""
+    """What the framework hands a model for its layout: constraints on activations (identity
+    off-mesh) and the causal self-attention its rules imply (``full_attention``, or ring attention
+    where the rules keep the keys split along the sequence)."""
 
     def __call__(self, x: jax.Array, axes: LogicalAxes) -> jax.Array: ...
 
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
+               implementation: str | None) -> jax.Array:
+        """As ``full_attention``."""
 
-def unconstrained(x: jax.Array, axes: LogicalAxes) -> jax.Array:
-    """The identity constraint: a model run outside any mesh."""
-    del axes
-    return x
+
+class Unconstrained:
+    """The identity constraint and full attention: a model run outside any mesh."""
+
+    def __call__(self, x: jax.Array, axes: LogicalAxes) -> jax.Array:
+        del axes
+        return x
+
+    attend = staticmethod(full_attention)
+
+
+unconstrained = Unconstrained()
 
 
 def logical_param(value: jax.Array, axes: LogicalAxes) -> nnx.Param:

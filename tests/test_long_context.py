@@ -14,7 +14,7 @@ from flax import nnx
 from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.layout import ParallelPlan
-from meshtrain.parallel.rules import Preset
+from meshtrain.parallel.rules import AxisRule, Preset, ShardingRules
 from meshtrain.trainer import Trainer
 from models.api import family_named
 from utils import MODEL, OPTIMIZER, TRAIN, collective_counts
@@ -25,7 +25,8 @@ LONG = dataclasses.replace(MODEL, seq_len=32)
 
 def _trainer(mesh_shape, preset, model=LONG, batch_size=8):
     mesh = make_mesh(MeshConfig(*mesh_shape), jax.devices()[: math.prod(mesh_shape)])
-    return Trainer(model, dataclasses.replace(TRAIN, batch_size=batch_size), OPTIMIZER, preset.rules, mesh)
+    rules = preset if isinstance(preset, ShardingRules) else preset.rules
+    return Trainer(model, dataclasses.replace(TRAIN, batch_size=batch_size), OPTIMIZER, rules, mesh)
 
 
 def _loss_and_grads(trainer):
@@ -40,15 +41,20 @@ def reference():
     return _loss_and_grads(_trainer((1, 1, 1, 1), Preset.FSDP_TP))
 
 
+# Ring attention with tensor parallelism inside: fsdp_tp_cp with the keys kept split.
+RING_TP = Preset.FSDP_TP_CP.rules.overridden({"kv_length": AxisRule(activations="fsdp")})
 LAYOUTS = [
     ((1, 1, 2, 1), Preset.FSDP_TP_SP), ((1, 1, 4, 1), Preset.FSDP_TP_SP), ((2, 1, 4, 1), Preset.FSDP_TP_SP),
     ((1, 2, 2, 1), Preset.FSDP_TP_SP),
     ((1, 2, 1, 1), Preset.FSDP_CP), ((1, 4, 1, 1), Preset.FSDP_CP), ((1, 8, 1, 1), Preset.FSDP_CP),
     ((2, 4, 1, 1), Preset.FSDP_CP), ((1, 2, 4, 1), Preset.FSDP_TP_CP), ((1, 4, 2, 1), Preset.FSDP_TP_CP),
+    ((1, 2, 1, 1), Preset.FSDP_CP_RING), ((1, 4, 1, 1), Preset.FSDP_CP_RING), ((1, 8, 1, 1), Preset.FSDP_CP_RING),
+    ((2, 4, 1, 1), Preset.FSDP_CP_RING), ((1, 4, 2, 1), RING_TP),
 ]
 
 
-@pytest.mark.parametrize("mesh_shape,preset", LAYOUTS, ids=[f"{p.value}-{'x'.join(map(str, m))}" for m, p in LAYOUTS])
+@pytest.mark.parametrize("mesh_shape,preset", LAYOUTS, ids=[f"{getattr(p, 'value', 'ring_tp')}-{'x'.join(map(str, m))}"
+                                                             for m, p in LAYOUTS])
 def test_loss_and_gradients_equal_one_device(reference, mesh_shape, preset):
     ref_loss, ref_grads = reference
     loss, grads = _loss_and_grads(_trainer(mesh_shape, preset))
@@ -117,3 +123,16 @@ def test_context_parallel_inside_pipeline_stages(reference):
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     for name, grad in grads.items():
         assert np.linalg.norm(grad - ref_grads[name]) / np.linalg.norm(ref_grads[name]) <= 1e-5, name
+
+
+def test_ring_layout_passes_keys_round_the_ring_and_refuses_pipeline_stages():
+    from meshtrain.errors import ConfigError
+    from meshtrain.parallel.pipeline import PipelineConfig, Schedule
+
+    compiled = _compiled(_trainer((1, 4, 1, 1), Preset.FSDP_CP_RING))
+    assert collective_counts(compiled.as_text())["collective-permute"] > 0
+    mesh = make_mesh(MeshConfig(1, 2, 1, 2), jax.devices()[:4])
+    with pytest.raises(ConfigError) as info:
+        Trainer(dataclasses.replace(LONG, num_layers=4), dataclasses.replace(TRAIN, batch_size=8), OPTIMIZER,
+                Preset.FSDP_CP_RING.rules, mesh, PipelineConfig(2, Schedule.ONE_F_ONE_B))
+    assert info.value.field == "sharding.rules.kv_length" and "pipeline" in info.value.message

@@ -26,6 +26,7 @@ from meshtrain.mesh import MESH_AXES
 from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.pipeline import STAGE, LayerOrder, PipelineConfig, pipeline_rules
 from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
+from meshtrain.parallel.sharding import ring_axis
 from meshtrain.parallel.zero import StateLayout, ZeroConfig, zero_layout
 from meshtrain.train_config import TrainConfig
 from models.api import ModelFamily, family_of
@@ -130,6 +131,11 @@ class ParallelPlan:
                     f"over {where} in rules {rules.name}); use a multiple of {ways}",
                     f"seq {self.model.seq_len} not divisible by {where}"))
                 break
+        ring = ring_axis(rules)
+        if ring is not None and self.mesh_shape[ring] > 1 and self.stages > 1:
+            found.append(Infeasible("sharding.rules.kv_length", f"ring attention (kv_length split over {ring}) "
+                                    "does not run inside pipeline stages yet; gather the keys (kv_length: null, "
+                                    "e.g. preset fsdp_tp_cp) or set mesh.stage=1", "ring attention with stage > 1"))
         if self.stages > 1:
             found += self.pipeline.problems(self.stages, self.model.num_layers, self.rows_per_shard)
         for path, variable in nnx.to_flat_state(self.abstract_params):

@@ -14,12 +14,12 @@ is the composition of contributions, later ones overriding earlier ones::
 Long sequences (``sequence``: the residual stream; ``length``: queries and block-internal
 activations; ``kv_length``: keys and values)::
 
-    name           fsdp_tp_sp (Megatron-SP)      fsdp_cp (context parallel)   fsdp_tp_cp
-    batch          act: data+fsdp                act: data                    act: data
-    sequence       act: tensor                   act: fsdp                    act: fsdp
-    length         -                             act: fsdp                    act: fsdp
-    kv_length      -                             - (keys, values gathered)    -
-    (the rest as fsdp_tp; fsdp_cp has no tensor split)
+    name           fsdp_tp_sp (Megatron-SP)      fsdp_cp (context parallel)   fsdp_tp_cp   fsdp_cp_ring
+    batch          act: data+fsdp                act: data                    act: data    act: data
+    sequence       act: tensor                   act: fsdp                    act: fsdp    act: fsdp
+    length         -                             act: fsdp                    act: fsdp    act: fsdp
+    kv_length      -                             - (keys, values gathered)    -            act: fsdp (ring)
+    (the rest as fsdp_tp; fsdp_cp and fsdp_cp_ring have no tensor split)
 
 Sequence parallelism splits the residual stream's positions over ``tensor`` between the
 tensor-parallel matmuls, so norms and residual adds hold 1/T of the activations, and XLA gathers the
@@ -27,7 +27,10 @@ positions before the column-parallel matmuls and scatters them after the row-par
 place of TP's all-reduce). Context parallelism splits every position axis but the keys' over the
 ``fsdp`` ranks (which also keep FSDP's parameter split): each rank holds its slice of the queries
 and activations and all-gathers the keys and values, so attention's per-rank activations fall by
-the CP size; the ranks share rows no longer, so the batch splits over ``data`` only.
+the CP size; the ranks share rows no longer, so the batch splits over ``data`` only. Where the
+rules split ``kv_length`` over the same single mesh axis as ``length`` (``fsdp_cp_ring``, or
+``sharding.rules.kv_length={activations: fsdp}`` over ``fsdp_tp_cp``), the keys stay split and
+attention runs as ring attention (``meshtrain/parallel/ring_attention.py``).
 
 The table names the framework's logical axes (``models.api.FRAMEWORK_AXES``); a model family's own
 axes get the row of their ``AxisRole`` (for Llama: ``heads``, ``kv_heads`` and ``mlp`` are TENSOR,
@@ -151,6 +154,7 @@ TENSOR_PARALLEL_ROLES = {AxisRole.TENSOR: TENSOR_SPLIT}
 SEQUENCE_PARALLEL = {"sequence": AxisRule(activations="tensor")}
 CONTEXT_PARALLEL = {"batch": AxisRule(activations="data"), "sequence": AxisRule(activations="fsdp"),
                     "length": AxisRule(activations="fsdp")}
+RING = {"kv_length": AxisRule(activations="fsdp")}
 
 
 class Preset(str, enum.Enum):
@@ -163,6 +167,7 @@ class Preset(str, enum.Enum):
     FSDP_TP_SP = "fsdp_tp_sp"
     FSDP_CP = "fsdp_cp"
     FSDP_TP_CP = "fsdp_tp_cp"
+    FSDP_CP_RING = "fsdp_cp_ring"
 
     @property
     def rules(self) -> ShardingRules:
@@ -180,6 +185,7 @@ PRESETS: dict[Preset, ShardingRules] = {
     Preset.FSDP_CP: ShardingRules("fsdp_cp", {**REPLICATED, **FULLY_SHARDED, **CONTEXT_PARALLEL}),
     Preset.FSDP_TP_CP: ShardingRules("fsdp_tp_cp", {**REPLICATED, **FULLY_SHARDED, **TENSOR_PARALLEL,
                                                     **CONTEXT_PARALLEL}, TENSOR_PARALLEL_ROLES),
+    Preset.FSDP_CP_RING: ShardingRules("fsdp_cp_ring", {**REPLICATED, **FULLY_SHARDED, **CONTEXT_PARALLEL, **RING}),
 }
 
 

@@ -16,7 +16,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
-from models.common import ActivationSharding, LogicalAxes, logical_axes_of
+from meshtrain.parallel.ring_attention import ring_attention
+from models.common import ActivationSharding, LogicalAxes, full_attention, logical_axes_of
 
 BATCH_AXES: LogicalAxes = ("batch", None)  # token arrays: rows split, each row whole on its devices
 
@@ -44,16 +45,40 @@ def named_shardings(specs: Any, mesh: Mesh) -> Any:
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def activation_sharding(rules: ShardingRules, mesh: Mesh) -> ActivationSharding:
-    """The constraint a model applies to its activations on ``mesh``."""
+def ring_axis(rules: ShardingRules) -> str | None:
+    """The mesh axis of ring attention: where the rules split queries (``length``) and keys
+    (``kv_length``) over the same single mesh axis, keys stay split and travel round the ring;
+    None when they are not (keys gathered, or nothing split)."""
+    queries = mesh_axes_of(rules.activation_spec(("length",))[0])
+    keys = mesh_axes_of(rules.activation_spec(("kv_length",))[0])
+    return queries[0] if len(queries) == 1 and keys == queries else None
 
-    def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
+
+class ActivationLayout:
+    """What a model applies to its activations on ``mesh`` under ``rules`` (``ActivationSharding``):
+    sharding constraints by logical axes, and the attention scheme the rules imply."""
+
+    def __init__(self, rules: ShardingRules, mesh: Mesh):
+        self.rules, self.mesh = rules, mesh
+        axis = ring_axis(rules)
+        self.ring = axis if axis is not None and mesh.shape[axis] > 1 else None
+
+    def __call__(self, x: jax.Array, axes: LogicalAxes) -> jax.Array:
         # Inside a shard_map (a pipeline stage) the traced mesh has ``stage`` manual: use it.
         traced_mesh = jax.sharding.get_abstract_mesh()
-        target = mesh if traced_mesh.empty else traced_mesh
-        return jax.lax.with_sharding_constraint(x, NamedSharding(target, rules.activation_spec(axes)))
+        target = self.mesh if traced_mesh.empty else traced_mesh
+        return jax.lax.with_sharding_constraint(x, NamedSharding(target, self.rules.activation_spec(axes)))
 
-    return constrain
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
+               implementation: str | None) -> jax.Array:
+        if self.ring is None:
+            return full_attention(q, k, v, segments, implementation)
+        return ring_attention(q, k, v, segments, mesh=self.mesh, axis=self.ring)
+
+
+def activation_sharding(rules: ShardingRules, mesh: Mesh) -> ActivationSharding:
+    """The constraints and attention a model applies to its activations on ``mesh``."""
+    return ActivationLayout(rules, mesh)
 
 
 def batch_sharding(rules: ShardingRules, mesh: Mesh) -> NamedSharding:
