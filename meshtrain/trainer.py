@@ -1,6 +1,7 @@
 """The sharded train state and the one train step ``(state, batch) -> (state, metrics)``.
 
-Order of application inside the step: precision cast of the master weights -> forward/backward per
+Order of application inside the step: ring attention's balanced permutation of the positions (only
+under ring attention) -> precision cast of the master weights -> forward/backward per
 accumulation microbatch, through the pipeline schedule when ``mesh.stage`` > 1 (activations
 constrained by the rules, layers rematerialised by the model's policy) -> gradient accumulation in
 the parameters' sharding -> unscale -> AdamW update, kept only where loss, gradients and update are all finite.
@@ -21,7 +22,9 @@ from meshtrain.parallel.offload import DEVICE, HOST, OffloadConfig, check_host_m
 from meshtrain.parallel.layout import ParallelPlan, abstract_model
 from meshtrain.parallel.pipeline import Objective, PipelineConfig, make_loss, make_value_and_grad
 from meshtrain.parallel.rules import ShardingRules
-from meshtrain.parallel.sharding import activation_sharding, batch_sharding, named_shardings, optimizer_shardings
+from meshtrain.parallel.ring_attention import balanced_order
+from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, named_shardings, optimizer_shardings,
+                                         ring_axis)
 from meshtrain.parallel.zero import StateLayout, ZeroConfig
 from meshtrain.precision import LossScale, Precision, cast_floating, initial_loss_scale
 from meshtrain.train_config import TrainConfig
@@ -132,6 +135,20 @@ class Trainer:
         return {key: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
                 for key, dtype in dtypes.items()}
 
+    def _ordered(self, batch: Batch) -> Batch:
+        """The batch with its positions permuted into ring attention's balanced order (when the
+        layout runs ring attention with ``sharding.balance_ring``), positions and segments made
+        explicit so that rotary angles, causality and the loss follow the tokens; else unchanged.
+        The loss, a sum over tokens, does not depend on the order."""
+        axis = ring_axis(self.rules)
+        if axis is None or self.mesh.shape[axis] == 1 or not self.rules.balance_ring:
+            return batch
+        rows, length = batch["inputs"].shape
+        order = jnp.asarray(balanced_order(length, self.mesh.shape[axis]))
+        batch = {"positions": jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length)),
+                 "segments": jnp.ones((rows, length), jnp.int32), **batch}
+        return {key: value[:, order] for key, value in batch.items()}
+
     def _model_of(self, params: nnx.State) -> DecoderModel:
         """The model on ``params`` cast to the compute dtype."""
         return nnx.merge(self.graphdef, cast_floating(params, self.train_cfg.precision.compute_dtype))
@@ -141,6 +158,7 @@ class Trainer:
         target count (``target_tokens``), in ``train.grad_accum`` microbatches like a train step and
         through the same pipeline schedule's forward. Aux losses are not part of it."""
         compute_dtype = self.train_cfg.precision.compute_dtype
+        batch = self._ordered(batch)
         objective = Objective(lambda logits, mb: cross_entropy_sum(logits, mb["targets"], mb["mask"]),
                               lambda aux_sum: jnp.zeros((), jnp.float32))
         loss = make_loss(self.pipeline_cfg, self.mesh, self._model_of, objective,
@@ -160,6 +178,7 @@ class Trainer:
         when ``mesh.stage`` > 1. Gradients of interleaved layers are in storage order.
         """
         compute_dtype = self.train_cfg.precision.compute_dtype
+        batch = self._ordered(batch)
         target_count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         rows = batch["mask"].shape[0]
 

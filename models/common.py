@@ -32,13 +32,14 @@ def segment_mask(segments: jax.Array) -> jax.Array:
     return (causal[None] & (segments[:, :, None] == segments[:, None, :]))[:, None]
 
 
-def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
+def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segments: jax.Array | None,
                    implementation: str | None) -> jax.Array:
     """Causal self-attention with ``jax.nn.dot_product_attention``: q [batch, length, heads,
     head_dim], k, v [batch, length, kv_heads, head_dim] -> [batch, length, heads, head_dim]. With
     ``segments`` (int [batch, length]) a token attends only within its segment, through XLA's
     kernel whatever ``implementation`` asks: cuDNN's fused kernel takes no segment ids through
-    public JAX."""
+    public JAX. The rows are in position order (``positions`` is not read)."""
+    del positions
     if segments is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
     return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segments), implementation="xla")
@@ -51,9 +52,10 @@ class ActivationSharding(Protocol):
 
     def __call__(self, x: jax.Array, axes: LogicalAxes) -> jax.Array: ...
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
-               implementation: str | None) -> jax.Array:
-        """As ``full_attention``."""
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+               segments: jax.Array | None, implementation: str | None) -> jax.Array:
+        """As ``full_attention``; ``positions`` (int [batch or 1, length]) order the tokens causally
+        where the framework has permuted the sequence (ring attention's load balancing)."""
 
 
 class Unconstrained:

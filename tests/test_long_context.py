@@ -42,18 +42,21 @@ def reference():
 
 
 # Ring attention with tensor parallelism inside: fsdp_tp_cp with the keys kept split.
-RING_TP = Preset.FSDP_TP_CP.rules.overridden({"kv_length": AxisRule(activations="fsdp")})
+RING_TP = dataclasses.replace(Preset.FSDP_TP_CP.rules.overridden({"kv_length": AxisRule(activations="fsdp")}),
+                              name="ring_tp")
+# Ring attention without the load-balancing permutation.
+RING_IN_ORDER = dataclasses.replace(Preset.FSDP_CP_RING.rules, balance_ring=False, name="ring_in_order")
 LAYOUTS = [
     ((1, 1, 2, 1), Preset.FSDP_TP_SP), ((1, 1, 4, 1), Preset.FSDP_TP_SP), ((2, 1, 4, 1), Preset.FSDP_TP_SP),
     ((1, 2, 2, 1), Preset.FSDP_TP_SP),
     ((1, 2, 1, 1), Preset.FSDP_CP), ((1, 4, 1, 1), Preset.FSDP_CP), ((1, 8, 1, 1), Preset.FSDP_CP),
     ((2, 4, 1, 1), Preset.FSDP_CP), ((1, 2, 4, 1), Preset.FSDP_TP_CP), ((1, 4, 2, 1), Preset.FSDP_TP_CP),
     ((1, 2, 1, 1), Preset.FSDP_CP_RING), ((1, 4, 1, 1), Preset.FSDP_CP_RING), ((1, 8, 1, 1), Preset.FSDP_CP_RING),
-    ((2, 4, 1, 1), Preset.FSDP_CP_RING), ((1, 4, 2, 1), RING_TP),
+    ((2, 4, 1, 1), Preset.FSDP_CP_RING), ((1, 4, 2, 1), RING_TP), ((1, 4, 1, 1), RING_IN_ORDER),
 ]
 
 
-@pytest.mark.parametrize("mesh_shape,preset", LAYOUTS, ids=[f"{getattr(p, 'value', 'ring_tp')}-{'x'.join(map(str, m))}"
+@pytest.mark.parametrize("mesh_shape,preset", LAYOUTS, ids=[f"{getattr(p, 'value', None) or p.name}-{'x'.join(map(str, m))}"
                                                              for m, p in LAYOUTS])
 def test_loss_and_gradients_equal_one_device(reference, mesh_shape, preset):
     ref_loss, ref_grads = reference
@@ -107,6 +110,10 @@ def test_positions_that_do_not_divide_are_one_line_errors():
         with pytest.raises(ConfigError) as info:
             _trainer(mesh_shape, preset, dataclasses.replace(LONG, seq_len=34))
         assert info.value.field == "model.seq_len" and axes in info.value.message, info.value.message
+    with pytest.raises(ConfigError) as info:  # 36 splits 4 ways, but not into the balanced order's 8 chunks
+        _trainer((1, 4, 1, 1), Preset.FSDP_CP_RING, dataclasses.replace(LONG, seq_len=36))
+    assert info.value.field == "model.seq_len" and "balance_ring" in info.value.message
+    _trainer((1, 4, 1, 1), RING_IN_ORDER, dataclasses.replace(LONG, seq_len=36))  # without it: fine
 
 
 @pytest.mark.slow

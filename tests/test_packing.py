@@ -140,3 +140,16 @@ def test_packed_loss_and_gradients_through_every_layout(single_device, mesh_shap
     evaluated = jax.device_get(trainer.eval_step(state.params, batch))
     assert float(evaluated["target_tokens"]) == float(ref_eval["target_tokens"])
     assert float(evaluated["loss_sum"]) == pytest.approx(float(ref_eval["loss_sum"]), rel=1e-5)
+
+
+@pytest.mark.parametrize("preset", [Preset.FSDP_CP, Preset.FSDP_CP_RING], ids=["cp_all_gather", "cp_ring_balanced"])
+def test_packed_loss_and_gradients_under_context_parallelism(single_device, preset):
+    """Segment ids travel with their keys (the ring) or are gathered with them (all-gather)."""
+    ref_loss, ref_grads, _, _ = single_device
+    mesh = make_mesh(MeshConfig(1, 4, 1, 1), jax.devices()[:4])
+    trainer = Trainer(LLAMA, dataclasses.replace(TRAIN, batch_size=8), OPTIMIZER, preset.rules, mesh)
+    batch = global_batch(_packed_dataset(1), 0, 8, trainer.batch_sharding)
+    loss, grads, _ = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
+    for name, grad in _flat(grads).items():
+        assert np.linalg.norm(grad - ref_grads[name]) / np.linalg.norm(ref_grads[name]) <= 1e-5, name

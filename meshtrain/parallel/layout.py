@@ -132,7 +132,13 @@ class ParallelPlan:
                     f"seq {self.model.seq_len} not divisible by {where}"))
                 break
         ring = ring_axis(rules)
-        if ring is not None and self.mesh_shape[ring] > 1 and self.stages > 1:
+        ring_size = self.mesh_shape[ring] if ring is not None else 1
+        if ring_size > 1 and rules.balance_ring and self.model.seq_len % (2 * ring_size):
+            found.append(Infeasible("model.seq_len", f"{self.model.seq_len} is not divisible by 2 x the ring size "
+                                    f"{ring_size} (the balanced order cuts it into {2 * ring_size} chunks); use a "
+                                    "multiple, or sharding.balance_ring=false",
+                                    f"seq {self.model.seq_len} not divisible by 2x{ring}={2 * ring_size}"))
+        if ring_size > 1 and self.stages > 1:
             found.append(Infeasible("sharding.rules.kv_length", f"ring attention (kv_length split over {ring}) "
                                     "does not run inside pipeline stages yet; gather the keys (kv_length: null, "
                                     "e.g. preset fsdp_tp_cp) or set mesh.stage=1", "ring attention with stage > 1"))

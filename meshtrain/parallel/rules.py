@@ -78,6 +78,7 @@ class ShardingRules:
     name: str
     table: Mapping[str, AxisRule]
     roles: Mapping[AxisRole, AxisRule] = dataclasses.field(default_factory=dict)
+    balance_ring: bool = True  # under ring attention, permute the sequence so ranks share the work
 
     def __post_init__(self):
         missing = [axis for axis in FRAMEWORK_AXES if axis not in self.table]
@@ -196,11 +197,16 @@ class ShardingConfig:
 
     ``replicated_warning_bytes``: a parameter at least this large that stays fully replicated on a
     mesh with fsdp or tensor > 1 is reported at start-up.
+
+    ``balance_ring``: under ring attention (keys split like queries), the trainer permutes each
+    batch's positions once so that rank i holds sequence chunks i and 2N-1-i of 2N (causal load
+    balancing; ``meshtrain.parallel.ring_attention.balanced_order``). No effect elsewhere.
     """
 
     preset: Preset = Preset.FSDP_TP
     rules: dict[str, AxisRule] = dataclasses.field(default_factory=dict)
     replicated_warning_bytes: int = 1 << 20
+    balance_ring: bool = True
 
     def __post_init__(self):
         if self.replicated_warning_bytes < 0:
@@ -211,4 +217,4 @@ class ShardingConfig:
             raise ConfigError(err.field.removeprefix("sharding."), err.message) from None
 
     def resolve(self) -> ShardingRules:
-        return self.preset.rules.overridden(self.rules)
+        return dataclasses.replace(self.preset.rules.overridden(self.rules), balance_ring=self.balance_ring)

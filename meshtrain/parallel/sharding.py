@@ -69,11 +69,11 @@ class ActivationLayout:
         target = self.mesh if traced_mesh.empty else traced_mesh
         return jax.lax.with_sharding_constraint(x, NamedSharding(target, self.rules.activation_spec(axes)))
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
-               implementation: str | None) -> jax.Array:
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+               segments: jax.Array | None, implementation: str | None) -> jax.Array:
         if self.ring is None:
-            return full_attention(q, k, v, segments, implementation)
-        return ring_attention(q, k, v, segments, mesh=self.mesh, axis=self.ring)
+            return full_attention(q, k, v, positions, segments, implementation)
+        return ring_attention(q, k, v, positions, segments, mesh=self.mesh, axis=self.ring)
 
 
 def activation_sharding(rules: ShardingRules, mesh: Mesh) -> ActivationSharding:

@@ -281,13 +281,14 @@ class Attention(nnx.Module):
         attended = checkpoint_name(shard(attended, ("batch", "length", "heads", "head_dim")), "attention")
         return jnp.einsum("btnh,nhd->btd", attended, self.out[...])
 
-    def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], segments: jax.Array | None,
-                 shard: ActivationSharding) -> jax.Array:
-        """x: [batch, length, embed] -> [batch, length, embed]: causal attention over the row, within
-        each document of ``segments`` (int [batch, length]) when given, by the framework's scheme
-        (``shard.attend``: ``models.common.full_attention`` or ring attention)."""
+    def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], positions: jax.Array,
+                 segments: jax.Array | None, shard: ActivationSharding) -> jax.Array:
+        """x: [batch, length, embed] -> [batch, length, embed]: causal attention over the row (by
+        ``positions``, int [batch or 1, length]), within each document of ``segments`` (int [batch,
+        length]) when given, by the framework's scheme (``shard.attend``:
+        ``models.common.full_attention`` or ring attention)."""
         q, k, v = self._project(x, rotary, shard)
-        return self._output(shard.attend(q, k, v, segments, self.implementation), shard)
+        return self._output(shard.attend(q, k, v, positions, segments, self.implementation), shard)
 
     def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
                values: jax.Array, start: jax.Array, shard: ActivationSharding
@@ -331,9 +332,9 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], segments: jax.Array | None,
-                 shard: ActivationSharding) -> jax.Array:
-        x = shard(x + self.attention(self.attn_norm(x), rotary, segments, shard), RESIDUAL_AXES)
+    def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], positions: jax.Array,
+                 segments: jax.Array | None, shard: ActivationSharding) -> jax.Array:
+        x = shard(x + self.attention(self.attn_norm(x), rotary, positions, segments, shard), RESIDUAL_AXES)
         return shard(x + self.mlp(self.mlp_norm(x), shard), RESIDUAL_AXES)
 
     def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
@@ -390,13 +391,13 @@ class Llama(nnx.Module):
         and the auxiliary loss (Llama has none: 0). With ``documents``, rotary positions restart
         at each document and attention stays within it."""
         cfg = self.cfg
-        rotary = rotary_tables(positions_of(documents, x.shape[1]), cfg.head_dim, cfg.rope_theta,
-                               cfg.rope_scaling)
+        positions = positions_of(documents, x.shape[1])
+        rotary = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         segments = None if documents is None else documents.segments
         layer_def, layer_state = nnx.split(self.layers)
 
         def run_layer(x: jax.Array, one_layer_state) -> tuple[jax.Array, None]:
-            return nnx.merge(layer_def, one_layer_state)(x, rotary, segments, shard), None
+            return nnx.merge(layer_def, one_layer_state)(x, rotary, positions, segments, shard), None
 
         x, _ = jax.lax.scan(cfg.remat.wrap(run_layer, cfg.remat_names), x, layer_state)
         return x, jnp.zeros((), jnp.float32)
