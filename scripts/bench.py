@@ -262,6 +262,7 @@ CONTEXT_LAYOUTS = (
     ("FSDP 2 x TP 4 + SP", (1, 2, 4, 1), "fsdp_tp_sp"),
     ("CP 8 (all-gather)", (1, 8, 1, 1), "fsdp_cp"),
     ("CP 2 x TP 4", (1, 2, 4, 1), "fsdp_tp_cp"),
+    ("CP 8 (ring, balanced)", (1, 8, 1, 1), "fsdp_cp_ring"),
 )
 CONTEXT_MODEL = ["model.num_layers=2", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=16",
                  "model.embed_dim=128", "model.mlp_dim=512", "model.vocab_size=256", "train.batch_size=2",

@@ -89,6 +89,7 @@ def test_prepare_train_evaluate_generate(corpus, tmp_path, capsys):
     assert chosen.encode("The mesh") != list(b"The mesh")
 
 
+@pytest.mark.slow
 def test_generate_refuses_bytes_for_a_model_trained_on_tokens(corpus, tmp_path, capsys):
     _, prepared, _, _ = corpus
     run = tmp_path / "run"
@@ -155,6 +156,7 @@ def test_one_line_errors_for_bad_corpus_input(corpus, tmp_path):
         assert info.value.field == field, overrides
 
 
+@pytest.mark.slow
 def test_evaluation_needs_held_out_data(corpus, tmp_path, capsys):
     _, _, other, _ = corpus
     argv = ["train.steps=1", "train.batch_size=8", "data.source=tokens", f"data.path={other}", "eval.every=1",

@@ -56,8 +56,13 @@ LAYOUTS = [
 ]
 
 
+# In the fast tier: one SP and one ring layout; the rest in the full suite.
+FAST = [((1, 2, 2, 1), Preset.FSDP_TP_SP), ((2, 4, 1, 1), Preset.FSDP_CP_RING)]
+LAYOUTS = [layout if layout in FAST else pytest.param(*layout, marks=pytest.mark.slow) for layout in LAYOUTS]
+
+
 @pytest.mark.parametrize("mesh_shape,preset", LAYOUTS, ids=[f"{getattr(p, 'value', None) or p.name}-{'x'.join(map(str, m))}"
-                                                             for m, p in LAYOUTS])
+                                                             for m, p in (getattr(x, "values", x) for x in LAYOUTS)])
 def test_loss_and_gradients_equal_one_device(reference, mesh_shape, preset):
     ref_loss, ref_grads = reference
     loss, grads = _loss_and_grads(_trainer(mesh_shape, preset))
@@ -132,6 +137,7 @@ def test_context_parallel_inside_pipeline_stages(reference):
         assert np.linalg.norm(grad - ref_grads[name]) / np.linalg.norm(ref_grads[name]) <= 1e-5, name
 
 
+@pytest.mark.slow
 def test_ring_layout_passes_keys_round_the_ring_and_refuses_pipeline_stages():
     from meshtrain.errors import ConfigError
     from meshtrain.parallel.pipeline import PipelineConfig, Schedule

@@ -81,8 +81,10 @@ def _alone(model, params, graphdef, inputs, segments):
     return out
 
 
-@pytest.mark.parametrize("model", [LLAMA, TOY], ids=["llama", "toy_gpt"])
-@pytest.mark.parametrize("mesh_shape", [(1, 1, 1, 1), (2, 2, 2, 1)])
+@pytest.mark.parametrize("model,mesh_shape", [
+    (LLAMA, (2, 2, 2, 1)), (TOY, (2, 2, 2, 1)), pytest.param(LLAMA, (1, 1, 1, 1), marks=pytest.mark.slow),
+    pytest.param(TOY, (1, 1, 1, 1), marks=pytest.mark.slow)], ids=["llama-2x2x2x1", "toy_gpt-2x2x2x1",
+                                                                    "llama-1x1x1x1", "toy_gpt-1x1x1x1"])
 def test_packed_logits_equal_each_document_alone(model, mesh_shape):
     trainer = _trainer(model, mesh_shape)
     dataset = _packed_dataset()
@@ -125,7 +127,8 @@ PIPELINES = {"gpipe": PipelineConfig(2, Schedule.GPIPE), "1f1b": PipelineConfig(
 
 @pytest.mark.parametrize("mesh_shape,pipeline", [
     ((1, 1, 1, 1), "none"), pytest.param((2, 2, 1, 2), "gpipe", marks=pytest.mark.slow),
-    pytest.param((1, 2, 2, 2), "1f1b", marks=pytest.mark.slow), ((2, 1, 1, 2), "interleaved")])
+    pytest.param((1, 2, 2, 2), "1f1b", marks=pytest.mark.slow),
+    pytest.param((2, 1, 1, 2), "interleaved", marks=pytest.mark.slow)])
 def test_packed_loss_and_gradients_through_every_layout(single_device, mesh_shape, pipeline):
     ref_loss, ref_grads, alone_loss, ref_eval = single_device
     assert ref_loss == pytest.approx(alone_loss, rel=1e-5)  # the objective is each document's alone
@@ -142,6 +145,7 @@ def test_packed_loss_and_gradients_through_every_layout(single_device, mesh_shap
     assert float(evaluated["loss_sum"]) == pytest.approx(float(ref_eval["loss_sum"]), rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", [Preset.FSDP_CP, Preset.FSDP_CP_RING], ids=["cp_all_gather", "cp_ring_balanced"])
 def test_packed_loss_and_gradients_under_context_parallelism(single_device, preset):
     """Segment ids travel with their keys (the ring) or are gathered with them (all-gather)."""

@@ -36,9 +36,13 @@ def _reference(q, k, v, segments):
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=segments is None, implementation="xla")
 
 
-@pytest.mark.parametrize("ring", [2, 4, 8])
-@pytest.mark.parametrize("with_segments", [False, True], ids=["causal", "segments"])
-@pytest.mark.parametrize("balanced", [False, True], ids=["in_order", "balanced"])
+CASES = [(ring, segments, balanced) for ring in (2, 4, 8) for segments in (False, True) for balanced in (False, True)]
+FAST = {(4, True, True), (8, False, False)}
+
+
+@pytest.mark.parametrize("ring,with_segments,balanced", [
+    case if case in FAST else pytest.param(*case, marks=pytest.mark.slow) for case in CASES],
+    ids=[f"ring{r}-{'segments' if s else 'causal'}-{'balanced' if b else 'in_order'}" for r, s, b in CASES])
 def test_ring_attention_equals_full_attention(ring, with_segments, balanced):
     mesh = Mesh(np.array(jax.devices()[:ring]), ("fsdp",))
     q, k, v = _inputs()
