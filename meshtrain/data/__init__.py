@@ -744,7 +744,8 @@ def global_batch(dataset: TokenDataset, step: int, batch_size: int,
       sharding: shards dim 0 (batch) over some mesh axes and replicates dim 1.
 
     Returns:
-      ``inputs``/``targets`` int32 and ``mask`` float32, each [batch_size, seq_len] with ``sharding``.
+      ``inputs``/``targets`` int32 and ``mask`` float32 (and, for ``packing: documents``,
+      ``positions``/``segments`` int32), each [batch_size, seq_len] with ``sharding``.
     """
     shape = (batch_size, dataset.seq_len)
     spans = [idx[0].indices(batch_size)[:2]

@@ -2,7 +2,9 @@
 
 1. ``rules.py``   - the logical-axis rules table: data parallel (batch over ``data`` and ``fsdp``),
                     FSDP (parameters' ``embed`` over ``fsdp``), tensor parallel (``vocab`` and the
-                    model family's TENSOR-role axes over ``tensor``). Presets compose these.
+                    model family's TENSOR-role axes over ``tensor``), sequence parallel (the
+                    residual stream's ``sequence`` over ``tensor``), context parallel (positions over
+                    ``fsdp``, the batch over ``data``). Presets compose these.
 2. ``pipeline.py`` - pipeline parallelism over ``stage`` (GPipe, 1F1B, interleaved): adds the
                     rule ``layers -> stage`` for parameters, fixes the layers' storage order, and runs
                     each (accumulation) microbatch through a ``shard_map`` schedule manual over
@@ -13,7 +15,9 @@
                     ``fsdp`` split.
 5. ``offload.py`` - the optimizer state in pinned host memory between steps.
 6. ``sharding.py`` - specs to ``NamedSharding``s for parameters, optimizer state, batches and
-                    activation constraints.
+                    activation constraints, and the attention scheme the rules imply
+                    (``ring_attention.py`` where the keys stay split along the sequence; the
+                    trainer permutes each batch into its balanced order first).
 7. ``accumulate.py`` - gradient accumulation: microbatches scanned inside the jitted step, the
                     accumulator kept in the gradients' layout.
 
