@@ -29,7 +29,7 @@ stdlib: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
 
-# The fast tier (under 4 minutes on 2 cores): run before every commit.
+# The fast tier (about 4 minutes on 2 cores: 4 min 7 s measured on 2026-12-01): run before every commit.
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not slow"
 

@@ -82,7 +82,8 @@ def _alone(model, params, graphdef, inputs, segments):
 
 
 @pytest.mark.parametrize("model,mesh_shape", [
-    (LLAMA, (2, 2, 2, 1)), (TOY, (2, 2, 2, 1)), pytest.param(LLAMA, (1, 1, 1, 1), marks=pytest.mark.slow),
+    (LLAMA, (2, 2, 2, 1)), pytest.param(TOY, (2, 2, 2, 1), marks=pytest.mark.slow),
+    pytest.param(LLAMA, (1, 1, 1, 1), marks=pytest.mark.slow),
     pytest.param(TOY, (1, 1, 1, 1), marks=pytest.mark.slow)], ids=["llama-2x2x2x1", "toy_gpt-2x2x2x1",
                                                                     "llama-1x1x1x1", "toy_gpt-1x1x1x1"])
 def test_packed_logits_equal_each_document_alone(model, mesh_shape):
