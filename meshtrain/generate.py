@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from meshtrain.data.tokenizer import TOKENIZER_FILE, end_of_document_id
+from meshtrain.data.tokenizer import TOKENIZER_FILE, end_of_document_id, load_tokenizer
 from meshtrain.loading import LoadedModel, load_model
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.sharding import data_parallel_size
@@ -57,18 +57,20 @@ class ByteTokenizer:
 
 @dataclasses.dataclass
 class HFTokenizer:
-    """A ``tokenizers.Tokenizer`` from a local ``tokenizer.json``."""
+    """A ``tokenizers.Tokenizer`` from a local ``tokenizer.json``. Without an ``eos_id`` (from
+    generation_config.json or config.json), the tokenizer's usual end-of-document token, as
+    ``prepare`` inserts it, when it has one."""
 
     path: pathlib.Path
     eos_id: int | None = None
 
     def __post_init__(self):
-        from tokenizers import Tokenizer as RustTokenizer
-
-        try:
-            self._tokenizer = RustTokenizer.from_file(str(self.path))
-        except Exception as err:  # the tokenizers package raises its own exception type
-            raise ConfigError("--tokenizer", f"cannot read {self.path}: {err}") from None
+        self._tokenizer = load_tokenizer(self.path, "--tokenizer")
+        if self.eos_id is None:
+            try:
+                self.eos_id = end_of_document_id(self._tokenizer, None, "--tokenizer")[1]
+            except ConfigError:  # none of the usual tokens: generate up to --max-new-tokens
+                pass
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text).ids
@@ -95,14 +97,6 @@ def _eos_id(model_dir: pathlib.Path, hf_config: dict | None) -> int | None:
     return None
 
 
-def end_of_document_id_or_none(tokenizer) -> int | None:
-    """The id of the tokenizer's usual end-of-document token, or None when it has none."""
-    try:
-        return end_of_document_id(tokenizer, None, "--tokenizer")[1]
-    except ConfigError:
-        return None
-
-
 def make_tokenizer(choice: str, model: LoadedModel) -> Tokenizer:
     """The tokenizer ``--tokenizer`` names for ``model`` (see the module docstring)."""
     model_dir = model.home or (model.path if model.path.is_dir() else model.path.parent)
@@ -124,11 +118,7 @@ def make_tokenizer(choice: str, model: LoadedModel) -> Tokenizer:
     path = pathlib.Path(choice)
     if not path.is_file():
         raise ConfigError("--tokenizer", f"no such file: {choice}; use auto, bytes or a tokenizer.json path")
-    eos_id = _eos_id(model_dir, model.hf_config)
-    tokenizer = HFTokenizer(path, eos_id=eos_id)
-    if eos_id is None:  # a tokenizer of our own: the end-of-document token prepare inserted
-        tokenizer.eos_id = end_of_document_id_or_none(tokenizer._tokenizer)
-    return tokenizer
+    return HFTokenizer(path, eos_id=_eos_id(model_dir, model.hf_config))
 
 
 def generate_tokens(graphdef: nnx.GraphDef, params: nnx.State, prompt: np.ndarray, max_new_tokens: int, *,

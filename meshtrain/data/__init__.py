@@ -374,7 +374,8 @@ class StreamInfo:
     Attributes:
       label: for the start-up line. watched: files the stream reads, checked for changes before
       every read. document_starts: int64 [documents + 1] offsets where each document starts (last =
-      num_tokens), for ``packing: documents``. bytes_per_token, tokenizer_file: see ``TokenDataset``.
+      num_tokens), for ``packing: documents``. bytes_per_token, tokenizer_file: see ``TokenDataset``;
+      tokenizer_sha256: that file's hash.
     """
 
     label: str
@@ -382,6 +383,7 @@ class StreamInfo:
     document_starts: np.ndarray | None = None
     bytes_per_token: float | None = None
     tokenizer_file: str | None = None
+    tokenizer_sha256: str | None = None
 
 
 class FileDataset:
@@ -531,7 +533,7 @@ def _memmapped(array: np.ndarray) -> tuple[str, ...]:
     return (array.filename,) if isinstance(array, np.memmap) and array.filename else ()
 
 
-def _text_stream(cfg: DataConfig, path: str, field: str, vocab_size: int) -> tuple[TokenStream, StreamInfo]:
+def _text_stream(path: str, field: str, vocab_size: int) -> tuple[TokenStream, StreamInfo]:
     if vocab_size < 256:
         raise ConfigError("model.vocab_size", f"is {vocab_size}; source 'text' uses byte tokens "
                           "0..255, so it must be >= 256")
@@ -611,10 +613,10 @@ def _given_tokenizer(cfg: DataConfig, vocab_size: int) -> tuple[str, str] | None
     return path, file_sha256(path)
 
 
-def _id_stream(cfg: DataConfig, path: str, field: str, vocab_size: int, split: str = TRAIN_SPLIT,
-               ) -> tuple[TokenStream, StreamInfo]:
-    """The token stream at ``path``: a prepared directory's ``split``, or one .npy/.bin file."""
-    given = _given_tokenizer(cfg, vocab_size)
+def _id_stream(cfg: DataConfig, path: str, field: str, vocab_size: int, given: tuple[str, str] | None,
+               split: str = TRAIN_SPLIT) -> tuple[TokenStream, StreamInfo]:
+    """The token stream at ``path``: a prepared directory's ``split``, or one .npy/.bin file.
+    ``given``: ``data.tokenizer``'s (path, sha256) from ``_given_tokenizer``."""
     if os.path.isdir(path):
         corpus = PreparedCorpus.open(path, field=field)
         record = corpus.tokenizer
@@ -628,9 +630,9 @@ def _id_stream(cfg: DataConfig, path: str, field: str, vocab_size: int, split: s
                               f"tokens of the tokenizer {path} was prepared with; raise model.vocab_size")
         part: CorpusSplit = corpus.split(split, field=field)
         starts = part.document_starts() if cfg.packing is Packing.DOCUMENTS else None
+        per_token = part.text_bytes / part.num_tokens if part.text_bytes and part.num_tokens else None
         info = StreamInfo(f"{path} ({split}: {part.num_documents:,} documents)", tuple(part.shard_paths),
-                          starts, part.text_bytes and part.num_tokens and part.text_bytes / part.num_tokens,
-                          record.file)
+                          starts, per_token, record.file, record.sha256)
         return part, info
     if cfg.packing is Packing.DOCUMENTS:
         raise ConfigError("data.packing", f"'documents' needs the document boundaries of a prepared "
@@ -641,8 +643,9 @@ def _id_stream(cfg: DataConfig, path: str, field: str, vocab_size: int, split: s
         raise ConfigError(field, f"{path}: expected a prepared directory or a .npy or .bin file of token ids")
     tokens = load(path, field, cfg.token_dtype)
     _check_ids(tokens, path, field, vocab_size)
-    return ArrayStream(tokens), StreamInfo(f"tokens from {path}", _memmapped(tokens),
-                                           tokenizer_file=given and given[0])
+    file, digest = given or (None, None)
+    return ArrayStream(tokens), StreamInfo(f"tokens from {path}", _memmapped(tokens), tokenizer_file=file,
+                                           tokenizer_sha256=digest)
 
 
 def _file_dataset(stream: TokenStream, info: StreamInfo, path: str, field: str, *, seq_len: int, seed: int,
@@ -662,23 +665,23 @@ def _markov_dataset(cfg: DataConfig, vocab_size: int, seq_len: int) -> MarkovDat
 
 
 def _text_dataset(cfg: DataConfig, vocab_size: int, seq_len: int) -> FileDataset:
-    stream, info = _text_stream(cfg, cfg.path, "data.path", vocab_size)
+    stream, info = _text_stream(cfg.path, "data.path", vocab_size)
     return _file_dataset(stream, info, cfg.path, "data.path", seq_len=seq_len, seed=cfg.seed)
 
 
 def _tokens_dataset(cfg: DataConfig, vocab_size: int, seq_len: int) -> TokenDataset:
+    given = _given_tokenizer(cfg, vocab_size)
     if not cfg.mixture:
-        stream, info = _id_stream(cfg, cfg.path, "data.path", vocab_size)
+        stream, info = _id_stream(cfg, cfg.path, "data.path", vocab_size, given)
         return _file_dataset(stream, info, cfg.path, "data.path", seq_len=seq_len, seed=cfg.seed)
     datasets, hashes = [], []
     for i, entry in enumerate(cfg.mixture):
         field = f"data.mixture[{i}].path"
-        stream, info = _id_stream(cfg, entry.path, field, vocab_size)
-        digest = file_sha256(info.tokenizer_file) if info.tokenizer_file else None
-        if hashes and digest != hashes[0]:
+        stream, info = _id_stream(cfg, entry.path, field, vocab_size, given)
+        if hashes and info.tokenizer_sha256 != hashes[0]:
             raise ConfigError(field, f"{entry.path} was tokenized with another tokenizer than "
                               f"{cfg.mixture[0].path}; a mixture needs one tokenizer")
-        hashes.append(digest)
+        hashes.append(info.tokenizer_sha256)
         seed = int(np.random.SeedSequence([cfg.seed, i]).generate_state(1)[0])  # each its own order
         datasets.append(_file_dataset(stream, info, entry.path, field, seq_len=seq_len, seed=seed))
     return MixtureDataset(datasets, [entry.weight for entry in cfg.mixture], [e.path for e in cfg.mixture])
@@ -727,9 +730,9 @@ def make_held_out_dataset(cfg: DataConfig, train: TokenDataset, *, path: str, sp
                               "split of its own")
         path, field = cfg.path, "data.path"
     if cfg.source is DataSource.TEXT:
-        stream, info = _text_stream(cfg, path, field, vocab_size)
+        stream, info = _text_stream(path, field, vocab_size)
     else:
-        stream, info = _id_stream(cfg, path, field, vocab_size, split)
+        stream, info = _id_stream(cfg, path, field, vocab_size, _given_tokenizer(cfg, vocab_size), split)
     return _file_dataset(stream, info, path, field, seq_len=seq_len, seed=cfg.seed, shuffle=False)
 
 

@@ -239,12 +239,6 @@ def sequential_loss(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objectiv
     return loss
 
 
-def sequential(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
-               shard, compute_dtype) -> ValueAndGrad:
-    """No pipeline: autodiff of the whole model."""
-    return jax.value_and_grad(sequential_loss(cfg, mesh, model_of, objective, shard, compute_dtype))
-
-
 def circular_loss(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
                   shard, compute_dtype) -> Loss:
     """The loss through the GPipe (V = 1) and interleaved (V > 1) schedules' forward.
@@ -306,12 +300,6 @@ def circular_loss(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective:
         return objective.of_logits(model.logits(x.astype(compute_dtype), shard), batch) + objective.of_aux(aux_sum)
 
     return loss
-
-
-def circular(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
-             shard, compute_dtype) -> ValueAndGrad:
-    """GPipe (V = 1) and interleaved (V > 1) schedules, differentiated by autodiff."""
-    return jax.value_and_grad(circular_loss(cfg, mesh, model_of, objective, shard, compute_dtype))
 
 
 def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
@@ -393,9 +381,14 @@ def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: O
     return value_and_grad
 
 
+def _by_autodiff(loss_of: Callable[..., Loss]) -> Callable[..., ValueAndGrad]:
+    """A schedule whose backward is autodiff of its forward loss (no pipeline, GPipe, interleaved)."""
+    return lambda *args: jax.value_and_grad(loss_of(*args))
+
+
 _SCHEDULES: dict[Schedule, Callable[..., ValueAndGrad]] = {
-    Schedule.GPIPE: circular,
-    Schedule.INTERLEAVED: circular,
+    Schedule.GPIPE: _by_autodiff(circular_loss),
+    Schedule.INTERLEAVED: _by_autodiff(circular_loss),
     Schedule.ONE_F_ONE_B: one_f_one_b,
 }
 
@@ -403,7 +396,7 @@ _SCHEDULES: dict[Schedule, Callable[..., ValueAndGrad]] = {
 def make_value_and_grad(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
                         shard, compute_dtype) -> ValueAndGrad:
     """The loss-and-gradient function of one (accumulation) microbatch for ``mesh`` and ``cfg``."""
-    schedule = sequential if mesh.shape[STAGE] == 1 else _SCHEDULES[cfg.schedule]
+    schedule = _by_autodiff(sequential_loss) if mesh.shape[STAGE] == 1 else _SCHEDULES[cfg.schedule]
     return schedule(cfg, mesh, model_of, objective, shard, compute_dtype)
 
 
