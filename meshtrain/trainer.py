@@ -28,7 +28,7 @@ from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, na
 from meshtrain.parallel.zero import StateLayout, ZeroConfig
 from meshtrain.precision import LossScale, Precision, cast_floating, initial_loss_scale
 from meshtrain.train_config import TrainConfig
-from models.api import DecoderModel, ModelConfig, family_of
+from models.api import AUX_LOSS, DecoderModel, ModelConfig, family_of
 
 Metrics = dict[str, jax.Array]
 
@@ -165,14 +165,16 @@ class Trainer:
                          activation_sharding(self.rules, self.mesh), compute_dtype)
 
         def add_microbatch(total: jax.Array, microbatch: Batch) -> tuple[jax.Array, None]:
-            return total + loss(params, microbatch), None
+            return total + loss(params, microbatch)[0], None
 
         total, _ = jax.lax.scan(add_microbatch, jnp.zeros((), jnp.float32),
                                 split_microbatches(batch, self.train_cfg.grad_accum))
         return {"loss_sum": total, "target_tokens": jnp.sum(batch["mask"])}
 
-    def gradients(self, state: TrainState, batch: Batch) -> tuple[jax.Array, nnx.State, jax.Array]:
-        """Mean loss and its fp32 gradients (unscaled) on a global batch, and the target count.
+    def gradients(self, state: TrainState, batch: Batch) -> tuple[jax.Array, nnx.State, jax.Array, Metrics]:
+        """Mean loss and its fp32 gradients (unscaled) on a global batch, the target count, and the
+        layers' statistics (every aux term of ``DecoderModel.run_layers`` but the loss, as a mean
+        over the batch's rows).
 
         Microbatches of ``train.grad_accum`` are scanned; each runs through the pipeline schedule
         when ``mesh.stage`` > 1. Gradients of interleaved layers are in storage order.
@@ -195,16 +197,17 @@ class Trainer:
         def constrain_grads(grads: nnx.State) -> nnx.State:
             return jax.lax.with_sharding_constraint(grads, self.layout.grads)
 
-        scaled_loss, scaled_grads = accumulate_gradients(
+        scaled_loss, aux, scaled_grads = accumulate_gradients(
             value_and_grad, state.params, split_microbatches(batch, self.train_cfg.grad_accum),
             constrain_grads)
+        statistics = {name: value / rows for name, value in aux.items() if name != AUX_LOSS}
         return (scaled_loss / state.loss_scale.scale, state.loss_scale.unscale(scaled_grads),
-                target_count)
+                target_count, statistics)
 
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         """One optimizer step on a global batch {inputs, targets, mask} (and {positions, segments}
         when its rows are packed from documents): [batch, length] each."""
-        loss, grads, target_count = self.gradients(state, batch)
+        loss, grads, target_count, statistics = self.gradients(state, batch)
         grad_norm = optax.tree.norm(grads)
         old_opt_state = jax.device_put(state.opt_state, self.optimizer_compute_shardings)
         updates, opt_state = self.tx.update(grads, old_opt_state, state.params)
@@ -222,5 +225,5 @@ class Trainer:
             skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
         metrics = {"loss": loss, "grad_norm": grad_norm, "update_norm": update_norm,
                    "lr": self.schedule(state.step), "loss_scale": state.loss_scale.scale,
-                   "skipped_steps": new_state.skipped_steps, "target_tokens": target_count}
+                   "skipped_steps": new_state.skipped_steps, "target_tokens": target_count, **statistics}
         return new_state, metrics

@@ -35,6 +35,15 @@ FRAMEWORK_AXES = ("batch", "sequence", "length", "kv_length", "embed", "vocab", 
 DEFAULT_FAMILY = "llama"
 # The stacked-layers sub-module of every family: parameters under it lead with the ``layers`` axis.
 LAYERS_KEY = "layers"
+# The entry of ``run_layers``' auxiliary terms that is added to the training objective.
+AUX_LOSS = "loss"
+# What ``run_layers`` returns besides the activations: fp32 arrays, each summed over the batch rows.
+LayerAux = dict[str, jax.Array]
+
+
+def no_aux() -> LayerAux:
+    """The auxiliary terms of layers that have none: a zero loss."""
+    return {AUX_LOSS: jnp.zeros((), jnp.float32)}
 
 
 class AxisRole(str, enum.Enum):
@@ -43,10 +52,13 @@ class AxisRole(str, enum.Enum):
     REPLICATED: never split (e.g. ``head_dim``).
     TENSOR: split by tensor parallelism, in parameters and activations alike (attention heads, MLP
     hidden units: the column- and row-parallel dimensions of Megatron's layer).
+    EXPERT: the experts of a mixture-of-experts layer, split by expert parallelism over the mesh
+    axes that split the batch (each device holds its share of the experts; tokens travel to them).
     """
 
     REPLICATED = "replicated"
     TENSOR = "tensor_parallel"
+    EXPERT = "expert_parallel"
 
 
 class ModelConfig(Protocol):
@@ -108,15 +120,20 @@ class DecoderModel(Protocol):
         """tokens [batch, length] -> x [batch, length, embed]."""
 
     def run_layers(self, x: jax.Array, shard: ActivationSharding,
-                   documents: Documents | None = None) -> tuple[jax.Array, jax.Array]:
+                   documents: Documents | None = None) -> tuple[jax.Array, LayerAux]:
         """x [batch, length, embed] through the layers this module holds -> (x, aux).
 
-        ``aux`` is an fp32 scalar: the auxiliary losses of these layers (already weighted by their
-        coefficients, e.g. an MoE load-balancing loss), **summed over the batch rows** of ``x``. The
-        framework divides it by the rows of the global batch, so the objective does not depend on
-        how the rows are split into microbatches, pipeline microbatches or devices. 0 when none.
-        (Return the per-layer values as outputs of the layer scan and sum them, rather than carrying
-        a sum: inside a pipeline stage a fresh carry would not be varying over the stage axis.)
+        ``aux`` maps names to fp32 arrays, each **summed over the batch rows** of ``x``; the same
+        names whatever layers the module holds. ``aux[AUX_LOSS]`` (a scalar) is the layers'
+        auxiliary loss, already weighted by its coefficients (e.g. an MoE load-balancing loss); the
+        framework divides it by the rows of the global batch and adds it to the objective, so the
+        objective does not depend on how the rows are split into microbatches, pipeline microbatches
+        or devices (``no_aux()`` when there is none). Every other entry is a statistic: the trainer
+        reports its mean over the rows (of the step's batch; summed over pipeline stages, so a
+        per-layer average should be summed per layer and divided by the model's layer count) as a
+        metric of that name. (Return per-layer values as outputs of the layer scan and sum them,
+        rather than carrying a sum: inside a pipeline stage a fresh carry would not be varying over
+        the stage axis.)
         """
 
     def logits(self, x: jax.Array, shard: ActivationSharding) -> jax.Array:

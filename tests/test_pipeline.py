@@ -44,7 +44,7 @@ def _loss_and_grads(trainer):
     dataset = make_dataset(DataConfig(), vocab_size=trainer.model_cfg.vocab_size,
                            seq_len=trainer.model_cfg.seq_len)
     batch = global_batch(dataset, 0, trainer.train_cfg.batch_size, trainer.batch_sharding)
-    loss, grads, _ = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
+    loss, grads, _, _ = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
     grads = trainer.layer_order.to_logical(grads)
     return float(loss), {".".join(map(str, path)): np.asarray(v.get_value())
                          for path, v in nnx.to_flat_state(grads)}

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.api import AxisRole, Documents, ModelFamily, positions_of, register
+from models.api import AUX_LOSS, AxisRole, Documents, ModelFamily, positions_of, register
 from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
                            palm_train_flops_per_token, stacked_layers, unconstrained)
 
@@ -120,7 +120,7 @@ class ToyGPT(nnx.Module):
         return shard(one_hot @ self.token_embedding[...] + positions @ self.position_embedding[...], BLE)
 
     def run_layers(self, x: jax.Array, shard: ActivationSharding = unconstrained,
-                   documents: Documents | None = None) -> tuple[jax.Array, jax.Array]:
+                   documents: Documents | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         layer_def, layer_state = nnx.split(self.layers)
         mask = None if documents is None else documents.attention_mask()
 
@@ -130,7 +130,7 @@ class ToyGPT(nnx.Module):
         # Each layer's aux loss is a scan output, not a carry: a carry created here would not match
         # the type the layers give it inside a pipeline stage (varying over the manual stage axis).
         x, aux = jax.lax.scan(self.cfg.remat.wrap(run_layer, ()), x, layer_state)
-        return x, jnp.sum(aux)
+        return x, {AUX_LOSS: jnp.sum(aux)}
 
     def logits(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
         return shard(_layer_norm(x, self.final_norm[...]) @ self.head[...], ("batch", "length", "vocab"))

@@ -25,19 +25,20 @@ def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
-def accumulate_gradients(loss_and_grad: Callable[[Any, Batch], tuple[jax.Array, Any]], params: Any,
-                         microbatches: Batch, constrain_grads: Callable[[Any], Any]) -> tuple[jax.Array, Any]:
-    """Sums ``loss_and_grad(params, microbatch)`` over the leading microbatch axis with ``lax.scan``.
+def accumulate_gradients(loss_and_grad: Callable[[Any, Batch], tuple[tuple[jax.Array, Any], Any]], params: Any,
+                         microbatches: Batch, constrain_grads: Callable[[Any], Any]) -> tuple[jax.Array, Any, Any]:
+    """Sums ``loss_and_grad(params, microbatch) -> ((loss, aux), grads)`` over the leading
+    microbatch axis with ``lax.scan``: (loss, aux, grads) summed.
 
     ``loss_and_grad`` must already be normalised by the global target count, so sums are exact.
     """
 
     def add_microbatch(carry, microbatch):
         loss_sum, grad_sum = carry
-        loss, grads = loss_and_grad(params, microbatch)
+        (loss, aux), grads = loss_and_grad(params, microbatch)
         grad_sum = constrain_grads(jax.tree.map(jnp.add, grad_sum, grads))
-        return (loss_sum + loss, grad_sum), None
+        return (loss_sum + loss, grad_sum), aux  # aux: a scan output, summed below
 
     zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(add_microbatch, (jnp.zeros((), jnp.float32), zeros), microbatches)
-    return loss, grads
+    (loss, grads), aux = jax.lax.scan(add_microbatch, (jnp.zeros((), jnp.float32), zeros), microbatches)
+    return loss, jax.tree.map(lambda x: jnp.sum(x, axis=0), aux), grads

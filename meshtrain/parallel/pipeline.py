@@ -36,16 +36,17 @@ from jax.sharding import Mesh, PartitionSpec
 from meshtrain.errors import ConfigError, Infeasible
 from meshtrain.parallel.accumulate import Batch, split_microbatches
 from meshtrain.parallel.rules import AxisRule, ShardingRules
-from models.api import Documents
+from models.api import AUX_LOSS, Documents, LayerAux
 
 STAGE = "stage"
 
-# (params, microbatch) -> (scaled loss, grads); grads have the structure of params.
-ValueAndGrad = Callable[[nnx.State, Batch], tuple[jax.Array, nnx.State]]
+# (params, microbatch) -> ((scaled loss, the layers' aux terms summed over its rows), grads); grads
+# have the structure of params.
+ValueAndGrad = Callable[[nnx.State, Batch], tuple[tuple[jax.Array, LayerAux], nnx.State]]
 # params (fp32, possibly one stage's slice of the layers) -> a model in the compute dtype.
 ModelOf = Callable[[nnx.State], Any]
-# (params, microbatch) -> its scaled loss, forward only (evaluation).
-Loss = Callable[[nnx.State, Batch], jax.Array]
+# (params, microbatch) -> (its scaled loss, the layers' aux terms), forward only.
+Loss = Callable[[nnx.State, Batch], tuple[jax.Array, LayerAux]]
 # Values crossing stages are fp32; each stage computes in the compute dtype.
 CROSSING_DTYPE = jnp.float32
 
@@ -61,12 +62,25 @@ class Objective:
     """The two (linear) terms of one microbatch's scaled, normalised loss.
 
     of_logits: (logits [batch, length, vocab], microbatch) -> the token loss.
-    of_aux: the layers' auxiliary-loss sum over the microbatch's rows (``DecoderModel.run_layers``)
-    -> its share of the loss.
+    of_aux: the layers' auxiliary-loss sum over the microbatch's rows (``aux[AUX_LOSS]`` of
+    ``DecoderModel.run_layers``) -> its share of the loss.
     """
 
     of_logits: Callable[[jax.Array, Batch], jax.Array]
     of_aux: Callable[[jax.Array], jax.Array]
+
+    def of_layers(self, aux: LayerAux) -> jax.Array:
+        """The share of the loss of the layers' aux terms ``aux``."""
+        return self.of_aux(aux[AUX_LOSS])
+
+
+def _sum_ticks(per_tick: LayerAux) -> LayerAux:
+    """Aux terms stacked over scan ticks (or microbatches) -> their sums."""
+    return jax.tree.map(lambda x: jnp.sum(x, axis=0), per_tick)
+
+
+def _masked(aux: LayerAux, ok: jax.Array) -> LayerAux:
+    return jax.tree.map(lambda x: jnp.where(ok, x, jnp.zeros_like(x)), aux)
 
 
 class Schedule(str, enum.Enum):
@@ -231,10 +245,10 @@ def sequential_loss(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objectiv
     """No pipeline: the whole model's loss."""
     del cfg, mesh, compute_dtype
 
-    def loss(params: nnx.State, batch: Batch) -> jax.Array:
+    def loss(params: nnx.State, batch: Batch) -> tuple[jax.Array, LayerAux]:
         model, documents = model_of(params), documents_of(batch)
         x, aux = model.run_layers(model.embed(batch["inputs"], shard, documents), shard, documents)
-        return objective.of_logits(model.logits(x, shard), batch) + objective.of_aux(aux)
+        return objective.of_logits(model.logits(x, shard), batch) + objective.of_layers(aux), aux
 
     return loss
 
@@ -250,20 +264,19 @@ def circular_loss(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective:
     stages, chunks, micro = mesh.shape[STAGE], cfg.chunks_per_stage, cfg.microbatches
     ticks = chunks * micro + stages - 1
 
-    def run_stack(params: nnx.State, x: jax.Array, documents: Documents | None) -> tuple[jax.Array, jax.Array]:
-        """x: [rows, length, embed] (fp32) through every layer, pipelined; and the aux-loss sum."""
+    def run_stack(params: nnx.State, x: jax.Array, documents: Documents | None) -> tuple[jax.Array, LayerAux]:
+        """x: [rows, length, embed] (fp32) through every layer, pipelined; and the aux terms' sums."""
         layers_per_chunk = jax.tree.leaves(params["layers"])[0].shape[0] // (stages * chunks)
 
         def stage_loop(params: nnx.State, inputs: jax.Array,
-                       documents: Documents | None) -> tuple[jax.Array, jax.Array]:
+                       documents: Documents | None) -> tuple[jax.Array, LayerAux]:
             stage = jax.lax.axis_index(STAGE)
             current = _stage_varying(jnp.zeros_like(inputs[0]))
             ring_buffer = _stage_varying(jnp.zeros_like(inputs))  # stage 0: items coming round again
             outputs = _stage_varying(jnp.zeros_like(inputs))
-            aux_sum = _stage_varying(jnp.zeros((), jnp.float32))
 
             def tick(carry, t):
-                current, ring_buffer, outputs, aux_sum = carry
+                current, ring_buffer, outputs = carry
                 item = t - stage
                 microbatch, chunk = jnp.mod(item, micro), jnp.clip(item // micro, 0, chunks - 1)
                 fresh = jnp.where(t < micro, inputs[jnp.minimum(t, micro - 1)], ring_buffer[microbatch])
@@ -272,19 +285,18 @@ def circular_loss(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective:
                 own_documents = jax.tree.map(lambda a: a[microbatch], documents)
                 current, aux = model.run_layers(current.astype(compute_dtype), shard, own_documents)
                 current = current.astype(CROSSING_DTYPE)
-                aux_sum = aux_sum + jnp.where((item >= 0) & (item < chunks * micro), aux, 0.0)
+                aux = _masked(aux, (item >= 0) & (item < chunks * micro))
                 done = (stage == stages - 1) & (item >= 0) & (item // micro == chunks - 1)
                 outputs = jnp.where(done, outputs.at[microbatch].set(current), outputs)
                 current = _shift(current, stages, 1)
                 arrived = t - (stages - 1)  # the item the last stage just sent round the ring
                 ring_buffer = jnp.where((stage == 0) & (arrived >= 0),
                                         ring_buffer.at[jnp.mod(arrived, micro)].set(current), ring_buffer)
-                return (current, ring_buffer, outputs, aux_sum), None
+                return (current, ring_buffer, outputs), aux
 
-            carry = (current, ring_buffer, outputs, aux_sum)
-            (_, _, outputs, aux_sum), _ = jax.lax.scan(tick, carry, jnp.arange(ticks))
+            (_, _, outputs), aux = jax.lax.scan(tick, (current, ring_buffer, outputs), jnp.arange(ticks))
             return (jax.lax.psum(jnp.where(stage == stages - 1, outputs, 0.0), STAGE),
-                    jax.lax.psum(aux_sum, STAGE))
+                    jax.lax.psum(_sum_ticks(aux), STAGE))
 
         pipelined = jax.shard_map(stage_loop, mesh=mesh,
                                   in_specs=(_stage_specs(params), PartitionSpec(), PartitionSpec()),
@@ -293,11 +305,11 @@ def circular_loss(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective:
                                      split_microbatches(documents, micro))
         return _merge(outputs), aux_sum
 
-    def loss(params: nnx.State, batch: Batch) -> jax.Array:
+    def loss(params: nnx.State, batch: Batch) -> tuple[jax.Array, LayerAux]:
         model, documents = model_of(params), documents_of(batch)
         x = model.embed(batch["inputs"], shard, documents).astype(CROSSING_DTYPE)
-        x, aux_sum = run_stack(params, x, documents)
-        return objective.of_logits(model.logits(x.astype(compute_dtype), shard), batch) + objective.of_aux(aux_sum)
+        x, aux = run_stack(params, x, documents)
+        return objective.of_logits(model.logits(x.astype(compute_dtype), shard), batch) + objective.of_layers(aux), aux
 
     return loss
 
@@ -309,10 +321,12 @@ def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: O
     ticks = micro + 2 * stages - 2
     stash_size = min(micro, 2 * stages - 1)
 
-    def stage_forward(params: nnx.State, x: jax.Array, documents: Documents | None) -> tuple[jax.Array, jax.Array]:
-        """This stage's layers: (output, its share of the loss from the layers' aux losses)."""
+    def stage_forward(params: nnx.State, x: jax.Array, documents: Documents | None
+                      ) -> tuple[tuple[jax.Array, jax.Array], LayerAux]:
+        """This stage's layers: ((output, its share of the loss from the layers' aux losses), the
+        layers' aux terms)."""
         y, aux = model_of(params).run_layers(x.astype(compute_dtype), shard, documents)
-        return y.astype(CROSSING_DTYPE), objective.of_aux(aux)
+        return (y.astype(CROSSING_DTYPE), objective.of_layers(aux)), aux
 
     def head_loss(params: nnx.State, y: jax.Array, microbatch: Batch) -> jax.Array:
         return objective.of_logits(model_of(params).logits(y.astype(compute_dtype), shard), microbatch)
@@ -341,7 +355,7 @@ def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: O
             stash = jnp.where(forward_ok, carry["stash"].at[f_index % stash_size].set(x), carry["stash"])
             # The last stage turns its output into the loss and the loss's gradient at once.
             microbatch = jax.tree.map(lambda a: a[f_index], microbatches)
-            y, aux_loss = stage_forward(params, x, documents_of(microbatch))
+            (y, aux_loss), aux = stage_forward(params, x, documents_of(microbatch))
             loss, (head_grads, d_y) = jax.value_and_grad(head_loss, argnums=(0, 1))(params, y, microbatch)
             head_ok = forward_ok & (stage == last)
             # Backward of microbatch t - (2S - 2 - stage): the last stage's is the one just run.
@@ -350,7 +364,7 @@ def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: O
             b_index = jnp.clip(backward_mb, 0, micro - 1)
             cotangent = jnp.where(stage == last, d_y, carry["backward_in"])
             backward_documents = documents_of(jax.tree.map(lambda a: a[b_index], microbatches))
-            _, stage_vjp = jax.vjp(lambda p, x: stage_forward(p, x, backward_documents),
+            _, stage_vjp = jax.vjp(lambda p, x: stage_forward(p, x, backward_documents)[0],
                                    params, stash[b_index % stash_size])
             layer_grads, d_x = stage_vjp((cotangent, jnp.ones_like(aux_loss)))
             add = lambda acc, g, ok: jax.tree.map(lambda a, b: a + jnp.where(ok, b, 0.0), acc, g)
@@ -360,30 +374,32 @@ def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: O
             return dict(forward_in=_shift(y, stages, 1), backward_in=_shift(d_x, stages, -1),
                         stash=stash, grads=grads, d_inputs=d_inputs,
                         loss=carry["loss"] + jnp.where(head_ok, loss, 0.0)
-                        + jnp.where(forward_ok, aux_loss, 0.0)), None
+                        + jnp.where(forward_ok, aux_loss, 0.0)), _masked(aux, forward_ok)
 
-        carry, _ = jax.lax.scan(tick, carry, jnp.arange(ticks))
+        carry, aux = jax.lax.scan(tick, carry, jnp.arange(ticks))
         grads = jax.tree_util.tree_map_with_path(
             lambda path, g: g if path[0].key == "layers" else jax.lax.psum(g, STAGE), carry["grads"])
-        return jax.lax.psum(carry["loss"], STAGE), grads, jax.lax.psum(carry["d_inputs"], STAGE)
+        return (jax.lax.psum(carry["loss"], STAGE), grads, jax.lax.psum(carry["d_inputs"], STAGE),
+                jax.lax.psum(_sum_ticks(aux), STAGE))
 
-    def value_and_grad(params: nnx.State, batch: Batch) -> tuple[jax.Array, nnx.State]:
+    def value_and_grad(params: nnx.State, batch: Batch) -> tuple[tuple[jax.Array, LayerAux], nnx.State]:
         embed = lambda p: model_of(p).embed(batch["inputs"], shard, documents_of(batch)).astype(CROSSING_DTYPE)
         x, embed_vjp = jax.vjp(embed, params)
         specs = _stage_specs(params)
         run = jax.shard_map(schedule, mesh=mesh, in_specs=(specs, PartitionSpec(), PartitionSpec()),
-                            out_specs=(PartitionSpec(), specs, PartitionSpec()), axis_names={STAGE})
+                            out_specs=(PartitionSpec(), specs, PartitionSpec(), PartitionSpec()),
+                            axis_names={STAGE})
         microbatches = split_microbatches({k: v for k, v in batch.items() if k != "inputs"}, micro)
-        loss, grads, d_inputs = run(params, split_microbatches(x, micro), microbatches)
+        loss, grads, d_inputs, aux = run(params, split_microbatches(x, micro), microbatches)
         (embed_grads,) = embed_vjp(_merge(d_inputs))
-        return loss, jax.tree.map(jnp.add, grads, embed_grads)
+        return (loss, aux), jax.tree.map(jnp.add, grads, embed_grads)
 
     return value_and_grad
 
 
 def _by_autodiff(loss_of: Callable[..., Loss]) -> Callable[..., ValueAndGrad]:
     """A schedule whose backward is autodiff of its forward loss (no pipeline, GPipe, interleaved)."""
-    return lambda *args: jax.value_and_grad(loss_of(*args))
+    return lambda *args: jax.value_and_grad(loss_of(*args), has_aux=True)
 
 
 _SCHEDULES: dict[Schedule, Callable[..., ValueAndGrad]] = {

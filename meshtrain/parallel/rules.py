@@ -36,6 +36,12 @@ The table names the framework's logical axes (``models.api.FRAMEWORK_AXES``); a 
 axes get the row of their ``AxisRole`` (for Llama: ``heads``, ``kv_heads`` and ``mlp`` are TENSOR,
 ``head_dim`` REPLICATED) unless the table overrides them by name (``ShardingRules.completed``).
 
+Expert parallelism (role EXPERT, the MoE family's ``experts``) is part of every preset: the experts
+are split, at rest and in compute, over the mesh axes that split the batch (``data`` and ``fsdp``;
+``data`` under the context-parallel presets), so each of those ranks holds ``experts / EP`` experts
+and the tokens travel to them and back by all-to-all. ``sharding.rules.experts=null`` replicates
+them instead (plain data parallelism of the experts).
+
 Import ``PRESETS`` or ``ShardingRules`` to reuse them with any model that names these axes.
 """
 
@@ -152,6 +158,9 @@ FULLY_SHARDED = {"embed": AxisRule(params="fsdp")}
 TENSOR_SPLIT = AxisRule(params="tensor", activations="tensor")
 TENSOR_PARALLEL = {"vocab": TENSOR_SPLIT}
 TENSOR_PARALLEL_ROLES = {AxisRole.TENSOR: TENSOR_SPLIT}
+# Expert parallelism: experts live on (and compute on) the ranks that split the batch.
+EXPERT_PARALLEL_ROLES = {AxisRole.EXPERT: AxisRule(params=("data", "fsdp"), activations=("data", "fsdp"))}
+CONTEXT_EXPERT_ROLES = {AxisRole.EXPERT: AxisRule(params="data", activations="data")}
 SEQUENCE_PARALLEL = {"sequence": AxisRule(activations="tensor")}
 CONTEXT_PARALLEL = {"batch": AxisRule(activations="data"), "sequence": AxisRule(activations="fsdp"),
                     "length": AxisRule(activations="fsdp")}
@@ -176,17 +185,20 @@ class Preset(str, enum.Enum):
 
 
 PRESETS: dict[Preset, ShardingRules] = {
-    Preset.DP: ShardingRules("dp", {**REPLICATED, **DATA_PARALLEL}),
-    Preset.FSDP: ShardingRules("fsdp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED}),
-    Preset.TP: ShardingRules("tp", {**REPLICATED, **DATA_PARALLEL, **TENSOR_PARALLEL}, TENSOR_PARALLEL_ROLES),
-    Preset.FSDP_TP: ShardingRules("fsdp_tp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED,
-                                              **TENSOR_PARALLEL}, TENSOR_PARALLEL_ROLES),
+    Preset.DP: ShardingRules("dp", {**REPLICATED, **DATA_PARALLEL}, EXPERT_PARALLEL_ROLES),
+    Preset.FSDP: ShardingRules("fsdp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED}, EXPERT_PARALLEL_ROLES),
+    Preset.TP: ShardingRules("tp", {**REPLICATED, **DATA_PARALLEL, **TENSOR_PARALLEL},
+                             {**TENSOR_PARALLEL_ROLES, **EXPERT_PARALLEL_ROLES}),
+    Preset.FSDP_TP: ShardingRules("fsdp_tp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED, **TENSOR_PARALLEL},
+                                  {**TENSOR_PARALLEL_ROLES, **EXPERT_PARALLEL_ROLES}),
     Preset.FSDP_TP_SP: ShardingRules("fsdp_tp_sp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED,
-                                                    **TENSOR_PARALLEL, **SEQUENCE_PARALLEL}, TENSOR_PARALLEL_ROLES),
-    Preset.FSDP_CP: ShardingRules("fsdp_cp", {**REPLICATED, **FULLY_SHARDED, **CONTEXT_PARALLEL}),
+                                                    **TENSOR_PARALLEL, **SEQUENCE_PARALLEL},
+                                     {**TENSOR_PARALLEL_ROLES, **EXPERT_PARALLEL_ROLES}),
+    Preset.FSDP_CP: ShardingRules("fsdp_cp", {**REPLICATED, **FULLY_SHARDED, **CONTEXT_PARALLEL}, CONTEXT_EXPERT_ROLES),
     Preset.FSDP_TP_CP: ShardingRules("fsdp_tp_cp", {**REPLICATED, **FULLY_SHARDED, **TENSOR_PARALLEL,
-                                                    **CONTEXT_PARALLEL}, TENSOR_PARALLEL_ROLES),
-    Preset.FSDP_CP_RING: ShardingRules("fsdp_cp_ring", {**REPLICATED, **FULLY_SHARDED, **CONTEXT_PARALLEL, **RING}),
+                                                    **CONTEXT_PARALLEL}, {**TENSOR_PARALLEL_ROLES, **CONTEXT_EXPERT_ROLES}),
+    Preset.FSDP_CP_RING: ShardingRules("fsdp_cp_ring", {**REPLICATED, **FULLY_SHARDED, **CONTEXT_PARALLEL, **RING},
+                                       CONTEXT_EXPERT_ROLES),
 }
 
 

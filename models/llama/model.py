@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.api import Documents, forward, positions_of
+from models.api import Documents, LayerAux, forward, no_aux, positions_of
 from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
                            palm_train_flops_per_token, stacked_layers, unconstrained)
 
@@ -125,17 +125,7 @@ class LlamaConfig:
                      "head_dim", "mlp_dim", "seq_len"):
             if getattr(self, name) <= 0:
                 raise InvalidField(name, f"must be a positive integer, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise InvalidField("num_kv_heads", f"must divide num_heads={self.num_heads}, "
-                               f"got {self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise InvalidField("head_dim", f"must be even for rotary embeddings, got {self.head_dim}")
-        for name in ("rope_theta", "norm_eps", "init_std"):
-            if getattr(self, name) <= 0:
-                raise InvalidField(name, f"must be > 0, got {getattr(self, name)}")
-        unknown = sorted(set(self.remat_names) - set(CHECKPOINT_NAMES))
-        if unknown:
-            raise InvalidField("remat_names", f"unknown names {unknown}; valid: {list(CHECKPOINT_NAMES)}")
+        check_attention_fields(self, CHECKPOINT_NAMES)
 
     @property
     def attention_dim(self) -> int:
@@ -162,6 +152,21 @@ class LlamaConfig:
         """Parameters that take part in matmuls: all but the input-embedding gather and norms."""
         per_layer = self.layer_params - 2 * self.embed_dim
         return self.num_layers * per_layer + self.embed_dim * self.vocab_size
+
+
+def check_attention_fields(cfg, checkpoint_names: tuple[str, ...]) -> None:
+    """``InvalidField`` for the first invalid attention, rotary, norm or remat field of ``cfg`` (a
+    config with Llama's field names: this family's, or one built on its attention)."""
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise InvalidField("num_kv_heads", f"must divide num_heads={cfg.num_heads}, got {cfg.num_kv_heads}")
+    if cfg.head_dim % 2:
+        raise InvalidField("head_dim", f"must be even for rotary embeddings, got {cfg.head_dim}")
+    for name in ("rope_theta", "norm_eps", "init_std"):
+        if getattr(cfg, name) <= 0:
+            raise InvalidField(name, f"must be > 0, got {getattr(cfg, name)}")
+    unknown = sorted(set(cfg.remat_names) - set(checkpoint_names))
+    if unknown:
+        raise InvalidField("remat_names", f"unknown names {unknown}; valid: {list(checkpoint_names)}")
 
 
 def flops_per_token(cfg: LlamaConfig) -> float:
@@ -209,10 +214,11 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale over the last (embed) axis, in fp32."""
+    """x / rms(x) * scale over the last axis (logical ``axis``: ``embed``, or ``head_dim`` for a
+    per-head query/key norm), in fp32."""
 
-    def __init__(self, dim: int, eps: float):
-        self.scale = logical_param(jnp.ones((dim,), jnp.float32), ("embed",))
+    def __init__(self, dim: int, eps: float, axis: str = "embed"):
+        self.scale = logical_param(jnp.ones((dim,), jnp.float32), (axis,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -333,9 +339,10 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], positions: jax.Array,
-                 segments: jax.Array | None, shard: ActivationSharding) -> jax.Array:
+                 segments: jax.Array | None, shard: ActivationSharding) -> tuple[jax.Array, dict]:
+        """-> (x, this layer's statistics: none)."""
         x = shard(x + self.attention(self.attn_norm(x), rotary, positions, segments, shard), RESIDUAL_AXES)
-        return shard(x + self.mlp(self.mlp_norm(x), shard), RESIDUAL_AXES)
+        return shard(x + self.mlp(self.mlp_norm(x), shard), RESIDUAL_AXES), {}
 
     def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
                values: jax.Array, start: jax.Array, shard: ActivationSharding
@@ -356,14 +363,20 @@ class KVCache:
 
 
 class Llama(nnx.Module):
-    """Token ids [batch, length] -> logits [batch, length, vocab] (in the parameters' dtype)."""
+    """Token ids [batch, length] -> logits [batch, length, vocab] (in the parameters' dtype).
+
+    ``layer_class(cfg, rngs)`` builds each layer: ``layer(x, rotary, positions, segments, shard) ->
+    (x, statistics)`` and ``layer.cached(...)`` as ``DecoderLayer``'s (a subclass may swap it).
+    """
+
+    layer_class = DecoderLayer
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = logical_param(_normal(rngs, (cfg.vocab_size, cfg.embed_dim), cfg.init_std),
                                        ("vocab", "embed"))
 
-        self.layers = stacked_layers(lambda layer_rngs: DecoderLayer(cfg, layer_rngs), cfg.num_layers, rngs)
+        self.layers = stacked_layers(lambda layer_rngs: self.layer_class(cfg, layer_rngs), cfg.num_layers, rngs)
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else logical_param(
             _normal(rngs, (cfg.embed_dim, cfg.vocab_size), cfg.embed_dim ** -0.5), ("embed", "vocab"))
@@ -385,22 +398,28 @@ class Llama(nnx.Module):
         return shard(jnp.take(table, tokens, axis=0), RESIDUAL_AXES)
 
     def run_layers(self, x: jax.Array, shard: ActivationSharding = unconstrained,
-                   documents: Documents | None = None) -> tuple[jax.Array, jax.Array]:
+                   documents: Documents | None = None) -> tuple[jax.Array, LayerAux]:
         """Applies every layer this module holds (``layers`` may be a pipeline stage's slice) in
         order with ``lax.scan`` and the configured remat policy: [batch, length, embed] -> same,
-        and the auxiliary loss (Llama has none: 0). With ``documents``, rotary positions restart
+        and the auxiliary terms (Llama has none: ``no_aux()``). With ``documents``, rotary positions restart
         at each document and attention stays within it."""
+        x, _ = self._scan_layers(x, shard, documents)
+        return x, no_aux()
+
+    def _scan_layers(self, x: jax.Array, shard: ActivationSharding, documents: Documents | None
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x through the layers -> (x, each layer's statistics stacked on a leading layers axis)."""
         cfg = self.cfg
         positions = positions_of(documents, x.shape[1])
         rotary = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         segments = None if documents is None else documents.segments
         layer_def, layer_state = nnx.split(self.layers)
 
-        def run_layer(x: jax.Array, one_layer_state) -> tuple[jax.Array, None]:
-            return nnx.merge(layer_def, one_layer_state)(x, rotary, positions, segments, shard), None
+        def run_layer(x: jax.Array, one_layer_state) -> tuple[jax.Array, dict[str, jax.Array]]:
+            return nnx.merge(layer_def, one_layer_state)(x, rotary, positions, segments, shard)
 
-        x, _ = jax.lax.scan(cfg.remat.wrap(run_layer, cfg.remat_names), x, layer_state)
-        return x, jnp.zeros((), jnp.float32)
+        # Per-layer statistics are scan outputs, not a carry (a carry would not be stage-varying).
+        return jax.lax.scan(cfg.remat.wrap(run_layer, cfg.remat_names), x, layer_state)
 
     def logits(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
         """x: [batch, length, embed] -> logits [batch, length, vocab]."""

@@ -1,0 +1,418 @@
+"""A mixture-of-experts decoder (Mixtral, Qwen3-MoE shapes) in Flax NNX, annotated with logical axes only.
+
+Each layer is Llama's pre-norm attention (optionally with Qwen3's per-head RMSNorm of queries and
+keys) followed by a sparse feed-forward block: a router picks ``top_k`` of ``num_experts`` SwiGLU
+experts per token, and optional shared experts (a dense SwiGLU) run on every token.
+
+Parameters (logical axes in brackets, ``layers`` leading every per-layer parameter)::
+
+    embedding                 [vocab, embed]
+    layers.attn_norm.scale    [layers, embed]
+    layers.attention.query/key/value/out   as Llama's (models/llama/model.py)
+    layers.attention.query_norm.scale, key_norm.scale   [layers, head_dim]   (qk_norm only)
+    layers.mlp_norm.scale     [layers, embed]
+    layers.moe.router         [layers, embed, expert_logits]               replicated, run in fp32
+    layers.moe.gate, .up      [layers, experts, expert_embed, expert_mlp]  experts split by EP
+    layers.moe.down           [layers, experts, expert_mlp, expert_embed]
+    layers.shared.gate, .up   [layers, embed, mlp]    (shared_mlp_dim > 0 only)
+    layers.shared.down        [layers, mlp, embed]
+    final_norm.scale          [embed]
+    head                      [embed, vocab]  (absent when tied)
+
+Routing (``Router``): fp32 logits, softmax over all experts, the ``top_k`` largest probabilities
+as gate weights, renormalised to sum to 1 when ``norm_topk_prob`` (Mixtral always; Qwen3-MoE by
+its config).
+
+Dispatch (GShard): the tokens of each row are cut into groups of ``group_size`` positions (0: the
+whole row), so what a token meets depends on the data, never on the mesh. In each group expert
+``e`` has ``C`` slots; a token's choices are served first by rank (every token's first choice
+before any second choice), then by position, and a choice that finds its expert full is dropped
+(its weight is lost; the residual stream carries the token on). ``C = ceil(capacity_factor *
+group_size * top_k / num_experts)`` in ``capacity`` mode, and ``C = group_size`` in ``dropless``
+mode, where no choice can be dropped because a token picks an expert at most once. The slots are
+one-hot dispatch and combine tensors [batch, groups, group, experts, C]; the experts' inputs
+[experts, batch, groups, C, embed] are laid out batch-split first and then experts-split, which
+XLA turns into an all-to-all when the rules split ``experts`` over the batch's mesh axes (expert
+parallelism), and back after the experts.
+
+Auxiliary losses, per group and layer (the framework averages over rows; see ``run_layers``):
+the Switch load-balancing loss ``E * sum_e f_e * P_e`` (``f_e``: the fraction of the group's
+token choices routed to expert e, before capacity; ``P_e``: the mean router probability of e), as
+transformers' ``load_balancing_loss_func`` computes it over its tokens; and the router z-loss
+``mean(logsumexp(logits)^2)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from models.api import AUX_LOSS, Documents, LayerAux
+from models.common import (
+    ActivationSharding,
+    InvalidField,
+    RematPolicy,
+    logical_param,
+    palm_train_flops_per_token,
+    unconstrained,
+)
+from models.llama.model import CHECKPOINT_NAMES as LLAMA_CHECKPOINT_NAMES
+from models.llama.model import (
+    KV_AXES,
+    RESIDUAL_AXES,
+    AttentionKernel,
+    Llama,
+    RMSNorm,
+    RopeScalingConfig,
+    apply_rotary,
+    check_attention_fields,
+)
+from models.llama.model import Attention as LlamaAttention
+
+# Activations a NAMED remat policy may keep: Llama's, and the experts' hidden units.
+CHECKPOINT_NAMES = LLAMA_CHECKPOINT_NAMES + ("expert_hidden",)
+# Expert inputs and outputs: experts, batch rows, groups of a row, slots, hidden.
+EXPERT_AXES = ("experts", None, None, None, "expert_embed")
+ROW_AXES = (None, "batch", None, None, "expert_embed")
+
+
+class Dispatch(str, enum.Enum):
+    """How many tokens an expert takes per group (see the module docstring).
+
+    CAPACITY: ``ceil(capacity_factor * group_size * top_k / num_experts)``; the rest are dropped.
+    DROPLESS: ``group_size``: nothing is dropped, at the cost of ``num_experts / top_k`` times the
+    experts' active FLOPs (every slot is computed, filled or not).
+    """
+
+    CAPACITY = "capacity"
+    DROPLESS = "dropless"
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Shape, routing and execution options of a mixture-of-experts decoder."""
+
+    vocab_size: int = 96
+    embed_dim: int = 40
+    num_layers: int = 2
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 6
+    num_experts: int = 8
+    top_k: int = 2
+    expert_mlp_dim: int = 32
+    shared_mlp_dim: int = 0  # hidden size of the shared experts (0: none)
+    norm_topk_prob: bool = True
+    qk_norm: bool = False
+    dispatch: Dispatch = Dispatch.DROPLESS
+    capacity_factor: float = 1.25
+    group_size: int = 0  # positions per routing group (0: the whole row)
+    load_balancing_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    seq_len: int = 32
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attention: AttentionKernel = AttentionKernel.AUTO
+    remat: RematPolicy = RematPolicy.NONE
+    remat_names: tuple[str, ...] = ("attention", "mlp_hidden", "expert_hidden")
+
+    def __post_init__(self):
+        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "num_experts", "expert_mlp_dim", "seq_len"):
+            if getattr(self, name) <= 0:
+                raise InvalidField(name, f"must be a positive integer, got {getattr(self, name)}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise InvalidField("top_k", f"must be between 1 and num_experts={self.num_experts}, got {self.top_k}")
+        if self.shared_mlp_dim < 0:
+            raise InvalidField("shared_mlp_dim", f"must be >= 0 (0: no shared experts), got {self.shared_mlp_dim}")
+        if not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
+            raise InvalidField("capacity_factor", f"must be a finite number > 0, got {self.capacity_factor}")
+        if self.group_size < 0 or (self.group_size and self.seq_len % self.group_size):
+            raise InvalidField("group_size", f"must divide seq_len={self.seq_len} (0: one group per row), "
+                               f"got {self.group_size}")
+        for name in ("load_balancing_coef", "z_loss_coef"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise InvalidField(name, f"must be a finite number >= 0, got {getattr(self, name)}")
+        check_attention_fields(self, CHECKPOINT_NAMES)
+
+    @property
+    def attention_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def slots(self, group: int) -> int:
+        """Slots per expert in a routing group of ``group`` positions (at most ``group``)."""
+        if self.dispatch is Dispatch.DROPLESS:
+            return group
+        return min(group, math.ceil(self.capacity_factor * group * self.top_k / self.num_experts))
+
+    @property
+    def attention_params(self) -> int:
+        qkv = self.embed_dim * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return qkv + self.attention_dim * self.embed_dim
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one expert of one layer."""
+        return 3 * self.embed_dim * self.expert_mlp_dim
+
+    def _layer_params(self, experts: int) -> int:
+        norms = 2 * self.embed_dim + (2 * self.head_dim if self.qk_norm else 0)
+        return (self.attention_params + self.embed_dim * self.num_experts + experts * self.expert_params
+                + 3 * self.embed_dim * self.shared_mlp_dim + norms)
+
+    @property
+    def num_params(self) -> int:
+        """All parameters (the embedding counted once when tied)."""
+        head = 0 if self.tie_embeddings else self.embed_dim * self.vocab_size
+        return (self.vocab_size * self.embed_dim + head + self.num_layers * self._layer_params(self.num_experts)
+                + self.embed_dim)
+
+    @property
+    def active_matmul_params(self) -> int:
+        """Matmul weights one token passes through: attention, router, ``top_k`` experts, the shared
+        experts and the head (no input embedding, no norms)."""
+        norms = 2 * self.embed_dim + (2 * self.head_dim if self.qk_norm else 0)
+        return self.num_layers * (self._layer_params(self.top_k) - norms) + self.embed_dim * self.vocab_size
+
+
+def flops_per_token(cfg: MoEConfig) -> float:
+    """Training FLOPs per token of the *active* parameters (PaLM convention with N = the matmul
+    weights a token passes through: ``top_k`` experts, not all; dispatch einsums not counted)."""
+    return palm_train_flops_per_token(matmul_params=cfg.active_matmul_params, num_layers=cfg.num_layers,
+                                      seq_len=cfg.seq_len, attention_dim=cfg.attention_dim)
+
+
+def recompute_flops_per_token(cfg: MoEConfig, remat: RematPolicy) -> float:
+    """Forward FLOPs per token the backward recomputes (as Llama's, with the active layer matmuls)."""
+    attention_forward = 4 * cfg.num_layers * cfg.seq_len * cfg.attention_dim
+    layer_matmul = cfg.active_matmul_params - cfg.embed_dim * cfg.vocab_size
+    return {RematPolicy.DOTS: attention_forward,
+            RematPolicy.FULL: 2 * layer_matmul + attention_forward}.get(remat, 0.0)
+
+
+def activation_bytes(cfg: MoEConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
+                     sequence: int = 1) -> tuple[float, float]:
+    """(saved, working) activation bytes per token and layer on one device (``ModelFamily``).
+
+    Attention as Llama's; the sparse block per token: the dispatch and combine slots
+    (``E * C / group`` each, compute dtype), fp32 router logits and probabilities (2E), the experts'
+    inputs and outputs (``E * C / group`` vectors of d each) and hidden units (3 of
+    ``expert_mlp / tensor`` per slot), and the shared experts like a Llama MLP.
+    """
+    d = cfg.embed_dim / sequence
+    q = cfg.num_heads * cfg.head_dim / tensor
+    k = cfg.num_kv_heads * cfg.head_dim / tensor
+    group = cfg.group_size or cfg.seq_len
+    slots = cfg.num_experts * cfg.slots(group) / group  # expert slots per token
+    f = cfg.expert_mlp_dim / tensor
+    g = cfg.shared_mlp_dim / tensor
+    s = cfg.num_heads / tensor * cfg.seq_len * 4
+    c = compute_bytes
+    attention = (6 * d + 3 * q + 3 * k) * c + 2 * s
+    sparse = (2 * slots + 2 * slots * cfg.embed_dim + 3 * slots * f + 4 * g) * c + 2 * cfg.num_experts * 4
+    everything = attention + sparse
+    working = everything + (2 * slots * f + 4 * g) * c
+    saved = {RematPolicy.NONE: everything,
+             RematPolicy.DOTS: (3 * d + q + 2 * k + 2 * slots * cfg.embed_dim + 2 * slots * f + 2 * g) * c,
+             RematPolicy.FULL: d * c}.get(remat, everything)
+    return saved, working
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
+
+
+class Attention(LlamaAttention):
+    """Llama's attention, with Qwen3's RMSNorm of each query and key head (over ``head_dim``,
+    before the rotary embedding) when ``qk_norm``."""
+
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs)
+        self.query_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, "head_dim") if cfg.qk_norm else None
+        self.key_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, "head_dim") if cfg.qk_norm else None
+
+    def _project(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
+                 shard: ActivationSharding) -> tuple[jax.Array, jax.Array, jax.Array]:
+        if self.query_norm is None:
+            return super()._project(x, rotary, shard)
+        q = shard(jnp.einsum("btd,dnh->btnh", x, self.query[...]), ("batch", "length", "heads", "head_dim"))
+        k = shard(jnp.einsum("btd,dkh->btkh", x, self.key[...]), KV_AXES)
+        v = shard(jnp.einsum("btd,dkh->btkh", x, self.value[...]), KV_AXES)
+        q = checkpoint_name(apply_rotary(self.query_norm(q), *rotary), "query")
+        k = checkpoint_name(apply_rotary(self.key_norm(k), *rotary), "key")
+        return q, k, checkpoint_name(v, "value")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Routing:
+    """One group's routing decisions: [batch, groups, group, experts] each.
+
+    logits: fp32 router logits. probs: their softmax. chosen: 1 where the expert is among the
+    token's ``top_k``. weights: the gate weight of each chosen expert (0 elsewhere). slot: the
+    0-based arrival order of the choice at its expert (meaningful where chosen).
+    """
+
+    logits: jax.Array
+    probs: jax.Array
+    chosen: jax.Array
+    weights: jax.Array
+    slot: jax.Array
+
+
+def route(logits: jax.Array, top_k: int, norm_topk_prob: bool) -> Routing:
+    """Top-k routing of fp32 ``logits`` [batch, groups, group, experts] (see ``Routing``).
+
+    Arrival order at an expert: all first choices of the group in position order, then all
+    second choices, and so on (GShard's priority)."""
+    num_experts, group = logits.shape[-1], logits.shape[-2]
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_probs, top_experts = jax.lax.top_k(probs, top_k)  # [b, n, s, k]
+    if norm_topk_prob:
+        top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+    choice = jax.nn.one_hot(top_experts, num_experts, dtype=jnp.float32)  # [b, n, s, k, E]
+    by_rank = jnp.swapaxes(choice, 2, 3).reshape(*choice.shape[:2], top_k * group, num_experts)
+    arrival = (jnp.cumsum(by_rank, axis=2) - 1).reshape(*choice.shape[:2], top_k, group, num_experts)
+    slot = jnp.sum(jnp.swapaxes(arrival, 2, 3) * choice, axis=3)  # a token picks an expert at most once
+    return Routing(logits=logits, probs=probs, chosen=jnp.sum(choice, axis=3),
+                   weights=jnp.sum(choice * top_probs[..., None], axis=3), slot=slot)
+
+
+def load_balancing_loss(routing: Routing) -> jax.Array:
+    """[batch, groups]: the Switch loss of each group, ``E * sum_e f_e * P_e`` (``f_e``: the group's
+    token choices routed to e per token, summing to top_k; ``P_e``: e's mean router probability)."""
+    num_experts = routing.probs.shape[-1]
+    return num_experts * jnp.sum(jnp.mean(routing.chosen, axis=2) * jnp.mean(routing.probs, axis=2), axis=-1)
+
+
+def router_z_loss(routing: Routing) -> jax.Array:
+    """[batch, groups]: the mean over the group's tokens of ``logsumexp(logits)^2`` (ST-MoE)."""
+    return jnp.mean(jax.nn.logsumexp(routing.logits, axis=-1) ** 2, axis=2)
+
+
+class SwiGLU(nnx.Module):
+    """A dense SwiGLU, down(silu(x @ gate) * (x @ up)), over [embed, mlp]: the shared experts."""
+
+    def __init__(self, cfg: MoEConfig, hidden: int, rngs: nnx.Rngs):
+        d = cfg.embed_dim
+        self.gate = logical_param(_normal(rngs, (d, hidden), d ** -0.5), ("embed", "mlp"))
+        self.up = logical_param(_normal(rngs, (d, hidden), d ** -0.5), ("embed", "mlp"))
+        self.down = logical_param(_normal(rngs, (hidden, d), hidden ** -0.5 / math.sqrt(2 * cfg.num_layers)),
+                                  ("mlp", "embed"))
+
+    def __call__(self, x: jax.Array, shard: ActivationSharding) -> jax.Array:
+        hidden = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
+        return checkpoint_name(shard(hidden, ("batch", "length", "mlp")), "mlp_hidden") @ self.down[...]
+
+
+class SparseMoE(nnx.Module):
+    """Router + ``num_experts`` SwiGLU experts, dispatched GShard-style (module docstring)."""
+
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        d, e, f = cfg.embed_dim, cfg.num_experts, cfg.expert_mlp_dim
+        self.cfg = cfg
+        self.router = logical_param(_normal(rngs, (d, e), d ** -0.5), ("embed", "expert_logits"))
+        expert_in = ("experts", "expert_embed", "expert_mlp")
+        self.gate = logical_param(_normal(rngs, (e, d, f), d ** -0.5), expert_in)
+        self.up = logical_param(_normal(rngs, (e, d, f), d ** -0.5), expert_in)
+        self.down = logical_param(_normal(rngs, (e, f, d), f ** -0.5 / math.sqrt(2 * cfg.num_layers)),
+                                  ("experts", "expert_mlp", "expert_embed"))
+
+    def __call__(self, x: jax.Array, shard: ActivationSharding, dropless: bool = False
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x: [batch, length, embed] -> (y [batch, length, embed], this layer's statistics, each
+        summed over the rows: ``load_balancing`` and ``z_loss`` (per-group losses averaged over
+        the row's groups), ``expert_load`` [experts] (the fraction of the row's token choices each
+        expert was picked for) and ``dropped`` (the fraction of them dropped for capacity)).
+        ``dropless`` (generation) routes the call's tokens as one group with a slot for each, which
+        gives what any dropless grouping gives."""
+        cfg = self.cfg
+        rows, length, width = x.shape
+        group = length if dropless else cfg.group_size or length
+        slots = group if dropless else cfg.slots(group)
+        grouped = x.reshape(rows, length // group, group, width)
+        logits = jnp.einsum("bnsd,de->bnse", grouped.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        routing = route(shard(logits, ("batch", None, None, "expert_logits")), cfg.top_k, cfg.norm_topk_prob)
+        kept = routing.chosen * (routing.slot < slots)
+        dispatch = jax.nn.one_hot(routing.slot, slots, dtype=x.dtype) * kept[..., None].astype(x.dtype)
+        combine = dispatch * routing.weights[..., None].astype(x.dtype)  # [b, n, s, E, C]
+        # Batch-split, then experts-split: the reshard between them is the all-to-all.
+        expert_in = shard(jnp.einsum("bnsd,bnsec->ebncd", grouped, dispatch), ROW_AXES)
+        expert_in = shard(expert_in, EXPERT_AXES)
+        hidden = (jax.nn.silu(jnp.einsum("ebncd,edf->ebncf", expert_in, self.gate[...]))
+                  * jnp.einsum("ebncd,edf->ebncf", expert_in, self.up[...]))
+        hidden = checkpoint_name(shard(hidden, ("experts", None, None, None, "expert_mlp")), "expert_hidden")
+        expert_out = shard(jnp.einsum("ebncf,efd->ebncd", hidden, self.down[...]), EXPERT_AXES)
+        expert_out = shard(expert_out, ROW_AXES)
+        y = jnp.einsum("ebncd,bnsec->bnsd", expert_out, combine).reshape(rows, length, width)
+        choices = length * cfg.top_k
+        stats = {"load_balancing": jnp.sum(jnp.mean(load_balancing_loss(routing), axis=1)),
+                 "z_loss": jnp.sum(jnp.mean(router_z_loss(routing), axis=1)),
+                 "expert_load": jnp.sum(routing.chosen, axis=(0, 1, 2)) / choices,
+                 "dropped": jnp.sum(routing.chosen - kept) / choices}
+        return y, stats
+
+
+class MoELayer(nnx.Module):
+    """Pre-norm residual layer: x + attention(norm(x)), then + (experts + shared experts)(norm(x))."""
+
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.attention = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.moe = SparseMoE(cfg, rngs)
+        self.shared = SwiGLU(cfg, cfg.shared_mlp_dim, rngs) if cfg.shared_mlp_dim else None
+
+    def _feed_forward(self, x: jax.Array, shard: ActivationSharding, dropless: bool = False
+                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        normed = self.mlp_norm(x)
+        y, stats = self.moe(normed, shard, dropless)
+        if self.shared is not None:
+            y = y + self.shared(normed, shard)
+        return shard(x + y, RESIDUAL_AXES), stats
+
+    def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], positions: jax.Array,
+                 segments: jax.Array | None, shard: ActivationSharding) -> tuple[jax.Array, dict[str, jax.Array]]:
+        x = shard(x + self.attention(self.attn_norm(x), rotary, positions, segments, shard), RESIDUAL_AXES)
+        return self._feed_forward(x, shard)
+
+    def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
+               values: jax.Array, start: jax.Array, shard: ActivationSharding
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The layer at positions start.. with its KV cache; experts dropless (nothing dropped)."""
+        attended, keys, values = self.attention.cached(self.attn_norm(x), rotary, keys, values, start, shard)
+        x, _ = self._feed_forward(shard(x + attended, RESIDUAL_AXES), shard, dropless=True)
+        return x, keys, values
+
+
+class MoE(Llama):
+    """Token ids [batch, length] -> logits [batch, length, vocab]: Llama's embedding, head and
+    generation path over ``MoELayer``s."""
+
+    layer_class = MoELayer
+
+    def run_layers(self, x: jax.Array, shard: ActivationSharding = unconstrained,
+                   documents: Documents | None = None) -> tuple[jax.Array, LayerAux]:
+        """The layers this module holds, scanned with the remat policy: [batch, length, embed] ->
+        same, and the auxiliary terms summed over rows (``models.api.DecoderModel.run_layers``):
+        ``loss`` = load_balancing_coef * (the layers' load-balancing losses, summed) + z_loss_coef
+        * (their z-losses, summed); and, averaged over the model's layers (a module holding some of
+        them gives their share), ``moe_load_balancing_loss``, ``moe_router_z_loss``,
+        ``moe_expert_load`` [experts] and ``moe_dropped_fraction``."""
+        cfg = self.cfg
+        x, stats = self._scan_layers(x, shard, documents)
+        # Divided by the model's layer count, not this module's: pipeline stages' shares add up.
+        mean = lambda name: jnp.sum(stats[name], axis=0) / cfg.num_layers
+        return x, {AUX_LOSS: cfg.load_balancing_coef * jnp.sum(stats["load_balancing"])
+                   + cfg.z_loss_coef * jnp.sum(stats["z_loss"]),
+                   "moe_load_balancing_loss": mean("load_balancing"), "moe_router_z_loss": mean("z_loss"),
+                   "moe_expert_load": mean("expert_load"), "moe_dropped_fraction": mean("dropped")}
