@@ -20,7 +20,10 @@ bf16 peak: ``mfu = tflops_per_device / peak_bf16_tflops(device_kind)``.
 ``<run_dir>/metrics.jsonl`` (one JSON object per ``log`` call; non-finite floats
 are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` so every line is
 valid JSON), TensorBoard scalars under ``<run_dir>/tensorboard``, and at close
-``summary.json`` and ``loss.png``.
+``summary.json`` and ``loss.png``. A metric whose value is a list (one number per
+component, e.g. an MoE layer's share of tokens per expert) is also logged as its
+``<key>_max`` and ``<key>_min``, goes to TensorBoard as ``<key>/<i>``, and is
+plotted at close as ``<key>.png`` (one line per component).
 """
 
 from __future__ import annotations
@@ -154,6 +157,37 @@ def _plot_loss(
     fig.savefig(path, format="png")
 
 
+def _plot_components(path: Path, key: str, steps: Sequence[int], values: Sequence[Sequence[float]], title: str) -> None:
+    """Write a PNG of a list-valued metric over steps, one line per component."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    series = np.asarray(values, dtype=float)
+    for component in range(series.shape[1]):
+        ax.plot(steps, series[:, component], label=str(component))
+    ax.set_xlabel("step")
+    ax.set_ylabel(key)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if series.shape[1] <= 16:
+        ax.legend(ncol=min(8, series.shape[1]), fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+def _with_extremes(metrics: Mapping[str, object]) -> dict[str, object]:
+    """``metrics`` with ``<key>_max`` and ``<key>_min`` after each list-valued one."""
+    out: dict[str, object] = {}
+    for key, value in metrics.items():
+        out[key] = value
+        if isinstance(value, (list, tuple)) and value:
+            out[f"{key}_max"], out[f"{key}_min"] = max(value), min(value)
+    return out
+
+
 def _summary_writer(logdir: Path):
     """A TensorBoard writer; imported here because tensorboardX imports torch when it is installed
     (seconds at every start-up of a run that does not want TensorBoard)."""
@@ -199,6 +233,7 @@ class MetricsLogger:
         self._tokens_per_sec: list[float] = []
         self._eval_steps: list[int] = []
         self._eval_losses: list[float] = []
+        self._components: dict[str, tuple[list[int], list[list[float]]]] = {}  # list-valued metrics
         self._first_log: tuple[int, float] | None = None  # (step, monotonic time)
         if not is_primary:
             return
@@ -228,11 +263,20 @@ class MetricsLogger:
         if not self.is_primary:
             return
         now = time.monotonic()
+        metrics = _with_extremes(metrics)
         self._jsonl.write(json.dumps(_json_value({**metrics, "step": step})) + "\n")
         self._jsonl.flush()
+        for key, value in metrics.items():
+            if isinstance(value, (list, tuple)):
+                steps, values = self._components.setdefault(key, ([], []))
+                steps.append(step)
+                values.append([float(v) for v in value])
         if self._writer is not None:
             for key, value in metrics.items():
-                if value is not None:
+                if isinstance(value, (list, tuple)):
+                    for component, v in enumerate(value):
+                        self._writer.add_scalar(f"{key}/{component}", float(v), step)
+                elif value is not None:
                     self._writer.add_scalar(key, float(value), step)
             self._writer.flush()
 
@@ -328,3 +372,6 @@ class MetricsLogger:
             eval_steps=self._eval_steps,
             eval_losses=self._eval_losses,
         )
+        for key, (steps, values) in self._components.items():
+            if len({len(v) for v in values}) == 1:
+                _plot_components(self.run_dir / f"{key}.png", key, steps, values, f"{key} ({self.run_dir.name})")

@@ -123,7 +123,7 @@ class _StepReporter:
         self.flops_per_step = self.tokens_per_step * family_of(cfg.model).flops_per_token(cfg.model)
         self.num_devices, self.peak_tflops = num_devices, peak_tflops
         self.last_time, self.last_done = time.perf_counter(), start
-        self.final_metrics: dict[str, float] = {}  # the last logged values (the last step's)
+        self.final_metrics: dict[str, float | list[float]] = {}  # the last logged values (the last step's)
 
     def exclude(self, seconds: float) -> None:
         """Leaves ``seconds`` spent on other work (an evaluation) out of the step times."""
@@ -135,7 +135,8 @@ class _StepReporter:
             return
         if done == self.last_done:  # already logged
             return
-        values = {key: float(value) for key, value in jax.device_get(metrics).items()}
+        values = {key: value.tolist() if value.ndim else float(value)
+                  for key, value in jax.device_get(metrics).items()}
         now = time.perf_counter()
         step_time = (now - self.last_time) / (done - self.last_done)
         self.last_time, self.last_done = now, done

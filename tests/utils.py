@@ -65,3 +65,22 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
         counts[op] = sum(1 for line in hlo_text.splitlines()
                          if f" {op}(" in line or f" {op}-start(" in line)
     return counts
+
+
+def loss_grads_and_statistics(trainer: Trainer, batch=None) -> tuple[float, dict, dict]:
+    """Loss, per-parameter gradients (logical layer order) and the layers' statistics at init,
+    on the step-0 batch of the embedded data unless ``batch`` is given."""
+    if batch is None:
+        dataset = make_dataset(DataConfig(), vocab_size=trainer.model_cfg.vocab_size,
+                               seq_len=trainer.model_cfg.seq_len)
+        batch = global_batch(dataset, 0, trainer.train_cfg.batch_size, trainer.batch_sharding)
+    loss, grads, _, statistics = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
+    grads = trainer.layer_order.to_logical(grads)
+    return (float(loss), {".".join(map(str, path)): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(grads)},
+            {name: np.asarray(value) for name, value in statistics.items()})
+
+
+def relative_l2(actual: np.ndarray, expected: np.ndarray) -> float:
+    """||actual - expected|| / ||expected|| (0 when both are 0)."""
+    norm = np.linalg.norm(expected)
+    return float(np.linalg.norm(actual - expected) / norm) if norm else float(np.linalg.norm(actual))

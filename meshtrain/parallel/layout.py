@@ -29,7 +29,7 @@ from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
 from meshtrain.parallel.sharding import ring_axis
 from meshtrain.parallel.zero import StateLayout, ZeroConfig, zero_layout
 from meshtrain.train_config import TrainConfig
-from models.api import ModelFamily, family_of
+from models.api import AxisRole, ModelFamily, family_of
 from models.common import logical_axes_of
 
 
@@ -142,12 +142,36 @@ class ParallelPlan:
             found.append(Infeasible("sharding.rules.kv_length", f"ring attention (kv_length split over {ring}) "
                                     "does not run inside pipeline stages yet; gather the keys (kv_length: null, "
                                     "e.g. preset fsdp_tp_cp) or set mesh.stage=1", "ring attention with stage > 1"))
+        found += self._expert_problems(rules)
         if self.stages > 1:
             found += self.pipeline.problems(self.stages, self.model.num_layers, self.rows_per_shard)
         for path, variable in nnx.to_flat_state(self.abstract_params):
             problem = self._divisibility(".".join(map(str, path)), variable, rules)
             if problem is not None and problem.reason not in [p.reason for p in found]:
                 found.append(problem)
+        return found
+
+    def _expert_problems(self, rules: ShardingRules) -> list[Infeasible]:
+        """Expert parallelism (axes of role EXPERT) must split the experts the same way at rest and
+        in compute (a device computes only the experts it holds, never gathering another's), and
+        only over mesh axes that split the batch: tokens are dispatched between the ranks holding
+        different rows, and an axis holding the same rows has no tokens to send."""
+        found = []
+        for logical, role in self.family.axis_roles.items():
+            if role is not AxisRole.EXPERT:
+                continue
+            rule, field = rules.table[logical], f"sharding.rules.{logical}"
+            held, computed = mesh_axes_of(rule.params), mesh_axes_of(rule.activations)
+            if held != computed:
+                found.append(Infeasible(field, f"params {list(held)} and activations {list(computed)} must split "
+                                        f"the {logical} over the same mesh axes (each device computes the "
+                                        "experts it holds)", f"{logical} held over {held}, computed over {computed}"))
+            elsewhere = [axis for axis in computed if axis not in self.batch_axes]
+            if elsewhere:
+                found.append(Infeasible(field, f"splits the {logical} over {elsewhere}, which do not split the batch "
+                                        f"(over {list(self.batch_axes)}), so there are no tokens to dispatch "
+                                        f"there; use a subset of {list(self.batch_axes)} or null",
+                                        f"{logical} over {elsewhere} outside the batch axes"))
         return found
 
     def _divisibility(self, name: str, variable: Any, rules: ShardingRules) -> Infeasible | None:

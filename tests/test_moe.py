@@ -1,0 +1,306 @@
+"""Mixture of experts (models/moe): the layer against a for-loop reference, expert parallelism equal
+to one device, the all-to-all in the compiled step, the experts' bytes per device, bad input.
+
+Tolerances (fp32): losses relative 1e-5, gradients relative L2 1e-5 per parameter, statistics
+(expert load, dropped fraction, aux losses) absolute 1e-6.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshtrain.mesh import MeshConfig, make_mesh
+from meshtrain.parallel.pipeline import PipelineConfig, Schedule
+from meshtrain.parallel.rules import AxisRule, Preset
+from meshtrain.train import main
+from meshtrain.trainer import Trainer
+from models.common import RematPolicy, unconstrained
+from models.moe import Dispatch, MoEConfig
+from models.moe.model import SparseMoE
+from utils import OPTIMIZER, TRAIN, collective_counts, loss_grads_and_statistics, relative_l2
+
+# Distinct sizes so that a swapped axis cannot pass: 8 experts, expert hidden 24, embed 40.
+MOE = MoEConfig(vocab_size=96, embed_dim=40, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=6,
+                num_experts=8, top_k=2, expert_mlp_dim=24, seq_len=32, group_size=16,
+                load_balancing_coef=0.01, z_loss_coef=1e-3)
+FOUR_LAYERS = dataclasses.replace(MOE, num_layers=4)
+# capacity ceil(0.5 * 16 * 2 / 8) = 2 slots per expert and group: tokens really are dropped.
+CAPACITY = dataclasses.replace(MOE, dispatch=Dispatch.CAPACITY, capacity_factor=0.5)
+
+
+def _trainer(mesh_shape, model=MOE, pipeline=PipelineConfig(), rules=Preset.FSDP_TP.rules, **train_fields):
+    mesh = make_mesh(MeshConfig(*mesh_shape), jax.devices()[: math.prod(mesh_shape)])
+    return Trainer(model, dataclasses.replace(TRAIN, **train_fields), OPTIMIZER, rules, mesh, pipeline)
+
+
+# --- the layer against a for-loop reference ---------------------------------------------------------
+
+def _reference_layer(weights: dict, x: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """Each group, each token's choices by rank then position, each chosen expert while it has a
+    free slot: the gate-weighted sum of the experts' SwiGLU outputs. Routing decisions (which
+    experts, which choices are dropped) are read from concrete values; the weights stay
+    differentiable, so gradients are those of the same piecewise function."""
+    rows, length, _ = x.shape
+    group = cfg.group_size or length
+    slots = cfg.slots(group)
+    logits = jnp.einsum("btd,de->bte", x, weights["router"])
+    probs = jax.nn.softmax(logits, axis=-1)
+    choices = np.argsort(-np.asarray(jax.lax.stop_gradient(probs)), axis=-1)[..., :cfg.top_k]
+    out = jnp.zeros_like(x)
+    for row in range(rows):
+        for start in range(0, length, group):
+            filled = [0] * cfg.num_experts
+            for rank in range(cfg.top_k):
+                for t in range(start, start + group):
+                    expert = int(choices[row, t, rank])
+                    if filled[expert] == slots:
+                        continue  # the expert is full: this choice is dropped
+                    filled[expert] += 1
+                    weight = probs[row, t, expert]
+                    if cfg.norm_topk_prob:
+                        weight = weight / jnp.sum(probs[row, t, choices[row, t]])
+                    token = x[row, t]
+                    hidden = jax.nn.silu(token @ weights["gate"][expert]) * (token @ weights["up"][expert])
+                    out = out.at[row, t].add(weight * (hidden @ weights["down"][expert]))
+    return out
+
+
+@pytest.mark.parametrize("cfg", [
+    MoEConfig(embed_dim=12, num_experts=4, top_k=2, expert_mlp_dim=10, seq_len=8, group_size=4),
+    MoEConfig(embed_dim=12, num_experts=4, top_k=2, expert_mlp_dim=10, seq_len=8, group_size=4,
+              dispatch=Dispatch.CAPACITY, capacity_factor=0.5),
+    MoEConfig(embed_dim=12, num_experts=5, top_k=3, expert_mlp_dim=10, seq_len=8, norm_topk_prob=False,
+              dispatch=Dispatch.CAPACITY, capacity_factor=1.0),
+], ids=["dropless", "capacity", "top3-unnormalised"])
+def test_the_layer_equals_a_for_loop_reference(cfg):
+    graphdef, state = nnx.split(SparseMoE(cfg, nnx.Rngs(0)))
+    names = ("router", "gate", "up", "down")
+    weights = {name: state[name].get_value() for name in names}
+    x = jax.random.normal(jax.random.key(1), (3, cfg.seq_len, cfg.embed_dim), jnp.float32)
+
+    def ours(weights, x):
+        return nnx.merge(graphdef, nnx.State({name: nnx.Param(weights[name]) for name in names}))(x, unconstrained)
+
+    y, stats = ours(weights, x)
+    expected = _reference_layer(weights, x, cfg)
+    np.testing.assert_allclose(y, expected, rtol=0, atol=1e-5)
+    if cfg.dispatch is Dispatch.CAPACITY:
+        assert float(stats["dropped"]) > 0  # the capacity really binds
+    else:
+        assert float(stats["dropped"]) == 0
+    cotangent = jax.random.normal(jax.random.key(2), y.shape)
+    grads = jax.grad(lambda w, x: jnp.sum(ours(w, x)[0] * cotangent), argnums=(0, 1))(weights, x)
+    reference_grads = jax.grad(lambda w, x: jnp.sum(_reference_layer(w, x, cfg) * cotangent),
+                               argnums=(0, 1))(weights, x)
+    for name in weights:
+        assert relative_l2(np.asarray(grads[0][name]), np.asarray(reference_grads[0][name])) < 1e-5, name
+    assert relative_l2(np.asarray(grads[1]), np.asarray(reference_grads[1])) < 1e-5
+
+
+def test_routing_statistics_are_what_they_say():
+    cfg = MoEConfig(embed_dim=12, num_experts=4, top_k=2, expert_mlp_dim=10, seq_len=8, group_size=4,
+                    dispatch=Dispatch.CAPACITY, capacity_factor=0.5)
+    layer = SparseMoE(cfg, nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (3, cfg.seq_len, cfg.embed_dim), jnp.float32)
+    _, stats = layer(x, unconstrained)
+    # Summed over 3 rows: each row's expert shares sum to 1; 1 slot per expert and group of 4
+    # tokens x 2 choices keeps at most 4 of 8 choices per group.
+    np.testing.assert_allclose(float(jnp.sum(stats["expert_load"])), 3.0, rtol=1e-6)
+    assert 3 * 0.5 <= float(stats["dropped"]) < 3.0
+    logits = jnp.einsum("btd,de->bte", x, layer.router[...]).reshape(3, 2, 4, 4)
+    z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=2)
+    np.testing.assert_allclose(float(stats["z_loss"]), float(jnp.sum(jnp.mean(z, axis=1))), rtol=1e-6)
+
+
+# --- expert parallelism equals one device ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference():
+    return loss_grads_and_statistics(_trainer((1, 1, 1, 1)))
+
+
+@pytest.fixture(scope="module")
+def reference_four_layers():
+    return loss_grads_and_statistics(_trainer((1, 1, 1, 1), FOUR_LAYERS))
+
+
+@pytest.fixture(scope="module")
+def reference_capacity():
+    return loss_grads_and_statistics(_trainer((1, 1, 1, 1), CAPACITY))
+
+
+def _assert_matches(reference, result):
+    ref_loss, ref_grads, ref_stats = reference
+    loss, grads, stats = result
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name, expected in ref_grads.items():
+        assert relative_l2(grads[name], expected) < 1e-5, name
+    assert stats.keys() == ref_stats.keys() and "moe_expert_load" in stats
+    for name, expected in ref_stats.items():
+        np.testing.assert_allclose(stats[name], expected, rtol=0, atol=1e-6, err_msg=name)
+
+
+EP_LAYOUTS = [
+    # (data, fsdp, tensor, stage), extra trainer fields; EP = data x fsdp
+    pytest.param((2, 2, 2, 1), {}, id="ep4-fsdp-tp"),
+    pytest.param((2, 1, 1, 1), {}, id="ep2", marks=pytest.mark.slow),
+    pytest.param((4, 1, 1, 1), {}, id="ep4", marks=pytest.mark.slow),
+    pytest.param((8, 1, 1, 1), {}, id="ep8", marks=pytest.mark.slow),
+    pytest.param((1, 8, 1, 1), {}, id="ep8-fsdp", marks=pytest.mark.slow),
+    pytest.param((1, 2, 4, 1), {}, id="ep2-tp4", marks=pytest.mark.slow),
+    pytest.param((4, 1, 2, 1), {"grad_accum": 2}, id="ep4-tp-accum2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("mesh_shape, fields", EP_LAYOUTS)
+def test_expert_parallel_layouts_equal_one_device(reference, mesh_shape, fields):
+    _assert_matches(reference, loss_grads_and_statistics(_trainer(mesh_shape, **fields)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", [RematPolicy.FULL, RematPolicy.NAMED], ids=lambda r: r.value)
+def test_remat_with_expert_parallelism_equals_one_device(reference, remat):
+    _assert_matches(reference, loss_grads_and_statistics(_trainer((2, 2, 2, 1), dataclasses.replace(MOE, remat=remat))))
+
+
+PIPELINES = [
+    pytest.param((2, 1, 1, 2), PipelineConfig(2, Schedule.ONE_F_ONE_B), id="ep2-stage2-1f1b"),
+    pytest.param((4, 1, 1, 2), PipelineConfig(2, Schedule.GPIPE), id="ep4-stage2-gpipe", marks=pytest.mark.slow),
+    pytest.param((2, 1, 2, 2), PipelineConfig(2, Schedule.INTERLEAVED, virtual_stages=2),
+                 id="ep2-tp2-stage2-interleaved", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("mesh_shape, pipeline", PIPELINES)
+def test_moe_layers_inside_pipeline_stages_equal_one_device(reference_four_layers, mesh_shape, pipeline):
+    _assert_matches(reference_four_layers,
+                    loss_grads_and_statistics(_trainer(mesh_shape, FOUR_LAYERS, pipeline)))
+
+
+@pytest.mark.parametrize("mesh_shape", [
+    (2, 2, 2, 1), pytest.param((8, 1, 1, 1), marks=pytest.mark.slow)], ids=["ep4-fsdp-tp", "ep8"])
+def test_capacity_mode_drops_tokens_and_equals_one_device(reference_capacity, mesh_shape):
+    assert float(reference_capacity[2]["moe_dropped_fraction"]) > 0.05
+    _assert_matches(reference_capacity, loss_grads_and_statistics(_trainer(mesh_shape, CAPACITY)))
+
+
+def test_the_aux_losses_are_part_of_the_objective(reference):
+    without_aux = loss_grads_and_statistics(
+        _trainer((1, 1, 1, 1), dataclasses.replace(MOE, load_balancing_coef=0.0, z_loss_coef=0.0)))
+    loss, _, stats = reference
+    expected = (without_aux[0] + MOE.load_balancing_coef * MOE.num_layers * float(stats["moe_load_balancing_loss"])
+                + MOE.z_loss_coef * MOE.num_layers * float(stats["moe_router_z_loss"]))
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    assert relative_l2(without_aux[1]["layers.moe.router"], reference[1]["layers.moe.router"]) > 1e-3
+
+
+# --- the compiled program ---------------------------------------------------------------------------
+
+_SHAPE = re.compile(r"(?:f32|bf16)\[([\d,]*)\]")
+
+
+def _gathered_expert_weights(hlo: str, cfg: MoEConfig) -> list[str]:
+    """All-gathers whose result has the shape of (a layer of) an expert weight, at any TP split."""
+    hidden = {cfg.expert_mlp_dim // t for t in (1, 2, 4)}
+    weights = {(cfg.num_experts, cfg.embed_dim, f) for f in hidden} | {(cfg.num_experts, f, cfg.embed_dim) for f in hidden}
+    found = []
+    for line in hlo.splitlines():
+        if " all-gather(" not in line and " all-gather-start(" not in line:
+            continue
+        result = line.split("=", 1)[1].split("all-gather")[0]
+        for dims in _SHAPE.findall(result):
+            shape = tuple(int(d) for d in dims.split(",") if d)
+            if shape[-3:] in weights:
+                found.append(line.strip()[:160])
+    return found
+
+
+def test_the_detector_sees_a_gathered_expert_weight():
+    mesh = make_mesh(MeshConfig(4, 1, 2, 1), jax.devices())
+    split = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None, "tensor"))
+    weight = jax.ShapeDtypeStruct((MOE.num_experts, MOE.embed_dim, MOE.expert_mlp_dim), jnp.float32, sharding=split)
+    gather = jax.jit(lambda w: w * 2, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    assert _gathered_expert_weights(gather.lower(weight).compile().as_text(), MOE)
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_step():
+    trainer = _trainer((4, 1, 2, 1))
+    compiled = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+    return trainer, compiled
+
+
+def test_expert_parallelism_compiles_to_all_to_all_and_never_gathers_expert_weights(expert_parallel_step):
+    _, compiled = expert_parallel_step
+    hlo = compiled.as_text()
+    # Dispatch and combine, forward and backward (the layer scan's body appears once).
+    assert collective_counts(hlo)["all-to-all"] >= 4
+    assert _gathered_expert_weights(hlo, MOE) == []
+
+
+def test_each_device_holds_one_ep_th_of_the_expert_weights(expert_parallel_step):
+    trainer, compiled = expert_parallel_step
+    replicated = _trainer((4, 1, 2, 1), rules=Preset.FSDP_TP.rules.overridden({"experts": AxisRule()}))
+    baseline = replicated.train_step.lower(replicated.abstract_state(), replicated.abstract_batch()).compile()
+    ep, tensor = 4, 2
+    # fp32 parameters plus Adam's two moments; expert_mlp is split over tensor in both layouts.
+    expert_bytes = MOE.num_layers * MOE.num_experts * MOE.expert_params * 4 * 3 / tensor
+    saved = (baseline.memory_analysis().argument_size_in_bytes - compiled.memory_analysis().argument_size_in_bytes)
+    np.testing.assert_allclose(saved, expert_bytes * (1 - 1 / ep), rtol=0.02)
+    spec = trainer.param_shardings["layers"]["moe"]["gate"].get_value().spec
+    assert spec[:3] == (None, ("data", "fsdp"), None) and spec[3] == "tensor"
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+MOE_YAML = """
+mesh: {data: 2, fsdp: 2, tensor: 2, stage: 1}
+model: {family: moe, vocab_size: 128, embed_dim: 32, num_layers: 2, num_heads: 4, num_kv_heads: 2,
+        head_dim: 8, num_experts: 8, top_k: 2, expert_mlp_dim: 16, seq_len: 32}
+train: {steps: 2, batch_size: 8}
+"""
+
+
+@pytest.fixture
+def moe_yaml(tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("bad input reached Trainer.init_state (compilation) instead of failing early")
+
+    monkeypatch.setattr(Trainer, "init_state", fail)
+    path = tmp_path / "moe.yaml"
+    path.write_text(MOE_YAML)
+    return str(path)
+
+
+@pytest.mark.parametrize("overrides, field, hints", [
+    (["model.top_k=9"], "model.top_k", ["between 1 and num_experts=8"]),
+    (["model.top_k=0"], "model.top_k", ["between 1 and num_experts=8"]),
+    (["model.capacity_factor=0"], "model.capacity_factor", ["> 0"]),
+    (["model.capacity_factor=-1.5"], "model.capacity_factor", ["> 0"]),
+    (["model.group_size=5"], "model.group_size", ["must divide seq_len=32"]),
+    (["model.num_experts=6"], "mesh.fsdp", ["'experts' (size 6)", "split 4 ways", "['data', 'fsdp']"]),
+    (["sharding.preset=fsdp", "sharding.rules.experts={params: tensor, activations: tensor}"],
+     "sharding.rules.experts", ["['tensor']", "do not split the batch"]),
+    (["sharding.rules.experts={params: null, activations: [data, fsdp]}"], "sharding.rules.experts",
+     ["must split"]),
+], ids=["top-k-above-experts", "top-k-zero", "capacity-zero", "capacity-negative", "group-size",
+        "experts-vs-ep", "experts-outside-batch-axes", "experts-held-elsewhere"])
+def test_bad_moe_input_is_one_line_error(moe_yaml, capsys, overrides, field, hints):
+    rc = main(["--config", moe_yaml, *overrides])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"error: {field}: "), lines[0]
+    for hint in hints:
+        assert hint in lines[0], (hint, lines[0])
