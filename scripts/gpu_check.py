@@ -15,9 +15,13 @@
 5. packing: the tiny model's logits for one window of three documents (``data.packing=documents``:
    per-document positions and attention mask) equal each document run alone, on the device (fp32,
    highest matmul precision, ``--packing-tol``).
+6. moe: a small mixture-of-experts model's logits on the device equal the host CPU's (fp32, highest
+   precision, ``--moe-tol``); then the experts' forward + backward timed two ways on one device at a
+   Mixtral-like width: the GShard one-hot dispatch the family uses (dropless and capacity 1.25)
+   against ``jax.lax.ragged_dot`` over the token choices sorted by expert (a grouped GEMM).
 
 ``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs everything on the CPU with tiny shapes, in seconds;
-the test suite runs that. Exit status 1 when the loss, checkpoint or packing check fails. Last line: ``json: {...}``.
+the test suite runs that. Exit status 1 when the loss, checkpoint, packing or MoE check fails. Last line: ``json: {...}``.
 """
 
 from __future__ import annotations
@@ -134,6 +138,80 @@ def packing_check(load_config, tol: float) -> dict:
     return {"max_abs_diff": diff, "tolerance": tol, "passed": ok}
 
 
+def _time(fn, *args, repeats: int = 5) -> float:
+    """Median seconds of ``fn(*args)`` after one warm-up call."""
+    import jax
+    import numpy as np
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def moe_check(tol: float, dry_run: bool) -> dict:
+    """MoE logits on the device vs the host CPU, and the experts' dispatch timed against ragged_dot."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from models.common import unconstrained
+    from models.moe import FAMILY, Dispatch, MoEConfig
+    from models.moe.model import SparseMoE, route
+
+    cfg = MoEConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                    num_experts=8, top_k=2, expert_mlp_dim=96, seq_len=64, group_size=32)
+    graphdef, params = nnx.split(FAMILY.build(cfg))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, cfg.seq_len)))
+    run = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, unconstrained))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_matmul_precision("highest"):
+        on_device = np.asarray(run(params, tokens))
+        on_cpu = np.asarray(run(jax.device_put(params, cpu), jax.device_put(tokens, cpu)))
+    diff = float(np.abs(on_device - on_cpu).max())
+    ok = diff <= tol
+    log(f"moe: max |device - cpu| logits = {diff:.2e} (tolerance {tol:.0e}): {'PASS' if ok else 'FAIL'}")
+
+    # The experts alone at a Mixtral-like width (one layer, bf16), forward + backward.
+    width, hidden, rows, length = (64, 96, 2, 64) if dry_run else (4096, 14336, 4, 2048)
+    wide = dataclasses.replace(cfg, embed_dim=width, expert_mlp_dim=hidden, seq_len=length, group_size=0 if dry_run else 1024)
+    x = jax.random.normal(jax.random.key(0), (rows, length, width), jnp.bfloat16)
+    timings = {}
+    for name, layer_cfg in (("gshard_dropless", wide), ("gshard_capacity_1.25", dataclasses.replace(
+            wide, dispatch=Dispatch.CAPACITY, capacity_factor=1.25))):
+        layer_def, layer_params = nnx.split(SparseMoE(layer_cfg, nnx.Rngs(0)))
+        layer_params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), layer_params)
+        loss = lambda p, x: jnp.sum(nnx.merge(layer_def, p)(x, unconstrained)[0].astype(jnp.float32))
+        timings[name] = _time(jax.jit(jax.grad(loss, argnums=(0, 1))), layer_params, x)
+
+    def ragged(p, x):
+        flat = x.reshape(-1, width)
+        logits = (flat.astype(jnp.float32) @ p["router"].astype(jnp.float32))[None, None]
+        routing = route(logits, wide.top_k, wide.norm_topk_prob)
+        weights, experts = jax.lax.top_k(routing.weights[0, 0], wide.top_k)
+        order = jnp.argsort(experts.reshape(-1))
+        sorted_tokens = jnp.repeat(flat, wide.top_k, axis=0)[order]
+        sizes = jnp.bincount(experts.reshape(-1), length=wide.num_experts).astype(jnp.int32)
+        hidden_units = (jax.nn.silu(jax.lax.ragged_dot(sorted_tokens, p["gate"], sizes))
+                        * jax.lax.ragged_dot(sorted_tokens, p["up"], sizes))
+        out = jax.lax.ragged_dot(hidden_units, p["down"], sizes)
+        unsorted = jnp.zeros_like(out).at[order].set(out).reshape(-1, wide.top_k, width)
+        return jnp.sum((unsorted * weights[..., None].astype(out.dtype)).sum(1).astype(jnp.float32))
+
+    layer = SparseMoE(wide, nnx.Rngs(0))
+    dense = {name: getattr(layer, name)[...].astype(jnp.bfloat16) for name in ("router", "gate", "up", "down")}
+    timings["ragged_dot_dropless"] = _time(jax.jit(jax.grad(ragged, argnums=(0, 1))), dense, x)
+    log("moe experts fwd+bwd (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in timings.items()))
+    return {"max_abs_diff": diff, "tolerance": tol, "passed": ok, "experts_ms": {k: v * 1e3 for k, v in timings.items()},
+            "shape": {"rows": rows, "length": length, "embed": width, "expert_mlp": hidden, "experts": 8, "top_k": 2}}
+
+
 def fits(compiled, limit: int | None) -> tuple[bool, int]:
     memory = compiled.memory_analysis()
     need = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
@@ -196,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="... with this global batch")
     parser.add_argument("--loss-tol", type=float, default=2e-4)
     parser.add_argument("--packing-tol", type=float, default=1e-4)
+    parser.add_argument("--moe-tol", type=float, default=1e-4)
     parser.add_argument("--skip-offload", action="store_true")
     args = parser.parse_args(argv)
     args.dry_overrides = TINY_1B if args.dry_run else []
@@ -245,10 +324,13 @@ def main(argv: list[str] | None = None) -> int:
         report["offload"]["wall_s"] = time.perf_counter() - phase
     report["checkpoint"] = checkpoint_check(load_config, bench)
     report["packing"] = packing_check(load_config, args.packing_tol)
+    phase = time.perf_counter()
+    report["moe"] = moe_check(args.moe_tol, args.dry_run)
+    report["moe"]["wall_s"] = time.perf_counter() - phase
     report["wall_s"] = time.perf_counter() - started
     log(f"gpu_check done in {report['wall_s']:.1f} s")
     print("json: " + json.dumps(report), flush=True)
-    passed = all(report[name]["passed"] for name in ("loss_check", "checkpoint", "packing"))
+    passed = all(report[name]["passed"] for name in ("loss_check", "checkpoint", "packing", "moe"))
     return 0 if passed else 1
 
 
