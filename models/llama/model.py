@@ -34,7 +34,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.api import Documents, LayerAux, forward, no_aux, positions_of
-from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
+from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param, matmul,
                            palm_train_flops_per_token, stacked_layers, unconstrained)
 
 # Activations a NAMED remat policy may keep (tagged with ``checkpoint_name`` in the layer).
@@ -276,16 +276,21 @@ class Attention(nnx.Module):
                  shard: ActivationSharding) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x: [batch, length, embed] -> rotated q [batch, length, heads, head_dim], rotated k and
         v [batch, length, kv_heads, head_dim]."""
-        q = shard(jnp.einsum("btd,dnh->btnh", x, self.query[...]), ("batch", "length", "heads", "head_dim"))
-        k = shard(jnp.einsum("btd,dkh->btkh", x, self.key[...]), KV_AXES)
-        v = shard(jnp.einsum("btd,dkh->btkh", x, self.value[...]), KV_AXES)
+        q = shard(matmul("btd,dnh->btnh", x, self.query[...]), ("batch", "length", "heads", "head_dim"))
+        k = shard(matmul("btd,dkh->btkh", x, self.key[...]), KV_AXES)
+        v = shard(matmul("btd,dkh->btkh", x, self.value[...]), KV_AXES)
+        q, k = self._normalize_heads(q, k)
         q = checkpoint_name(apply_rotary(q, *rotary), "query")
         k = checkpoint_name(apply_rotary(k, *rotary), "key")
         return q, k, checkpoint_name(v, "value")
 
     def _output(self, attended: jax.Array, shard: ActivationSharding) -> jax.Array:
         attended = checkpoint_name(shard(attended, ("batch", "length", "heads", "head_dim")), "attention")
-        return jnp.einsum("btnh,nhd->btd", attended, self.out[...])
+        return matmul("btnh,nhd->btd", attended, self.out[...])
+
+    def _normalize_heads(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Queries and keys before the rotary embedding (Llama: unchanged; a subclass may norm them)."""
+        return q, k
 
     def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], positions: jax.Array,
                  segments: jax.Array | None, shard: ActivationSharding) -> jax.Array:
@@ -324,9 +329,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, shard: ActivationSharding) -> jax.Array:
         """x: [batch, length, embed] -> [batch, length, embed]."""
-        hidden = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
+        hidden = jax.nn.silu(matmul("btd,dm->btm", x, self.gate[...])) * matmul("btd,dm->btm", x, self.up[...])
         hidden = checkpoint_name(shard(hidden, ("batch", "length", "mlp")), "mlp_hidden")
-        return hidden @ self.down[...]
+        return matmul("btm,md->btd", hidden, self.down[...])
 
 
 class DecoderLayer(nnx.Module):
@@ -425,7 +430,7 @@ class Llama(nnx.Module):
         """x: [batch, length, embed] -> logits [batch, length, vocab]."""
         head = self.embedding[...].T if self.head is None else self.head[...]
         x = shard(x, ("batch", "length", "embed"))  # whole positions: the vocabulary may split over tensor
-        return shard(self.final_norm(x) @ head, ("batch", "length", "vocab"))
+        return shard(matmul("btd,dv->btv", self.final_norm(x), head), ("batch", "length", "vocab"))
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
         """An empty cache for ``batch`` sequences of up to ``max_len`` positions."""

@@ -54,25 +54,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.api import AUX_LOSS, Documents, LayerAux
-from models.common import (
-    ActivationSharding,
-    InvalidField,
-    RematPolicy,
-    logical_param,
-    palm_train_flops_per_token,
-    unconstrained,
-)
+from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param, matmul,
+                           palm_train_flops_per_token, unconstrained)
 from models.llama.model import CHECKPOINT_NAMES as LLAMA_CHECKPOINT_NAMES
-from models.llama.model import (
-    KV_AXES,
-    RESIDUAL_AXES,
-    AttentionKernel,
-    Llama,
-    RMSNorm,
-    RopeScalingConfig,
-    apply_rotary,
-    check_attention_fields,
-)
+from models.llama.model import (RESIDUAL_AXES, AttentionKernel, Llama, RMSNorm, RopeScalingConfig,
+                                check_attention_fields)
 from models.llama.model import Attention as LlamaAttention
 
 # Activations a NAMED remat policy may keep: Llama's, and the experts' hidden units.
@@ -203,26 +189,34 @@ def activation_bytes(cfg: MoEConfig, tensor: int, remat: RematPolicy, compute_by
                      sequence: int = 1) -> tuple[float, float]:
     """(saved, working) activation bytes per token and layer on one device (``ModelFamily``).
 
-    Attention as Llama's; the sparse block per token: the dispatch and combine slots
-    (``E * C / group`` each, compute dtype), fp32 router logits and probabilities (2E), the experts'
-    inputs and outputs (``E * C / group`` vectors of d each) and hidden units (3 of
-    ``expert_mlp / tensor`` per slot), and the shared experts like a Llama MLP.
+    Attention as Llama's. The sparse block, per token, in units of: ``E * C`` (one row of the one-hot
+    dispatch or combine tensor [batch, groups, group, experts, C], compute dtype); ``X * d`` and
+    ``X * f``, with ``X = E * C / group`` expert slots per token: the token's share of an expert
+    buffer [experts, batch, groups, C, embed] (the same in the batch-split and the expert-split
+    layout) or of a hidden buffer of width ``f = expert_mlp / tensor``; ``(top_k + 3) * E`` fp32
+    router values (logits, probabilities, top-k one-hots, gate weights, arrival order); ``g =
+    shared_mlp / tensor`` for the shared experts. How many of each XLA keeps was fitted (least
+    squares on 12 shapes, then rounded) to XLA:CPU's temp bytes of the fp32 train step on mesh
+    (1, 8, 1, 1) (docs/memory.md): ``none`` keeps 2 E*C, 2 X*d, 4.5 X*f and 6 g; ``dots`` keeps
+    1 X*f and 2 g (the expert einsums have a batch axis, ``experts``, so the policy saves none of
+    their outputs); one layer's backward holds 1.5 E*C, 3 X*d, 9.5 X*f and 2 g.
     """
     d = cfg.embed_dim / sequence
     q = cfg.num_heads * cfg.head_dim / tensor
     k = cfg.num_kv_heads * cfg.head_dim / tensor
     group = cfg.group_size or cfg.seq_len
-    slots = cfg.num_experts * cfg.slots(group) / group  # expert slots per token
-    f = cfg.expert_mlp_dim / tensor
+    per_token = cfg.num_experts * cfg.slots(group)  # E * C: one token's row of dispatch / combine
+    slot_d = per_token / group * cfg.embed_dim  # X * d
+    slot_f = per_token / group * cfg.expert_mlp_dim / tensor  # X * f
     g = cfg.shared_mlp_dim / tensor
     s = cfg.num_heads / tensor * cfg.seq_len * 4
     c = compute_bytes
+    router = (cfg.top_k + 3) * cfg.num_experts * 4
     attention = (6 * d + 3 * q + 3 * k) * c + 2 * s
-    sparse = (2 * slots + 2 * slots * cfg.embed_dim + 3 * slots * f + 4 * g) * c + 2 * cfg.num_experts * 4
-    everything = attention + sparse
-    working = everything + (2 * slots * f + 4 * g) * c
+    everything = attention + (2 * per_token + 2 * slot_d + 4.5 * slot_f + 6 * g) * c + router
+    working = attention + (1.5 * per_token + 3 * slot_d + 9.5 * slot_f + 2 * g) * c + router
     saved = {RematPolicy.NONE: everything,
-             RematPolicy.DOTS: (3 * d + q + 2 * k + 2 * slots * cfg.embed_dim + 2 * slots * f + 2 * g) * c,
+             RematPolicy.DOTS: (3 * d + q + 2 * k + slot_f + 2 * g) * c,
              RematPolicy.FULL: d * c}.get(remat, everything)
     return saved, working
 
@@ -240,16 +234,10 @@ class Attention(LlamaAttention):
         self.query_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, "head_dim") if cfg.qk_norm else None
         self.key_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, "head_dim") if cfg.qk_norm else None
 
-    def _project(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
-                 shard: ActivationSharding) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _normalize_heads(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
         if self.query_norm is None:
-            return super()._project(x, rotary, shard)
-        q = shard(jnp.einsum("btd,dnh->btnh", x, self.query[...]), ("batch", "length", "heads", "head_dim"))
-        k = shard(jnp.einsum("btd,dkh->btkh", x, self.key[...]), KV_AXES)
-        v = shard(jnp.einsum("btd,dkh->btkh", x, self.value[...]), KV_AXES)
-        q = checkpoint_name(apply_rotary(self.query_norm(q), *rotary), "query")
-        k = checkpoint_name(apply_rotary(self.key_norm(k), *rotary), "key")
-        return q, k, checkpoint_name(v, "value")
+            return q, k
+        return self.query_norm(q), self.key_norm(k)
 
 
 @jax.tree_util.register_dataclass
@@ -310,8 +298,9 @@ class SwiGLU(nnx.Module):
                                   ("mlp", "embed"))
 
     def __call__(self, x: jax.Array, shard: ActivationSharding) -> jax.Array:
-        hidden = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
-        return checkpoint_name(shard(hidden, ("batch", "length", "mlp")), "mlp_hidden") @ self.down[...]
+        hidden = jax.nn.silu(matmul("btd,dm->btm", x, self.gate[...])) * matmul("btd,dm->btm", x, self.up[...])
+        return matmul("btm,md->btd", checkpoint_name(shard(hidden, ("batch", "length", "mlp")), "mlp_hidden"),
+                      self.down[...])
 
 
 class SparseMoE(nnx.Module):
@@ -346,14 +335,14 @@ class SparseMoE(nnx.Module):
         dispatch = jax.nn.one_hot(routing.slot.astype(jnp.int32), slots, dtype=x.dtype) * kept[..., None].astype(x.dtype)
         combine = dispatch * routing.weights[..., None].astype(x.dtype)  # [b, n, s, E, C]
         # Batch-split, then experts-split: the reshard between them is the all-to-all.
-        expert_in = shard(jnp.einsum("bnsd,bnsec->ebncd", grouped, dispatch), ROW_AXES)
+        expert_in = shard(matmul("bnsd,bnsec->ebncd", grouped, dispatch), ROW_AXES)
         expert_in = shard(expert_in, EXPERT_AXES)
-        hidden = (jax.nn.silu(jnp.einsum("ebncd,edf->ebncf", expert_in, self.gate[...]))
-                  * jnp.einsum("ebncd,edf->ebncf", expert_in, self.up[...]))
+        hidden = (jax.nn.silu(matmul("ebncd,edf->ebncf", expert_in, self.gate[...]))
+                  * matmul("ebncd,edf->ebncf", expert_in, self.up[...]))
         hidden = checkpoint_name(shard(hidden, ("experts", None, None, None, "expert_mlp")), "expert_hidden")
-        expert_out = shard(jnp.einsum("ebncf,efd->ebncd", hidden, self.down[...]), EXPERT_AXES)
+        expert_out = shard(matmul("ebncf,efd->ebncd", hidden, self.down[...]), EXPERT_AXES)
         expert_out = shard(expert_out, ROW_AXES)
-        y = jnp.einsum("ebncd,bnsec->bnsd", expert_out, combine).reshape(rows, length, width)
+        y = matmul("ebncd,bnsec->bnsd", expert_out, combine).reshape(rows, length, width)
         choices = length * cfg.top_k
         stats = {"load_balancing": jnp.sum(jnp.mean(load_balancing_loss(routing), axis=1)),
                  "z_loss": jnp.sum(jnp.mean(router_z_loss(routing), axis=1)),
