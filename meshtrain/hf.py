@@ -10,11 +10,14 @@ the logical axes of each of its dimensions (``TensorSpec``).
 Loading builds every global array with ``jax.make_array_from_callback`` in its target
 ``NamedSharding``; each callback reads only its shard's slice from the safetensors files
 (``safe_open(...).get_slice``), so no device and no host holds a full copy of a sharded parameter.
+A parameter that HF stores as one tensor per index of one of its axes (``TensorSpec.per_tensor``:
+one tensor per expert) is read the same way: a shard opens only the tensors of the indices it holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import pathlib
@@ -85,8 +88,15 @@ def model_config(config: dict, *, seq_len: int | None = None) -> Any:
 
 
 def hf_config(cfg: Any, *, dtype: str, base: dict | None = None) -> dict:
-    """A ``config.json`` for the model config ``cfg``."""
-    return adapter_of(family_of(cfg), field="--to-hf").hf_config(cfg, dtype=dtype, base=base)
+    """A ``config.json`` for the model config ``cfg``.
+
+    Raises:
+      ConfigError: on ``model.<field>`` when no HF architecture holds what that field describes.
+    """
+    try:
+        return adapter_of(family_of(cfg), field="--from").hf_config(cfg, dtype=dtype, base=base)
+    except InvalidField as err:  # a model field (e.g. shared experts no HF architecture we write has)
+        raise ConfigError(f"model.{err.field}", err.message) from None
 
 
 def check_architecture(model: Any, hf: Any, *, field: str, where: str) -> None:
@@ -165,49 +175,72 @@ class SafetensorsFiles:
 
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
-    """One of our parameters and the HF tensor(s) it comes from (one per layer when ``stacked``)."""
+    """One of our parameters and the HF tensor(s) it comes from: one per layer when ``stacked``, and
+    one per index of each ``per_tensor`` axis (the HF tensors then lack those dimensions)."""
 
     path: tuple[str, ...]  # our parameter path, e.g. ("layers", "attention", "query")
-    hf_name: str  # with "{layer}" when stacked
+    hf_name: str  # with "{layer}" when stacked and "{axis}" for each per_tensor axis
     hf_groups: tuple[tuple[str, ...], ...]  # our axes per HF dimension
     axes: tuple[str, ...]  # our logical axes per layer (without "layers")
     sizes: dict[str, int]  # size of each of our axes
     stacked: bool
+    per_tensor: tuple[str, ...] = ()  # our axes that index separate HF tensors, e.g. ("experts",)
 
-    def hf_tensor(self, layer: int | None) -> str:
-        return self.hf_name.format(layer=layer)
+    def hf_tensor(self, layer: int | None, index: tuple[int, ...] = ()) -> str:
+        """The HF name of layer ``layer``'s tensor at ``index`` (one int per ``per_tensor`` axis)."""
+        return self.hf_name.format(layer=layer, **dict(zip(self.per_tensor, index)))
+
+    def hf_tensors(self, num_layers: int) -> list[str]:
+        """Every HF tensor this parameter is stored in, layer by layer, then in index order."""
+        return [self.hf_tensor(layer, index) for layer in (range(num_layers) if self.stacked else [None])
+                for index in np.ndindex(*self.per_tensor_shape)]
+
+    @property
+    def per_tensor_shape(self) -> tuple[int, ...]:
+        return tuple(self.sizes[axis] for axis in self.per_tensor)
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
+        """The shape of each HF tensor."""
         return tuple(math.prod(self.sizes[axis] for axis in group) for group in self.hf_groups)
 
-    def read(self, files: SafetensorsFiles, layer: int | None, ours: dict[str, slice]) -> np.ndarray:
-        """Our per-layer array restricted to the ranges ``ours`` (axis -> slice), from the HF file.
+    @property
+    def _split_axes(self) -> list[str]:
+        """Our axes in the order of the HF layout: the per-tensor ones, then those of each HF dimension."""
+        return [*self.per_tensor, *(axis for group in self.hf_groups for axis in group)]
 
-        Each HF dimension is read over the range of its outermost axis (times the inner axes'
-        sizes), then split into our axes, cut to the inner ranges and transposed to our order.
+    def read(self, files: SafetensorsFiles, layer: int | None, ours: dict[str, slice]) -> np.ndarray:
+        """Our per-layer array restricted to the ranges ``ours`` (axis -> slice), from the HF files.
+
+        Only the HF tensors of the ``per_tensor`` indices in range are opened. Each HF dimension is
+        read over the range of its outermost axis (times the inner axes' sizes), then split into our
+        axes, cut to the inner ranges, stacked over the per-tensor indices and transposed to our order.
         """
         hf_index = []
         for group in self.hf_groups:
             inner = math.prod(self.sizes[axis] for axis in group[1:])
             outer = ours[group[0]]
             hf_index.append(slice(outer.start * inner, outer.stop * inner))
-        part = files.read(self.hf_tensor(layer), tuple(hf_index))
-        split_axes = [axis for group in self.hf_groups for axis in group]
-        part = part.reshape([ours[group[0]].stop - ours[group[0]].start if axis == group[0] else self.sizes[axis]
-                             for group in self.hf_groups for axis in group])
-        part = part[tuple(slice(None) if axis == group[0] else ours[axis]
-                          for group in self.hf_groups for axis in group)]
-        return part.transpose([split_axes.index(axis) for axis in self.axes])
+        split_shape = [ours[group[0]].stop - ours[group[0]].start if axis == group[0] else self.sizes[axis]
+                       for group in self.hf_groups for axis in group]
+        inner_ranges = tuple(slice(None) if axis == group[0] else ours[axis]
+                             for group in self.hf_groups for axis in group)
+        ranges = [range(ours[axis].start, ours[axis].stop) for axis in self.per_tensor]
+        parts = [files.read(self.hf_tensor(layer, index), tuple(hf_index)).reshape(split_shape)[inner_ranges]
+                 for index in itertools.product(*ranges)]
+        part = np.stack(parts).reshape(*map(len, ranges), *parts[0].shape)
+        return part.transpose([self._split_axes.index(axis) for axis in self.axes])
 
     def to_hf(self, layer_value: np.ndarray) -> np.ndarray:
-        """Our per-layer array -> the HF tensor."""
-        split_axes = [axis for group in self.hf_groups for axis in group]
-        return layer_value.transpose([self.axes.index(axis) for axis in split_axes]).reshape(self.hf_shape)
+        """Our per-layer array -> the HF tensor; [*per_tensor_shape, *hf_shape] when ``per_tensor``
+        (``to_hf(x)[index]`` is the tensor ``hf_tensor(layer, index)``)."""
+        return layer_value.transpose([self.axes.index(axis) for axis in self._split_axes]).reshape(
+            *self.per_tensor_shape, *self.hf_shape)
 
 
-def tensor_maps(abstract_params: nnx.State, adapter: HFAdapter) -> list[TensorMap]:
-    """The mapping of every parameter in ``abstract_params`` (an abstract model's state)."""
+def tensor_maps(adapter: HFAdapter, cfg: Any, abstract_params: nnx.State) -> list[TensorMap]:
+    """The mapping of every parameter in ``abstract_params`` (an abstract model's state of model
+    config ``cfg``)."""
     maps = []
     for path, variable in nnx.to_flat_state(abstract_params):
         path = tuple(str(key) for key in path)
@@ -215,8 +248,12 @@ def tensor_maps(abstract_params: nnx.State, adapter: HFAdapter) -> list[TensorMa
         stacked = path[0] == LAYERS_KEY
         if stacked:
             axes, shape = axes[1:], shape[1:]
-        spec = adapter.tensor(path)
-        maps.append(TensorMap(path, spec.name, spec.groups, tuple(axes), dict(zip(axes, shape)), stacked))
+        try:
+            spec = adapter.tensor(cfg, path)
+        except InvalidField as err:  # a parameter no HF tensor holds, named by the model field that makes it
+            raise ConfigError(f"model.{err.field}", err.message) from None
+        maps.append(TensorMap(path, spec.name, spec.groups, tuple(axes), dict(zip(axes, shape)), stacked,
+                              spec.per_tensor))
     return maps
 
 
@@ -240,16 +277,14 @@ def check_tensors(files: SafetensorsFiles, maps: list[TensorMap], num_layers: in
     """ConfigError naming the first HF tensor that is missing or has another shape than the config
     says, or listing the tensors no parameter takes (weights that an import would silently drop, such
     as the q/k/v biases of a Qwen2 checkpoint labelled ``llama``)."""
-    mapped = {tensor_map.hf_tensor(layer) for tensor_map in maps
-              for layer in (range(num_layers) if tensor_map.stacked else [None])}
+    mapped = {name for tensor_map in maps for name in tensor_map.hf_tensors(num_layers)}
     unused = sorted(name for name in files.file_of if name not in mapped and not adapter.unused_ok(name))
     if unused:
         raise ConfigError(field, f"{files.root} holds {len(unused)} tensors this model has no parameter for "
                           f"({', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}); config.json does not "
                           "describe these weights, so importing would drop them")
     for tensor_map in maps:
-        for layer in range(num_layers) if tensor_map.stacked else [None]:
-            name = tensor_map.hf_tensor(layer)
+        for name in tensor_map.hf_tensors(num_layers):
             if name not in files.file_of:
                 raise ConfigError(field, f"tensor {name} is missing from {files.root} (config.json "
                                   f"describes a {num_layers}-layer model)")
@@ -258,15 +293,17 @@ def check_tensors(files: SafetensorsFiles, maps: list[TensorMap], num_layers: in
                                   f"but config.json implies {list(tensor_map.hf_shape)}")
 
 
-def load_params(files: SafetensorsFiles, adapter: HFAdapter, abstract_params: nnx.State, shardings: nnx.State, *,
-                storage_of_logical: np.ndarray | None = None, field: str = "--hf") -> nnx.State:
-    """The HF weights as fp32 global arrays in ``shardings`` (an ``nnx.State`` like ``abstract_params``).
+def load_params(files: SafetensorsFiles, adapter: HFAdapter, cfg: Any, abstract_params: nnx.State,
+                shardings: nnx.State, *, storage_of_logical: np.ndarray | None = None,
+                field: str = "--hf") -> nnx.State:
+    """The HF weights as fp32 global arrays in ``shardings`` (an ``nnx.State`` like ``abstract_params``,
+    the abstract state of a model of config ``cfg``).
 
     Each device's shard is read from the files on its own (``make_array_from_callback``).
     ``storage_of_logical[i]`` is the logical layer stored at index i (interleaved pipelines);
     default: the identity.
     """
-    maps = tensor_maps(abstract_params, adapter)
+    maps = tensor_maps(adapter, cfg, abstract_params)
     num_layers = num_layers_of(abstract_params)
     check_tensors(files, maps, num_layers, adapter, field=field)
     order = np.arange(num_layers) if storage_of_logical is None else storage_of_logical
@@ -306,9 +343,10 @@ def init_loader(hf_dir: str, trainer: Any, *, field: str = "checkpoint.init_from
     check_architecture(trainer.model_cfg, hf_cfg, field=field, where=f"{INIT_PREFIX}{hf_dir}")
     adapter = adapter_of(family_of(hf_cfg), field=field)
     files = SafetensorsFiles(hf_dir, field=field)
-    check_tensors(files, tensor_maps(trainer.abstract_params, adapter), hf_cfg.num_layers, adapter, field=field)
-    return lambda: nnx.to_pure_dict(load_params(files, adapter, trainer.abstract_params, trainer.param_shardings,
-                                                field=field))
+    check_tensors(files, tensor_maps(adapter, trainer.model_cfg, trainer.abstract_params), hf_cfg.num_layers,
+                  adapter, field=field)
+    return lambda: nnx.to_pure_dict(load_params(files, adapter, trainer.model_cfg, trainer.abstract_params,
+                                                trainer.param_shardings, field=field))
 
 
 def tensor_dtypes(files: SafetensorsFiles) -> dict[str, str]:
@@ -354,32 +392,30 @@ def save(out: str | pathlib.Path, cfg: Any, params: nnx.State, *, dtype: str | C
 
     out = pathlib.Path(out)
     dtype_of = dtype if callable(dtype) else (lambda name: dtype)
-    adapter = adapter_of(family_of(cfg), field="--from")
-    maps = list(zip(tensor_maps(params, adapter), nnx.to_flat_state(params)))
-    names = [(tensor_map, tensor_map.hf_tensor(layer)) for tensor_map, (_, variable) in maps
-             for layer in (range(variable.shape[0]) if tensor_map.stacked else [None])]
+    maps = list(zip(tensor_maps(adapter_of(family_of(cfg), field="--from"), cfg, params), nnx.to_flat_state(params)))
     sizes = {name: math.prod(tensor_map.hf_shape) * _numpy_dtype(dtype_of(name)).itemsize
-             for tensor_map, name in names}
+             for tensor_map, _ in maps for name in tensor_map.hf_tensors(cfg.num_layers)}
+    dtypes = set(map(dtype_of, sizes))
+    config = hf_config(cfg, dtype=dtypes.pop() if len(dtypes) == 1 else "float32", base=base_config)
     plan = _shard_plan(sizes, max_shard_bytes)
     files = ([SINGLE_FILE] if len(plan) == 1 else
              [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
     file_of = {name: file_name for file_name, shard in zip(files, plan) for name in shard}
     last_of = {shard[-1]: file_name for file_name, shard in zip(files, plan)}
     out.mkdir(parents=True, exist_ok=True)
-    dtypes = set(map(dtype_of, sizes))
-    config = adapter.hf_config(cfg, dtype=dtypes.pop() if len(dtypes) == 1 else "float32", base=base_config)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     pending: dict[str, np.ndarray] = {}
     for tensor_map, (_, variable) in maps:
         value = np.asarray(jax.device_get(variable.get_value()))
         for layer in range(value.shape[0]) if tensor_map.stacked else [None]:
-            name = tensor_map.hf_tensor(layer)
             hf_value = tensor_map.to_hf(value[layer] if tensor_map.stacked else value)
-            pending[name] = np.ascontiguousarray(hf_value.astype(_numpy_dtype(dtype_of(name))))
-            if name in last_of:  # its file is complete
-                # "format: pt" is what transformers expects of the files it loads.
-                save_file(pending, str(out / last_of[name]), metadata={"format": "pt"})
-                pending = {}
+            for index in np.ndindex(*tensor_map.per_tensor_shape):  # () alone without per-tensor axes
+                name = tensor_map.hf_tensor(layer, index)
+                pending[name] = np.ascontiguousarray(hf_value[index].astype(_numpy_dtype(dtype_of(name))))
+                if name in last_of:  # its file is complete
+                    # "format: pt" is what transformers expects of the files it loads.
+                    save_file(pending, str(out / last_of[name]), metadata={"format": "pt"})
+                    pending = {}
     if len(files) == 1:
         return [CONFIG_FILE, SINGLE_FILE]
     index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": file_of}

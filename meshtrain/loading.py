@@ -124,7 +124,7 @@ def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, st
     shardings = named_shardings(plan.param_specs(), mesh)
     if kind is SourceKind.HF:
         files = hf.SafetensorsFiles(root, field=field)
-        params = hf.load_params(files, hf.adapter_of(family_of(cfg), field=field), abstract, shardings,
+        params = hf.load_params(files, hf.adapter_of(family_of(cfg), field=field), cfg, abstract, shardings,
                                 field=field)
         return LoadedModel(cfg, graphdef, params, mesh, plan.rules, kind, root, config, hf.tensor_dtypes(files),
                            home=root, trained_on_bytes=False)

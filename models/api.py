@@ -165,10 +165,14 @@ class TensorSpec:
 
     ``name``: the HF tensor name (per-layer names hold ``{layer}``). ``groups``: our logical axes per
     HF dimension, outermost first (q_proj's rows are ``("heads", "head_dim")`` flattened).
+    ``per_tensor``: our logical axes that HF stores as one tensor per index rather than as a
+    dimension; ``name`` holds ``{axis}`` for each (Mixtral's experts:
+    ``"model.layers.{layer}.block_sparse_moe.experts.{experts}.w1.weight"``, ``per_tensor=("experts",)``).
     """
 
     name: str
     groups: tuple[tuple[str, ...], ...]
+    per_tensor: tuple[str, ...] = ()
 
 
 class HFAdapter(Protocol):
@@ -183,8 +187,9 @@ class HFAdapter(Protocol):
     def hf_config(self, cfg: Any, *, dtype: str, base: dict | None = None) -> dict:
         """A ``config.json`` for ``cfg``; non-architecture fields of ``base`` are kept."""
 
-    def tensor(self, path: tuple[str, ...]) -> TensorSpec:
-        """The HF tensor of our parameter at ``path`` (``("layers", ...)`` for stacked ones)."""
+    def tensor(self, cfg: Any, path: tuple[str, ...]) -> TensorSpec:
+        """The HF tensor of our parameter at ``path`` (``("layers", ...)`` for stacked ones) in a
+        checkpoint of the model config ``cfg`` (whose fields may choose between layouts)."""
 
     def overrides(self, name: str, value: Any, ours: Any) -> list[str]:
         """``model.x=...`` overrides that set architecture field ``name`` to ``value``."""

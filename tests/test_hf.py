@@ -58,8 +58,12 @@ def _mesh(shape: tuple[int, int, int, int]):
 def _hf_model(variant: str, seed: int = 0):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(**HF_SHAPE, **VARIANTS[variant])
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norms are ones at init: make them random so their mapping is tested
+    return _random_norms(transformers.LlamaForCausalLM(config).eval())
+
+
+def _random_norms(model):
+    """``model`` with random norm scales: they are ones at init, which would hide their mapping."""
+    with torch.no_grad():
         for name, tensor in model.named_parameters():
             if name.endswith("norm.weight"):
                 tensor.copy_(1 + 0.2 * torch.randn_like(tensor))
@@ -71,22 +75,26 @@ def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.tensor(tokens)).logits.float().numpy()
 
 
+def save_variants(root: pathlib.Path, build, variants, tokens: np.ndarray, *, sharded: str, bf16: str) -> dict:
+    """{variant: (directory, logits of ``tokens``)} for each ``build(variant)`` saved by transformers under
+    ``root`` (``sharded`` in 40 KB files), and ``"bf16"``: a bfloat16 copy of ``bf16`` (no logits)."""
+    dirs = {}
+    for variant in variants:
+        model = build(variant)
+        model.save_pretrained(root / variant, max_shard_size="40KB" if variant == sharded else "5GB")
+        dirs[variant] = (root / variant, _hf_logits(model, tokens))
+    build(bf16).to(torch.bfloat16).save_pretrained(root / f"{bf16}_bf16")
+    dirs["bf16"] = (root / f"{bf16}_bf16", None)
+    assert (dirs[sharded][0] / hf.INDEX_FILE).is_file()  # the sharded layout is exercised
+    return dirs
+
+
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """Each variant saved by transformers (the GQA one in sharded files), its reference logits, and a
     bfloat16 copy of the tied one."""
-    root = tmp_path_factory.mktemp("hf")
-    dirs = {}
-    for variant in VARIANTS:
-        model = _hf_model(variant)
-        path = root / variant
-        model.save_pretrained(path, max_shard_size="40KB" if variant == "gqa" else "5GB")
-        dirs[variant] = (path, _hf_logits(model, TOKENS))
-    bf16 = root / "tied_llama3_bf16"
-    _hf_model("tied_llama3").to(torch.bfloat16).save_pretrained(bf16)
-    dirs["bf16"] = (bf16, None)
-    assert (dirs["gqa"][0] / hf.INDEX_FILE).is_file()  # the sharded layout is exercised
-    return dirs
+    return save_variants(tmp_path_factory.mktemp("hf"), _hf_model, VARIANTS, TOKENS, sharded="gqa",
+                         bf16="tied_llama3")
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 1, 1), (1, 2, 2, 1)], ids=["1dev", "1x2x2x1"])
@@ -108,7 +116,7 @@ def test_shards_are_read_straight_into_their_devices(hf_dirs):
     _, abstract = abstract_model(cfg)
     mesh = _mesh((1, 2, 2, 1))
     files = hf.SafetensorsFiles(path)
-    params = hf.load_params(files, LLAMA.hf, abstract,
+    params = hf.load_params(files, LLAMA.hf, cfg, abstract,
                             named_shardings(loading.inference_plan(cfg, mesh, RULES).param_specs(), mesh))
     query = params["layers"]["attention"]["query"].get_value()
     assert {shard.data.shape for shard in query.addressable_shards} == {(2, 32, 2, 16)}
@@ -138,15 +146,10 @@ def test_hf_to_meshtrain_to_hf_reproduces_the_tensors(hf_dirs, tmp_path, variant
     assert (tmp_path / "back" / "generation_config.json").is_file()  # side files travel along
 
 
-def test_meshtrain_to_hf_to_meshtrain_is_bit_identical_and_loads_in_transformers(tmp_path):
-    """Distinct sizes (embed 40 != heads*head_dim 48) so a transposed axis cannot pass; llama3 rope."""
-    cfg = LlamaConfig(vocab_size=96, embed_dim=40, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=6,
-                      mlp_dim=72, seq_len=32, rope_theta=20000.0, norm_eps=1e-6,
-                      rope_scaling=RopeScalingConfig(kind=RopeScaling.LLAMA3, original_max_len=16))
-    params = nnx.state(Llama(cfg, rngs=nnx.Rngs(3)), nnx.Param)
-    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), params)
+def round_trip_through_hf(tmp_path: pathlib.Path, cfg, params: nnx.State, mesh) -> loading.LoadedModel:
+    """``params`` of ``cfg`` exported as ``tmp_path/mt``, written as HF files to ``tmp_path/hf`` (sharded),
+    imported again and loaded on ``mesh``; checked equal to ``params``, bit for bit."""
     save_params(tmp_path / "mt", params, {"model": model_dict(cfg)})
-    mesh = _mesh((1, 2, 2, 1))
     files = convert.to_hf(str(tmp_path / "mt"), str(tmp_path / "hf"), mesh, RULES, max_shard_bytes=30_000)
     assert hf.INDEX_FILE in files
     convert.from_hf(str(tmp_path / "hf"), str(tmp_path / "mt2"), mesh, RULES)
@@ -155,6 +158,17 @@ def test_meshtrain_to_hf_to_meshtrain_is_bit_identical_and_loads_in_transformers
     for (path, original), (_, loaded) in zip(nnx.to_flat_state(params), nnx.to_flat_state(again.params)):
         np.testing.assert_array_equal(np.asarray(loaded.get_value()), np.asarray(original.get_value()),
                                       err_msg=str(path))
+    return again
+
+
+def test_meshtrain_to_hf_to_meshtrain_is_bit_identical_and_loads_in_transformers(tmp_path):
+    """Distinct sizes (embed 40 != heads*head_dim 48) so a transposed axis cannot pass; llama3 rope."""
+    cfg = LlamaConfig(vocab_size=96, embed_dim=40, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=6,
+                      mlp_dim=72, seq_len=32, rope_theta=20000.0, norm_eps=1e-6,
+                      rope_scaling=RopeScalingConfig(kind=RopeScaling.LLAMA3, original_max_len=16))
+    params = nnx.state(Llama(cfg, rngs=nnx.Rngs(3)), nnx.Param)
+    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), params)
+    again = round_trip_through_hf(tmp_path, cfg, params, _mesh((1, 2, 2, 1)))
     reference = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
     tokens = TOKENS[:, :20] % cfg.vocab_size
     np.testing.assert_allclose(compute_logits(again, tokens), _hf_logits(reference.eval(), tokens),
@@ -256,7 +270,7 @@ def test_tensor_map_reads_any_sub_block():
     """Reading a block of query through the HF layout equals slicing the mapped full tensor."""
     cfg = LlamaConfig(embed_dim=40, num_heads=8, num_kv_heads=4, head_dim=6)
     _, abstract = abstract_model(cfg)
-    query = next(m for m in hf.tensor_maps(abstract, LLAMA.hf) if m.path == ("layers", "attention", "query"))
+    query = next(m for m in hf.tensor_maps(LLAMA.hf, cfg, abstract) if m.path == ("layers", "attention", "query"))
     full_hf = np.arange(np.prod(query.hf_shape), dtype=np.float32).reshape(query.hf_shape)
 
     class Files:

@@ -40,14 +40,22 @@ def finetune(hf_dir, tmp_path_factory):
     return cfg, run_dir
 
 
+def first_logged_and_transformers_loss(cfg, run_dir, model) -> tuple[dict, float]:
+    """The run's first logged metrics, and the fp32 cross-entropy of transformers' ``model`` on the
+    run's first batch."""
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    vocab = cfg.model.vocab_size
+    batch = make_dataset(cfg.data, vocab_size=vocab, seq_len=cfg.model.seq_len).rows(np.arange(cfg.train.batch_size))
+    logits = torch.tensor(_hf_logits(model.eval(), batch["inputs"]))
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab),
+                                                 torch.tensor(batch["targets"]).reshape(-1).long()).item()
+    return first, expected
+
+
 def test_finetune_from_hf_starts_at_the_transformers_loss(hf_dir, finetune):
     cfg, run_dir = finetune
-    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
-    batch = make_dataset(cfg.data, vocab_size=128, seq_len=16).rows(np.arange(cfg.train.batch_size))
     model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager")
-    logits = torch.tensor(_hf_logits(model.eval(), batch["inputs"]))
-    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 128),
-                                                 torch.tensor(batch["targets"]).reshape(-1).long()).item()
+    first, expected = first_logged_and_transformers_loss(cfg, run_dir, model)
     assert first["step"] == 1
     assert first["loss"] == pytest.approx(expected, rel=1e-5)
 

@@ -26,7 +26,7 @@ from models.api import TensorSpec
 from models.common import InvalidField
 from models.llama.model import LlamaConfig, RopeScaling, RopeScalingConfig
 
-_LAYER_TENSORS: dict[tuple[str, ...], TensorSpec] = {
+LAYER_TENSORS: dict[tuple[str, ...], TensorSpec] = {
     ("attn_norm", "scale"): TensorSpec("input_layernorm.weight", (("embed",),)),
     ("attention", "query"): TensorSpec("self_attn.q_proj.weight", (("heads", "head_dim"), ("embed",))),
     ("attention", "key"): TensorSpec("self_attn.k_proj.weight", (("kv_heads", "head_dim"), ("embed",))),
@@ -37,23 +37,24 @@ _LAYER_TENSORS: dict[tuple[str, ...], TensorSpec] = {
     ("mlp", "up"): TensorSpec("mlp.up_proj.weight", (("mlp",), ("embed",))),
     ("mlp", "down"): TensorSpec("mlp.down_proj.weight", (("embed",), ("mlp",))),
 }
-_GLOBAL_TENSORS: dict[tuple[str, ...], TensorSpec] = {
+GLOBAL_TENSORS: dict[tuple[str, ...], TensorSpec] = {
     ("embedding",): TensorSpec("model.embed_tokens.weight", (("vocab",), ("embed",))),
     ("final_norm", "scale"): TensorSpec("model.norm.weight", (("embed",),)),
     ("head",): TensorSpec("lm_head.weight", (("vocab",), ("embed",))),
 }
 
 
-def _rope_parameters(config: dict) -> tuple[float, RopeScalingConfig]:
-    """rope_theta and the scaling, from the transformers 4 (``rope_theta`` + ``rope_scaling``) or
-    the transformers 5 (``rope_parameters``) spelling."""
+def rope_parameters(config: dict, *, default_theta: float = 10000.0) -> tuple[float, RopeScalingConfig]:
+    """rope_theta (``default_theta`` when the config gives none, as transformers' ``default_theta``)
+    and the scaling, from the transformers 4 (``rope_theta`` + ``rope_scaling``) or the
+    transformers 5 (``rope_parameters``) spelling."""
     key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     rope = config.get(key) or {}
     if not isinstance(rope, dict):
         raise InvalidField(key, f"must be an object or null, got {rope!r}")
     if rope and all(isinstance(value, dict) for value in rope.values()):
         raise InvalidField(key, "per-layer-type rotary parameters are not supported")
-    theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    theta = float(config.get("rope_theta") or rope.get("rope_theta") or default_theta)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
         raise InvalidField("partial_rotary_factor", "partial rotary embeddings are not supported (only 1.0)")
@@ -73,7 +74,8 @@ def _rope_parameters(config: dict) -> tuple[float, RopeScalingConfig]:
 
 
 class LlamaHF:
-    """The ``models.api.HFAdapter`` of the Llama family."""
+    """The ``models.api.HFAdapter`` of the Llama family; other Llama-shaped decoders (the MoE
+    family) subclass it for the checks, fields and tensors they share."""
 
     model_types = ("llama", "mistral")
     architecture_fields = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -86,6 +88,12 @@ class LlamaHF:
         Raises:
           InvalidField: naming the ``config.json`` key of an option this Llama does not implement.
         """
+        self.check_decoder(config, ("intermediate_size",))
+        return LlamaConfig(mlp_dim=config["intermediate_size"], **self.decoder_fields(config, seq_len))
+
+    def check_decoder(self, config: dict, sizes: tuple[str, ...]) -> None:
+        """InvalidField naming the first ``config.json`` key of a Llama-shaped decoder that meshtrain
+        does not implement, or that is missing (the common sizes and ``sizes``)."""
         architectures = config.get("architectures") or []
         unsupported = [name for name in architectures if not name.endswith("ForCausalLM")]
         if unsupported:
@@ -101,25 +109,39 @@ class LlamaHF:
             raise InvalidField("hidden_act", f"{config['hidden_act']!r} is not supported (only 'silu')")
         if config.get("quantization_config"):
             raise InvalidField("quantization_config", "quantized checkpoints are not supported")
-        missing = [key for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        missing = [key for key in ("vocab_size", "hidden_size", *sizes, "num_hidden_layers",
                                    "num_attention_heads") if not isinstance(config.get(key), int)]
         if missing:
             raise InvalidField(missing[0], "is missing or not an integer")
-        theta, scaling = _rope_parameters(config)
+
+    def decoder_fields(self, config: dict, seq_len: int | None, *, default_theta: float = 10000.0,
+                       default_norm_eps: float = 1e-6) -> dict[str, Any]:
+        """The config fields of a checked (``check_decoder``) ``config.json`` that every Llama-shaped
+        decoder has: sizes, attention heads, rotary embedding, norms, embedding tying, seq_len. The
+        defaults are what the architecture's transformers config assumes when a key is left out."""
+        theta, scaling = rope_parameters(config, default_theta=default_theta)
         heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // heads
         max_len = int(config.get("max_position_embeddings") or 2048)
-        return LlamaConfig(
-            vocab_size=config["vocab_size"], embed_dim=config["hidden_size"],
-            num_layers=config["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
-            mlp_dim=config["intermediate_size"], seq_len=seq_len or min(max_len, 2048),
-            rope_theta=theta, rope_scaling=scaling, norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+        return {
+            "vocab_size": config["vocab_size"], "embed_dim": config["hidden_size"],
+            "num_layers": config["num_hidden_layers"], "num_heads": heads,
+            "num_kv_heads": config.get("num_key_value_heads") or heads,
+            "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+            "seq_len": seq_len or min(max_len, 2048), "rope_theta": theta, "rope_scaling": scaling,
+            "norm_eps": float(config.get("rms_norm_eps", default_norm_eps)),
+            "tie_embeddings": bool(config.get("tie_word_embeddings", False))}
 
     def hf_config(self, cfg: LlamaConfig, *, dtype: str, base: dict | None = None) -> dict:
         """A ``config.json`` for ``cfg`` (LlamaForCausalLM). Fields of ``base`` (the config an import
         came from) that do not describe the architecture are kept: token ids, max_position_embeddings."""
+        return self.decoder_config(cfg, dtype=dtype, base=base, architecture="LlamaForCausalLM", model_type="llama",
+                                   intermediate_size=cfg.mlp_dim, mlp_bias=False)
+
+    def decoder_config(self, cfg: Any, *, dtype: str, base: dict | None, architecture: str, model_type: str,
+                       **fields: Any) -> dict:
+        """The ``config.json`` of a Llama-shaped ``cfg`` as ``architecture`` / ``model_type``, with that
+        architecture's own ``fields``; ``base``'s token ids, max_position_embeddings and
+        initializer_range are kept."""
         config = {key: value for key, value in (base or {}).items()
                   if key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings",
                              "initializer_range")}
@@ -132,24 +154,28 @@ class LlamaHF:
         else:
             rope_scaling = None
         config.update({
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": cfg.vocab_size, "hidden_size": cfg.embed_dim,
-            "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
+            "architectures": [architecture], "model_type": model_type,
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.embed_dim, "num_hidden_layers": cfg.num_layers,
             "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling,
-            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, **fields,
             "attention_dropout": 0.0, "torch_dtype": dtype, "dtype": dtype,  # transformers 4 and 5 spellings
         })
         original = cfg.rope_scaling.original_max_len if rope_scaling else 0
         config.setdefault("max_position_embeddings", max(cfg.seq_len, original))
         return config
 
-    def tensor(self, path: tuple[str, ...]) -> TensorSpec:
+    def layer_tensors(self, cfg: Any) -> dict[tuple[str, ...], TensorSpec]:
+        """The HF tensor of each per-layer parameter (path within a layer; names within
+        ``model.layers.L``) in a checkpoint of ``cfg``."""
+        return LAYER_TENSORS
+
+    def tensor(self, cfg: Any, path: tuple[str, ...]) -> TensorSpec:
         if path[0] == "layers":
-            spec = _LAYER_TENSORS[path[1:]]
-            return TensorSpec(f"model.layers.{{layer}}.{spec.name}", spec.groups)
-        return _GLOBAL_TENSORS[path]
+            spec = self.layer_tensors(cfg)[path[1:]]
+            return TensorSpec(f"model.layers.{{layer}}.{spec.name}", spec.groups, spec.per_tensor)
+        return GLOBAL_TENSORS[path]
 
     def unused_ok(self, name: str) -> bool:
         # Rotary buffers some older exports carry, and lm_head.weight beside a tied embedding.

@@ -1,6 +1,7 @@
 """The mixture-of-experts family (Mixtral, Qwen3-MoE): the model, its Hugging Face adapter, its registry entry."""
 
 from models.api import AxisRole, ModelFamily, register
+from models.moe.hf import MoEHF
 from models.moe.model import (
                               CHECKPOINT_NAMES,
                               Dispatch,
@@ -17,6 +18,6 @@ FAMILY = register(ModelFamily(
                 "mlp": AxisRole.TENSOR, "experts": AxisRole.EXPERT, "expert_embed": AxisRole.REPLICATED,
                 "expert_mlp": AxisRole.TENSOR, "expert_logits": AxisRole.REPLICATED},
     flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops_per_token,
-    activation_bytes=activation_bytes))
+    activation_bytes=activation_bytes, hf=MoEHF()))
 
 __all__ = ["CHECKPOINT_NAMES", "FAMILY", "Dispatch", "MoE", "MoEConfig"]
