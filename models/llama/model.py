@@ -177,11 +177,16 @@ def flops_per_token(cfg: LlamaConfig) -> float:
 
 def recompute_flops_per_token(cfg: LlamaConfig, remat: RematPolicy) -> float:
     """Forward FLOPs per token the backward recomputes: DOTS recomputes the attention matmuls,
-    FULL every layer's matmuls and attention."""
+    FULL every layer's forward but the MLP's down projection (its output, the layer's last, is not
+    needed by the backward, and XLA drops it). Both equal the count of the traced step
+    (``meshtrain.flops``, tests/test_flops.py). NAMED and OFFLOAD count 0, an underestimate: they
+    recompute whatever their names do not keep (with the default names, the q/k/v, gate/up and
+    output projections and the attention scores)."""
     attention_forward = 4 * cfg.num_layers * cfg.seq_len * cfg.attention_dim
     layer_matmul = cfg.num_layers * (cfg.layer_params - 2 * cfg.embed_dim)
+    down_projection = cfg.num_layers * cfg.mlp_dim * cfg.embed_dim
     return {RematPolicy.DOTS: attention_forward,
-            RematPolicy.FULL: 2 * layer_matmul + attention_forward}.get(remat, 0.0)
+            RematPolicy.FULL: 2 * (layer_matmul - down_projection) + attention_forward}.get(remat, 0.0)
 
 
 def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
