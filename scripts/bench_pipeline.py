@@ -1,4 +1,4 @@
-"""Pipeline schedules side by side: step time, theoretical bubble and compiled temp memory.
+"""Pipeline schedules side by side: step time, bubble, per-device FLOPs against theory, temp memory.
 
     python scripts/bench_pipeline.py [--stages 4] [--microbatches 4 8 16 32] [--steps 3]
         [--out docs/img/pipeline_bench.png]
@@ -6,7 +6,9 @@
 Every run uses the same model and the same microbatch size (``--rows`` sequences), so the global
 batch grows with M. "none" is the same model and batch without a pipeline on one device. On
 simulated CPU devices the stages share the host's cores: step times show the schedule's total work
-and overhead, not a multi-device speed-up; the memory column is XLA's own per-device analysis.
+and overhead, not a multi-device speed-up; the memory column is XLA's own per-device analysis. The
+FLOPs column is what each device executes (``meshtrain.flops``: the traced step with scan trip counts),
+as a multiple of the ideal ``(single-device FLOPs / S) / (1 - bubble)``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main() -> None:
 
     jax.config.update("jax_num_cpu_devices", max(8, args.stages))
     from meshtrain.data import DataConfig, global_batch, make_dataset
+    from meshtrain.flops import count_flops
     from meshtrain.mesh import MeshConfig, make_mesh
     from meshtrain.optim import OptimizerConfig
     from meshtrain.parallel.pipeline import PipelineConfig, Schedule
@@ -52,6 +55,7 @@ def main() -> None:
                           Preset.FSDP_TP.rules, mesh, pipeline)
         state = trainer.init_state(seed=0)
         batch = global_batch(dataset, 0, batch_size, trainer.batch_sharding)
+        flops = count_flops(trainer.step, trainer.abstract_state(), trainer.abstract_batch()).flops
         step = trainer.train_step.lower(state, batch).compile()
         state, metrics = step(state, batch)  # warm-up
         jax.block_until_ready(metrics)
@@ -61,26 +65,28 @@ def main() -> None:
             state, metrics = step(state, batch)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - start)
-        return statistics.median(times), step.memory_analysis().temp_size_in_bytes
+        return statistics.median(times), step.memory_analysis().temp_size_in_bytes, flops
 
     rows = []
-    header = f"{'M':>3} {'schedule':<12} {'step s':>8} {'vs none':>8} {'bubble':>7} {'temp MB':>9}"
+    header = (f"{'M':>3} {'schedule':<12} {'step s':>8} {'vs none':>8} {'bubble':>7} {'GFLOP/dev':>10} "
+              f"{'vs ideal':>8} {'temp MB':>9}")
     print(f"S={args.stages}, {args.rows} sequences x {model.seq_len} tokens per microbatch, "
           f"{model.num_params:,} parameters, {jax.devices()[0].device_kind}")
     print(header)
     for micro in args.microbatches:
         batch_size = micro * args.rows
-        none_time, none_temp = measure((1, 1, 1, 1), PipelineConfig(), batch_size)
+        none_time, none_temp, none_flops = measure((1, 1, 1, 1), PipelineConfig(), batch_size)
         rows.append((micro, "none", none_time, 1.0, 0.0, none_temp))
-        print(f"{micro:>3} {'none':<12} {none_time:>8.3f} {1.0:>8.2f} {0.0:>7.1%} {none_temp / 1e6:>9.2f}",
-              flush=True)
+        print(f"{micro:>3} {'none':<12} {none_time:>8.3f} {1.0:>8.2f} {0.0:>7.1%} {none_flops / 1e9:>10.3f} "
+              f"{1.0:>8.2f} {none_temp / 1e6:>9.2f}", flush=True)
         for name, (schedule, virtual) in schedules.items():
             pipeline = PipelineConfig(micro, schedule, virtual)
-            step_time, temp = measure((1, 1, 1, args.stages), pipeline, batch_size)
+            step_time, temp, flops = measure((1, 1, 1, args.stages), pipeline, batch_size)
             bubble = pipeline.bubble_fraction(args.stages)
+            ideal = none_flops / args.stages / (1 - bubble)
             rows.append((micro, name, step_time, step_time / none_time, bubble, temp))
             print(f"{micro:>3} {name:<12} {step_time:>8.3f} {step_time / none_time:>8.2f} {bubble:>7.1%} "
-                  f"{temp / 1e6:>9.2f}", flush=True)
+                  f"{flops / 1e9:>10.3f} {flops / ideal:>8.2f} {temp / 1e6:>9.2f}", flush=True)
     _plot(rows, args.out, args.stages)
     print(f"plot: {args.out}")
 
