@@ -304,3 +304,25 @@ def test_bad_moe_input_is_one_line_error(moe_yaml, capsys, overrides, field, hin
     assert lines[0].startswith(f"error: {field}: "), lines[0]
     for hint in hints:
         assert hint in lines[0], (hint, lines[0])
+
+
+# --- a run -------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_tiny_moe_config_trains_and_plots_the_expert_load(tmp_path):
+    import json
+    import pathlib
+
+    config = pathlib.Path(__file__).resolve().parents[1] / "configs" / "moe_tiny.yaml"
+    run_dir = tmp_path / "run"
+    assert main(["--config", str(config), "train.steps=60", "train.log_every=10", f"run.dir={run_dir}",
+                 "checkpoint.every=0"]) == 0
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "loss" in line]
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
+    for line in steps:
+        load = line["moe_expert_load"]
+        assert len(load) == 8 and sum(load) == pytest.approx(1.0, abs=1e-5)
+        assert line["moe_expert_load_max"] == max(load) and line["moe_expert_load_min"] == min(load)
+        assert 0 <= line["moe_dropped_fraction"] < 1 and line["moe_load_balancing_loss"] > 0
+    assert (run_dir / "moe_expert_load.png").stat().st_size > 1000
