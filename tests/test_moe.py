@@ -174,7 +174,7 @@ def test_remat_with_expert_parallelism_equals_one_device(reference, remat):
 
 
 PIPELINES = [
-    pytest.param((2, 1, 1, 2), PipelineConfig(2, Schedule.ONE_F_ONE_B), id="ep2-stage2-1f1b"),
+    pytest.param((2, 1, 1, 2), PipelineConfig(2, Schedule.ONE_F_ONE_B), id="ep2-stage2-1f1b", marks=pytest.mark.slow),
     pytest.param((4, 1, 1, 2), PipelineConfig(2, Schedule.GPIPE), id="ep4-stage2-gpipe", marks=pytest.mark.slow),
     pytest.param((2, 1, 2, 2), PipelineConfig(2, Schedule.INTERLEAVED, virtual_stages=2),
                  id="ep2-tp2-stage2-interleaved", marks=pytest.mark.slow),
@@ -187,13 +187,14 @@ def test_moe_layers_inside_pipeline_stages_equal_one_device(reference_four_layer
                     loss_grads_and_statistics(_trainer(mesh_shape, FOUR_LAYERS, pipeline)))
 
 
-@pytest.mark.parametrize("mesh_shape", [
-    (2, 2, 2, 1), pytest.param((8, 1, 1, 1), marks=pytest.mark.slow)], ids=["ep4-fsdp-tp", "ep8"])
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2, 1), (8, 1, 1, 1)], ids=["ep4-fsdp-tp", "ep8"])
 def test_capacity_mode_drops_tokens_and_equals_one_device(reference_capacity, mesh_shape):
     assert float(reference_capacity[2]["moe_dropped_fraction"]) > 0.05
     _assert_matches(reference_capacity, loss_grads_and_statistics(_trainer(mesh_shape, CAPACITY)))
 
 
+@pytest.mark.slow
 def test_the_aux_losses_are_part_of_the_objective(reference):
     without_aux = loss_grads_and_statistics(
         _trainer((1, 1, 1, 1), dataclasses.replace(MOE, load_balancing_coef=0.0, z_loss_coef=0.0)))
