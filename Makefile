@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train stdlib test test-fast clean
+.PHONY: setup train moe stdlib test test-fast clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,11 @@ setup: $(STAMP)
 
 train: $(STAMP)
 	$(VENV)/bin/python -m meshtrain.train --config configs/tiny.yaml --host-devices 8 run.dir=runs/tiny-$$(date +%Y%m%d-%H%M%S)
+
+# The same data through a tiny mixture of experts (8 experts, top-2), experts split 4 ways by expert
+# parallelism over data x fsdp (configs/moe_tiny.yaml).
+moe: $(STAMP)
+	$(VENV)/bin/python -m meshtrain.train --config configs/moe_tiny.yaml --host-devices 8 run.dir=runs/moe_tiny-$$(date +%Y%m%d-%H%M%S)
 
 # Real text, no download: the installed standard library's docstrings -> a BPE tokenizer -> a
 # prepared directory (documents, 10% held out) -> training with evaluation (configs/stdlib_docs.yaml).

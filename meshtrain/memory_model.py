@@ -7,12 +7,15 @@ cannot disagree on what runs or how it is split (see docs/memory.md for the deri
 * **State** (the step's arguments and outputs; the state is donated, so outputs alias it):
   fp32 parameters (4 B), fp32 Adam ``mu`` + ``nu`` (8 B) and a few scalars, split per parameter by
   the rules table (``embed -> fsdp``, ``heads/kv_heads/mlp/vocab -> tensor``, ``layers -> stage``
-  when pipelining) and by the ZeRO stage (``zero.py``: stage < 3 drops ``fsdp`` from parameters,
-  < 2 from gradients, < 1 from the optimizer state). ``offload.optimizer`` moves the optimizer
-  bytes to host memory. The batch ``{inputs, targets, mask}`` adds 12 B per local token.
+  when pipelining, ``experts -> data x fsdp`` for expert parallelism) and by the ZeRO stage
+  (``zero.py``: stage < 3 drops ``fsdp`` from parameters, < 2 from gradients, < 1 from the
+  optimizer state, except from the experts, which stay on their ranks): the specs of
+  ``ParallelPlan.state_specs``. ``offload.optimizer`` moves the optimizer bytes to host memory.
+  The batch ``{inputs, targets, mask}`` adds 12 B per local token.
 * **Temporaries** (XLA's temp bytes): fp32 gradients in their ZeRO layout, the compute-dtype
-  copy of the local parameters (bf16/fp16 only), the activations the backward pass keeps (by
-  ``model.remat``), one layer's working set, and the logits' working set.
+  copy of the local parameters (bf16/fp16 only), the ZeRO-sharded weights of two layers gathered
+  (experts are computed where they rest, never gathered), the activations the backward pass keeps
+  (by ``model.remat``), one layer's working set, and the logits' working set.
 
 Activation bytes per token and layer are the model family's (``ModelFamily.activation_bytes``),
 scaled by coefficients fitted to XLA:CPU's ``memory_analysis`` (fp32) of the real train step
@@ -31,7 +34,7 @@ from meshtrain.mesh import MESH_AXES
 from meshtrain.parallel.layout import ParallelPlan
 from meshtrain.parallel.pipeline import Schedule
 from meshtrain.parallel.rules import mesh_axes_of
-from meshtrain.parallel.zero import ZERO_AXIS
+from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
 from models.common import RematPolicy
 # Device order, slowest to fastest varying (meshtrain.mesh): an axis is inside one node when it and
 # every faster axis together fit in a node.
@@ -173,23 +176,28 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
 
     zero = layout.zero
     p_local = g_local = o_local = 0.0
-    layer_full = 0.0  # one layer's weights gathered over fsdp (split by tensor only)
+    layer_full = 0.0  # one layer's ZeRO-sharded weights as gathered for compute
     largest = 0.0
-    replicated_total = 0.0  # parameter elements per device without the fsdp split
-    specs = dict(nnx.to_flat_state(plan.param_specs()))
+    compute_total = 0.0  # parameter elements per device in the compute layout (no ZeRO split)
+    zero_sharded_total = 0.0  # of which the parameters the ZeRO axis shards (gathered, reduce-scattered)
+    fsdp_reduced = data_reduced = 0.0  # gradient elements per device reduced over fsdp / over data
+    # The state's specs (the ZeRO stage applied; experts keep their expert-parallel split) and the
+    # compute layout of every parameter: the rules' split less the ZeRO axis (what ZeRO-0 stores).
+    state, compute = plan.state_specs(), plan.state_specs(ZeroStage.NONE).params
+    flat = [dict(nnx.to_flat_state(tree)) for tree in (plan.param_specs(), state.params, state.grads,
+                                                      state.optimizer, compute)]
     for path, variable in nnx.to_flat_state(plan.abstract_params):
         size = math.prod(variable.shape)
-        spec = specs[path].get_value()
-        sharded = size / math.prod(plan.ways(spec))
-        replicated = size / math.prod(plan.ways(spec, drop=ZERO_AXIS))
-        replicated_total += replicated
-        p_local += sharded if zero >= 3 else replicated
-        g_local += sharded if zero >= 2 else replicated
-        o = sharded if zero >= 1 else replicated
-        o_local += o
+        sharded, p, g, o, c = (size / math.prod(plan.ways(specs[path].get_value())) for specs in flat)
+        compute_axes = {axis for entry in flat[-1][path].get_value() for axis in mesh_axes_of(entry)}
+        p_local, g_local, o_local, compute_total = p_local + p, g_local + g, o_local + o, compute_total + c
         largest = max(largest, o)
-        if path[0] == "layers":
-            layer_full += replicated / (variable.shape[0] / (stages if stages > 1 else 1))
+        fsdp_reduced += c if ZERO_AXIS not in compute_axes else 0.0
+        data_reduced += g if "data" not in compute_axes else 0.0
+        if sharded < c:
+            zero_sharded_total += c
+            if path[0] == "layers":
+                layer_full += c / (variable.shape[0] / (stages if stages > 1 else 1))
     est.params = round(FP32 * p_local)
     est.grads = round(FP32 * g_local)
     if layout.offload:
@@ -227,8 +235,8 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
                             + working_tokens * model.embed_dim * FP32)
     if grad_accum > 1:
         # The scan carries the accumulator (in the gradients' layout) besides the one microbatch's
-        # gradients, which are materialised before the ZeRO reduce-scatter (not split over fsdp).
-        est.temporaries += round(FP32 * replicated_total)
+        # gradients, which are materialised before the ZeRO reduce-scatter (in the compute layout).
+        est.temporaries += round(FP32 * compute_total)
 
     # Roofline step time.
     global_tokens = batch_size * model.seq_len
@@ -247,15 +255,15 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
         comm["tensor"] = (model.num_layers / stages * count * 2 * ring(mesh["tensor"]) * local_tokens_step
                           * model.embed_dim * compute_bytes)
     if mesh["fsdp"] > 1:
+        # ZeRO's parameters are gathered and their gradients reduced over fsdp; parameters held in
+        # their compute layout (expert parallelism's experts) are neither gathered nor reduced.
         f = mesh["fsdp"]
-        full_params = p_local * (f if zero >= 3 else 1)
         nbytes = 0.0
         if zero >= 3:
-            nbytes += 2 * grad_accum * ring(f) * full_params * compute_bytes  # gathers, fwd and bwd
-        grads_full = g_local * (f if zero >= 2 else 1)
-        nbytes += grad_accum * (1 if zero >= 2 else 2) * ring(f) * grads_full * FP32  # RS or AR
+            nbytes += 2 * grad_accum * ring(f) * zero_sharded_total * compute_bytes  # gathers, fwd and bwd
+        nbytes += grad_accum * (1 if zero >= 2 else 2) * ring(f) * fsdp_reduced * FP32  # RS or AR
         if 1 <= zero <= 2:
-            nbytes += ring(f) * full_params * FP32  # all-gather of the updated parameters
+            nbytes += ring(f) * zero_sharded_total * FP32  # all-gather of the updated parameters
         comm["fsdp"] = nbytes
     if cp > 1:
         # Context parallelism: keys and values gathered (all-gather scheme) or passed round the ring
@@ -267,7 +275,7 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
             comm[axis] = comm.get(axis, 0.0) + (model.num_layers / stages * count * ring(cp) * rows * grad_accum
                                                 * model.seq_len * model.embed_dim * compute_bytes)
     if mesh["data"] > 1:
-        comm["data"] = grad_accum * 2 * ring(mesh["data"]) * g_local * FP32
+        comm["data"] = grad_accum * 2 * ring(mesh["data"]) * data_reduced * FP32
     if stages > 1:
         v = virtual_stages if schedule is Schedule.INTERLEAVED else 1
         ticks = v * micro + stages - 1

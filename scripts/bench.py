@@ -5,6 +5,7 @@
     python scripts/bench.py --sweep layouts --host-devices 8 [--out docs/img/layout_bench.png]
     python scripts/bench.py --sweep depth --host-devices 8
     python scripts/bench.py --sweep context --host-devices 8 [--seqs 1024 2048 4096] [--out PNG]
+    python scripts/bench.py --sweep experts --host-devices 8 --config configs/moe_tiny.yaml [--out PNG]
 
 Batches are random tokens of the config's shape (no data file is read). After one warm-up step,
 ``--steps`` steps are timed one by one (each waits for its result); the median is reported.
@@ -15,8 +16,12 @@ pytree, with the same parameter, optimizer-state, batch and activation shardings
 same compute dtype. Its steps are interleaved with meshtrain's (ABBA order), so machine noise hits
 both, and ``overhead_ratio`` = median meshtrain / median baseline is printed.
 
+``--sweep experts`` runs a mixture-of-experts config (a family with expert axes) under expert
+parallelism of 1 (experts replicated), 4 and 8 ways (``EXPERT_LAYOUTS``).
+
 Every result is printed as ``name: value`` lines and, last, one ``json: {...}`` line.
-MFU is ``null`` when the device's peak is unknown (CPU).
+MFU is ``null`` when the device's peak is unknown (CPU). FLOPs are the family's
+``flops_per_token`` (for a mixture of experts: the active parameters, ``top_k`` experts).
 """
 
 from __future__ import annotations
@@ -185,7 +190,8 @@ def run(cfg, *, steps: int = 10, vs_baseline: bool = False, devices=None, prepar
         "device_kind": device_kind, "platform": mesh.devices.flat[0].platform, "devices": num_devices,
         "mesh": dict(zip(("data", "fsdp", "tensor", "stage"), mesh_shape(mesh))),
         "rules": cfg.sharding.preset.value if hasattr(cfg.sharding.preset, "value") else str(cfg.sharding.preset),
-        "parameters": cfg.model.num_params, "tokens_per_step": tokens, "steps_timed": steps,
+        "parameters": cfg.model.num_params, "flops_per_token": flops / tokens, "tokens_per_step": tokens,
+        "steps_timed": steps,
         "compile_s": compile_s, "step_time_s_median": median, "step_time_s_min": min(times),
         "tokens_per_sec": tokens / median, "tflops_per_device": tflops, "mfu": mfu(tflops, peak),
         "loss_first": first_loss, "loss_last": float(metrics["loss"]),
@@ -229,19 +235,44 @@ SWEEP_MODEL = ["model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=8"
                "train.batch_size=32", "train.precision=fp32"]
 
 
-def sweep_layouts(config: str, overrides: list[str], steps: int, out: str | None) -> list[dict]:
+def sweep_layouts(config: str, overrides: list[str], steps: int, out: str | None, layouts=LAYOUTS,
+                  model: list[str] = SWEEP_MODEL) -> list[dict]:
+    """Step time, memory and collectives of ``config`` (with ``model``'s overrides) in each layout."""
     from meshtrain.config import load_config
 
     rows = []
-    for name, mesh, preset, extra in LAYOUTS:
-        cfg = load_config(config, [*SWEEP_MODEL, *overrides, *_layout_overrides(mesh, preset), *extra])
+    for name, mesh, preset, extra in layouts:
+        cfg = load_config(config, [*model, *overrides, *_layout_overrides(mesh, preset), *extra])
         result = run(cfg, steps=steps)
         rows.append({"layout": name, **result})
         mem = result["memory_per_device"]
-        print(f"{name:<28} step {result['step_time_s_median'] * 1e3:8.1f} ms  args "
-              f"{mem['argument_bytes'] / 1e6:6.2f} MB  temp {mem['temp_bytes'] / 1e6:6.2f} MB  "
+        print(f"{name:<28} step {result['step_time_s_median'] * 1e3:8.1f} ms  {result['tokens_per_sec']:9,.0f} "
+              f"tokens/s  args {mem['argument_bytes'] / 1e6:6.2f} MB  temp {mem['temp_bytes'] / 1e6:6.2f} MB  "
               f"compile {result['compile_s']:5.1f} s  {json.dumps(result['collectives'])}", flush=True)
     return _plotted(rows, out, _plot_layouts)
+
+
+# Expert-parallel layouts of --sweep experts on 8 devices (the experts split over data x fsdp).
+REPLICATED_EXPERTS = "sharding.rules.experts={params: null, activations: null}"
+EXPERT_LAYOUTS = (
+    ("EP 1 (replicated), DP 4 x TP 2", (4, 1, 2, 1), "fsdp_tp", [REPLICATED_EXPERTS]),
+    ("EP 4 = DP 2 x FSDP 2, TP 2", (2, 2, 2, 1), "fsdp_tp", []),
+    ("EP 4 = FSDP 4, TP 2", (1, 4, 2, 1), "fsdp_tp", []),
+    ("EP 8 = FSDP 8", (1, 8, 1, 1), "fsdp_tp", []),
+    ("EP 8 = DP 8", (8, 1, 1, 1), "dp", []),
+)
+
+
+def sweep_experts(config: str, overrides: list[str], steps: int, out: str | None) -> list[dict]:
+    """``config``'s own model (a family with expert axes) in each of ``EXPERT_LAYOUTS``."""
+    from meshtrain.config import load_config
+    from models.api import AxisRole, family_of
+
+    family = family_of(load_config(config, overrides).model)
+    if AxisRole.EXPERT not in family.axis_roles.values():
+        raise SystemExit(f"error: --sweep experts: family {family.name!r} of {config} has no expert axes; "
+                         "give a mixture-of-experts config (e.g. --config configs/moe_tiny.yaml)")
+    return sweep_layouts(config, overrides, steps, out, EXPERT_LAYOUTS, model=[])
 
 
 def _layout_overrides(mesh: tuple[int, int, int, int], preset: str) -> list[str]:
@@ -369,11 +400,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time a hand-written jax.jit step, interleaved, and print the ratio")
     parser.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
                         help="model.attention: jax.nn.dot_product_attention's implementation (cudnn: GPU only)")
-    parser.add_argument("--sweep", choices=("layouts", "depth", "context"), help="run a sweep instead of one config")
+    parser.add_argument("--sweep", choices=("layouts", "depth", "context", "experts"),
+                        help="run a sweep instead of one config")
     parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096],
                         help="sequence lengths of --sweep context")
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 32], help="layer counts of --sweep depth")
-    parser.add_argument("--out", help="--sweep layouts / context: PNG plot path")
+    parser.add_argument("--out", help="--sweep layouts / context / experts: PNG plot path")
     parser.add_argument("--json", dest="json_path", help="also write the result(s) as JSON to this file")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value")
     args = parser.parse_args(argv)
@@ -401,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         results = sweep_depth(args.config, args.overrides, args.depths)
     elif args.sweep == "context":
         results = sweep_context(args.config, args.overrides, args.seqs, args.steps, args.out)
+    elif args.sweep == "experts":
+        results = sweep_experts(args.config, args.overrides, args.steps, args.out)
     else:
         cfg = load_config(args.config, [*args.overrides, f"model.attention={args.attention}"])
         results = run(cfg, steps=args.steps, vs_baseline=args.vs_baseline)

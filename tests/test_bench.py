@@ -38,6 +38,29 @@ def test_bench_vs_baseline_prints_fields(capsys):
     assert result["collectives"]["all-gather"] > 0  # FSDP gathers parameters
 
 
+@pytest.mark.slow
+def test_bench_sweep_experts_counts_all_to_all_and_active_flops(monkeypatch, tmp_path):
+    """--sweep experts: experts replicated (EP 1) need no all-to-all, EP 4 does; FLOPs per token are
+    the family's, of the active parameters (top_k experts)."""
+    from meshtrain.config import load_config
+    from models.api import family_of
+
+    monkeypatch.setattr(bench, "EXPERT_LAYOUTS", bench.EXPERT_LAYOUTS[:2])
+    config, out = str(ROOT / "configs/moe_tiny.yaml"), tmp_path / "experts.json"
+    assert bench.main(["--sweep", "experts", "--config", config, "--steps", "1", "--json", str(out)]) == 0
+    replicated, ep4 = json.loads(out.read_text())["results"]
+    assert replicated["collectives"]["all-to-all"] == 0 < ep4["collectives"]["all-to-all"]
+    assert ep4["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1}
+    model = load_config(config).model
+    assert ep4["flops_per_token"] == pytest.approx(family_of(model).flops_per_token(model))
+    assert ep4["flops_per_token"] < 6 * model.num_params  # not every expert counted
+
+
+def test_bench_sweep_experts_refuses_a_dense_config():
+    with pytest.raises(SystemExit, match="no expert axes"):
+        bench.main(["--sweep", "experts", "--config", str(ROOT / "configs/tiny.yaml"), "--steps", "1"])
+
+
 def test_collective_counts():
     text = "  %a = f32[4] all-gather(x)\n  %b = f32[4] all-reduce-start(y)\n  %c = f32[4] add(x, y)\n"
     assert bench.collective_counts(text) == {"all-gather": 1, "all-reduce": 1, "reduce-scatter": 0,

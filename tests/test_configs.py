@@ -11,7 +11,9 @@ from meshtrain.errors import ConfigError
 from meshtrain.mesh import MeshConfig
 from meshtrain.parallel.rules import AxisRule
 from meshtrain.precision import Precision
+from meshtrain.train import main as train_main
 from models.llama import LlamaConfig
+from models.moe import MoEConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -22,22 +24,34 @@ EXPECTED_PARAMS = {
     "llama_1b": (1.0e9, 1.4e9),
     "llama_8b": (7.6e9, 8.4e9),
     "llama_70b": (67e9, 74e9),
+    "mixtral_8x7b": (46.5e9, 46.9e9),
+    "qwen3_moe_30b_a3b": (30.3e9, 30.7e9),
 }
+# Mixture-of-experts configs -> accepted range of the matmul parameters one token passes through
+# (top_k experts, attention, router, head): Mixtral's "12.9B active" and Qwen3's "A3B" count the
+# input embedding too.
+EXPECTED_ACTIVE = {
+    "mixtral_8x7b": (12.6e9, 12.9e9),
+    "qwen3_moe_30b_a3b": (2.9e9, 3.1e9),
+}
+# The GPU-cluster configs whose layout --print-sharding prints on the 8 simulated devices.
+CLUSTER_CONFIGS = ["llama_8b", "mixtral_8x7b", "qwen3_moe_30b_a3b"]
 
 
 def test_configs_exist():
     names = {path.stem for path in CONFIGS}
-    assert {"tiny", *EXPECTED_PARAMS} <= names
+    assert {"tiny", "moe_tiny", *EXPECTED_PARAMS} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[path.stem for path in CONFIGS])
 def test_config_parses(path):
     cfg = load_config(path)
     assert isinstance(cfg, Config)
-    assert isinstance(cfg.model, LlamaConfig)
+    assert isinstance(cfg.model, (LlamaConfig, MoEConfig))
     model = cfg.model
     assert model.num_heads % model.num_kv_heads == 0 and model.head_dim % 2 == 0
-    assert model.num_params > model.matmul_params > 0
+    matmul = model.matmul_params if isinstance(model, LlamaConfig) else model.active_matmul_params
+    assert model.num_params > matmul > 0
     assert model.attention_dim == model.num_heads * model.head_dim
 
 
@@ -46,6 +60,25 @@ def test_shipped_llama_parameter_counts(name):
     low, high = EXPECTED_PARAMS[name]
     params = load_config(REPO / "configs" / f"{name}.yaml").model.num_params
     assert low <= params <= high, f"{name}: {params / 1e9:.3f} B parameters"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ACTIVE))
+def test_shipped_moe_active_parameters(name):
+    low, high = EXPECTED_ACTIVE[name]
+    model = load_config(REPO / "configs" / f"{name}.yaml").model
+    assert low <= model.active_matmul_params <= high, f"{name}: {model.active_matmul_params / 1e9:.3f} B active"
+
+
+@pytest.mark.parametrize("name", CLUSTER_CONFIGS)
+def test_cluster_config_layout_prints_on_8_simulated_devices(name, capsys):
+    """The shipped cluster mesh resolves on 8 devices and every parameter divides (abstract: no
+    compile, nothing allocated); MoE experts are split over data x fsdp (expert parallelism)."""
+    assert train_main(["--config", str(REPO / "configs" / f"{name}.yaml"), "--print-sharding"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    per_device, total = (int(n) for n in rows["total"].split()[1::2])
+    assert 0 < per_device < total
+    if name != "llama_8b":
+        assert "('data', 'fsdp')" in rows["layers.moe.gate"]
 
 
 def test_override_int():

@@ -35,7 +35,8 @@ def _optimizer_bytes_per_device(trainer):
 
 def _gradient_bytes_per_device(trainer):
     replicated = NamedSharding(trainer.mesh, PartitionSpec())
-    gradients = jax.jit(trainer.gradients, out_shardings=(replicated, trainer.layout.grads, replicated))
+    # (loss, gradients, target count, the layers' statistics: none for Llama)
+    gradients = jax.jit(trainer.gradients, out_shardings=(replicated, trainer.layout.grads, replicated, replicated))
     compiled = gradients.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     return compiled.memory_analysis().output_size_in_bytes - 2 * 4  # minus the two f32 scalars
 

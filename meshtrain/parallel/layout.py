@@ -27,7 +27,7 @@ from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.pipeline import STAGE, LayerOrder, PipelineConfig, pipeline_rules
 from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
 from meshtrain.parallel.sharding import ring_axis
-from meshtrain.parallel.zero import StateLayout, ZeroConfig, zero_layout
+from meshtrain.parallel.zero import StateLayout, ZeroConfig, ZeroStage, zero_layout
 from meshtrain.train_config import TrainConfig
 from models.api import AxisRole, ModelFamily, family_of
 from models.common import logical_axes_of
@@ -80,9 +80,9 @@ class ParallelPlan:
         """How the stacked layers are stored (interleaved pipelines: in stage order)."""
         return LayerOrder.of_run(self.stages, self.pipeline, self.model.num_layers)
 
-    def ways(self, spec: PartitionSpec, drop: str | None = None) -> list[int]:
-        """How many ways each dimension of ``spec`` is split (ignoring mesh axis ``drop``)."""
-        return [math.prod(self.mesh_shape[a] for a in mesh_axes_of(entry) if a != drop) for entry in spec]
+    def ways(self, spec: PartitionSpec) -> list[int]:
+        """How many ways each dimension of ``spec`` is split."""
+        return [math.prod(self.mesh_shape[a] for a in mesh_axes_of(entry)) for entry in spec]
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -103,9 +103,17 @@ class ParallelPlan:
         """The at-rest PartitionSpec of every parameter under the rules (before the ZeRO stage)."""
         return _map_variables(self.abstract_params, lambda v: self.rules.param_spec(logical_axes_of(v)))
 
-    def state_specs(self) -> StateLayout:
-        """PartitionSpecs of parameters, gradients and optimizer moments after the ZeRO stage."""
-        return zero_layout(self.zero.stage, self.param_specs())
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """The family's logical axes of role EXPERT: their split over ``fsdp`` is expert
+        parallelism's, not ZeRO's, and stays at every ZeRO stage."""
+        return tuple(axis for axis, role in self.family.axis_roles.items() if role is AxisRole.EXPERT)
+
+    def state_specs(self, stage: ZeroStage | None = None) -> StateLayout:
+        """PartitionSpecs of parameters, gradients and optimizer moments after the ZeRO stage (this
+        layout's, or ``stage``: ``ZeroStage.NONE`` gives every part the layout it has in compute)."""
+        stage = self.zero.stage if stage is None else stage
+        return zero_layout(stage, self.param_specs(), keep=self.expert_axes)
 
     def problems(self) -> list[Infeasible]:
         """Every reason this layout cannot be built (empty when it can)."""

@@ -13,12 +13,16 @@ decides which parts of the state use that sharded layout; the rest keeps the sam
 ``fsdp`` is the ZeRO axis; ``data`` replicates on top of it (hybrid sharding). For DeepSpeed's
 ZeRO over all data-parallel devices, put them on ``fsdp`` (``mesh.fsdp=-1``). On GPU, stage >= 2
 turns the gradient all-reduce into a reduce-scatter; stages < 3 all-gather the updated parameters.
+A dimension whose ``fsdp`` split belongs to another parallelism (expert parallelism's ``experts``:
+the ``keep`` axes of ``zero_layout``) keeps it at every stage, so that each rank holds, updates and
+computes only its own experts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Collection
 
 import jax
 from flax import nnx
@@ -26,6 +30,7 @@ from jax.sharding import PartitionSpec
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.rules import mesh_axes_of
+from models.common import logical_axes_of
 
 ZERO_AXIS = "fsdp"
 
@@ -67,11 +72,17 @@ def drop_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
     return PartitionSpec(*(entry_without(e) for e in spec))
 
 
-def zero_layout(stage: ZeroStage, sharded: nnx.State) -> StateLayout:
+def zero_layout(stage: ZeroStage, sharded: nnx.State, keep: Collection[str] = ()) -> StateLayout:
     """The specs of each part of the state under ``stage``, from the rules' sharded specs (a State
-    of PartitionSpecs)."""
-    replicated = jax.tree.map(lambda v: v.replace(drop_axis(v.get_value(), ZERO_AXIS)), sharded,
-                              is_leaf=lambda x: isinstance(x, nnx.Variable))
+    of PartitionSpecs whose variables carry their logical axes). Dimensions of the logical axes in
+    ``keep`` keep their ``fsdp`` split in every part."""
+    def unsharded(variable: nnx.Variable) -> nnx.Variable:
+        spec, axes = variable.get_value(), logical_axes_of(variable)
+        entries = [entry if logical in keep else drop_axis(PartitionSpec(entry), ZERO_AXIS)[0]
+                   for entry, logical in zip(spec, axes)]
+        return variable.replace(PartitionSpec(*entries))
+
+    replicated = jax.tree.map(unsharded, sharded, is_leaf=lambda x: isinstance(x, nnx.Variable))
     pick = lambda threshold: sharded if stage >= threshold else replicated
     return StateLayout(params=pick(ZeroStage.PARAMETERS), grads=pick(ZeroStage.GRADIENTS),
                        optimizer=pick(ZeroStage.OPTIMIZER))
