@@ -6,6 +6,7 @@
     python scripts/bench.py --sweep depth --host-devices 8
     python scripts/bench.py --sweep context --host-devices 8 [--seqs 1024 2048 4096] [--out PNG]
     python scripts/bench.py --sweep experts --host-devices 8 --config configs/moe_tiny.yaml [--out PNG]
+    python scripts/bench.py --vs-maxtext [--shape issue|large] [--steps 20] [--rounds 2]
 
 Batches are random tokens of the config's shape (no data file is read). After one warm-up step,
 ``--steps`` steps are timed one by one (each waits for its result); the median is reported.
@@ -15,6 +16,12 @@ of the same model: plain ``jax.jit`` of value_and_grad + the same optax AdamW ov
 pytree, with the same parameter, optimizer-state, batch and activation shardings, the same loss and the
 same compute dtype. Its steps are interleaved with meshtrain's (ABBA order), so machine noise hits
 both, and ``overhead_ratio`` = median meshtrain / median baseline is printed.
+
+``--vs-maxtext`` times MaxText (``scripts/bench_maxtext.py``, in its own venv made by
+``scripts/install_maxtext.sh``) and meshtrain on one ``--shape`` (model, global batch, mesh fsdp x tensor,
+bf16 compute, full remat), ``--rounds`` runs of ``--steps`` steps each, alternating which goes first
+(ABBA): each run's median, each framework's pooled median and spread, and ratio = meshtrain / MaxText.
+Without MaxText installed it prints one line and exits 0.
 
 ``--sweep experts`` runs a mixture-of-experts config (a family with expert axes) under expert
 parallelism of 1 (experts replicated), 4 and 8 ways (``EXPERT_LAYOUTS``).
@@ -27,6 +34,7 @@ MFU is ``null`` when the device's peak is unknown (CPU). FLOPs are the family's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -135,8 +143,10 @@ def prepare(cfg, devices=None):
     return trainer, compiled, time.perf_counter() - start
 
 
-def run(cfg, *, steps: int = 10, vs_baseline: bool = False, devices=None, prepared=None) -> dict:
-    """Compile (unless ``prepared`` by :func:`prepare`), warm up and time ``cfg``'s train step."""
+def run(cfg, *, steps: int = 10, vs_baseline: bool = False, devices=None, prepared=None,
+        keep_times: bool = False) -> dict:
+    """Compile (unless ``prepared`` by :func:`prepare`), warm up and time ``cfg``'s train step
+    (``keep_times``: the result also lists every timed step's seconds, ``step_times_s``)."""
     import jax
 
     from meshtrain.mesh import mesh_shape
@@ -197,6 +207,8 @@ def run(cfg, *, steps: int = 10, vs_baseline: bool = False, devices=None, prepar
         "loss_first": first_loss, "loss_last": float(metrics["loss"]),
         "memory_per_device": memory_of(compiled), "collectives": collective_counts(compiled.as_text()),
     }
+    if keep_times:
+        result["step_times_s"] = times
     if base is not None:
         base_median = statistics.median(base["times"])
         result["baseline"] = {"compile_s": base["compile_s"], "step_time_s_median": base_median,
@@ -366,6 +378,67 @@ def sweep_depth(config: str, overrides: list[str], depths: list[int]) -> list[di
     return rows
 
 
+def maxtext_overrides(shape) -> list[str]:
+    """meshtrain overrides for a ``bench_maxtext.Shape``: its model, batch, mesh, precision and remat."""
+    precision = {"bfloat16": "bf16", "float32": "fp32"}[shape.dtype]
+    return [f"model.embed_dim={shape.embed}", f"model.num_layers={shape.layers}", f"model.mlp_dim={shape.mlp}",
+            f"model.num_heads={shape.heads}", f"model.num_kv_heads={shape.num_kv_heads}",
+            f"model.head_dim={shape.head_dim}", f"model.vocab_size={shape.vocab}", f"model.seq_len={shape.seq}",
+            f"model.remat={shape.remat}", "model.attention=xla", f"train.batch_size={shape.batch}",
+            "train.grad_accum=1", f"train.precision={precision}",
+            *_layout_overrides((1, shape.fsdp, shape.tensor, 1), "fsdp_tp")]
+
+
+def _runs_summary(runs: list[dict]) -> dict:
+    """Pooled median and mean, each run's median and their spread ((max - min) / min) of one framework."""
+    medians, pooled = [r["step_time_s_median"] for r in runs], [t for r in runs for t in r["step_times_s"]]
+    return {"step_time_s_median": statistics.median(pooled), "step_time_s_mean": statistics.fmean(pooled),
+            "run_medians_s": medians, "spread": max(medians) / min(medians) - 1}
+
+
+def vs_maxtext(config: str, overrides: list[str], shape_name: str, steps: int, rounds: int = 2) -> dict:
+    """meshtrain and MaxText (``bench_maxtext``) on one shape, ``rounds`` times each in ABBA order."""
+    import bench_maxtext
+    import jax
+
+    from meshtrain.config import load_config
+
+    shape = bench_maxtext.SHAPES[shape_name]
+    cfg = load_config(config, [*maxtext_overrides(shape), *overrides])
+    prepared = prepare(cfg)
+    runs = {"meshtrain": [], "maxtext": []}
+    order = []
+    for i in range(rounds):
+        for name in ("meshtrain", "maxtext") if i % 2 == 0 else ("maxtext", "meshtrain"):
+            if name == "meshtrain":
+                result = run(cfg, steps=steps, prepared=prepared, keep_times=True)
+            else:
+                result = bench_maxtext.run_maxtext(shape, steps=steps)
+            runs[name].append(result)
+            order.append(name)
+            print(f"run {len(order)}: {name:<9} median {result['step_time_s_median']:.3f} s, mean "
+                  f"{statistics.fmean(result['step_times_s']):.3f} s, min {result['step_time_s_min']:.3f} s "
+                  f"({steps} steps)", flush=True)
+    mesh, theirs = _runs_summary(runs["meshtrain"]), _runs_summary(runs["maxtext"])
+    rounds_ratio = [a["step_time_s_median"] / b["step_time_s_median"]
+                    for a, b in zip(runs["meshtrain"], runs["maxtext"])]
+    summary = {
+        "shape": shape_name, "shape_fields": dataclasses.asdict(shape),
+        "parameters": cfg.model.num_params, "steps_per_run": steps, "order": order,
+        "meshtrain": {**mesh, "compile_s": prepared[2], "jax": jax.__version__,
+                      "loss_first": runs["meshtrain"][0]["loss_first"]},
+        "maxtext": {**theirs, "warmup_steps": runs["maxtext"][0]["warmup_steps"], "jax": runs["maxtext"][0]["jax"],
+                    "loss_first": runs["maxtext"][0]["loss_first"]},
+        "ratio": mesh["step_time_s_median"] / theirs["step_time_s_median"], "round_ratios": rounds_ratio,
+    }
+    for name, part in (("meshtrain", mesh), ("maxtext", theirs)):
+        print(f"{name}: median {part['step_time_s_median']:.3f} s per step (mean {part['step_time_s_mean']:.3f} s); "
+              f"runs {', '.join(f'{m:.3f}' for m in part['run_medians_s'])} s (spread {part['spread']:.1%})")
+    print(f"ratio meshtrain/maxtext: {summary['ratio']:.3f} (rounds {', '.join(f'{r:.3f}' for r in rounds_ratio)})",
+          flush=True)
+    return summary
+
+
 def _plot_layouts(rows, path) -> None:
     import matplotlib
 
@@ -392,12 +465,19 @@ def _plot_layouts(rows, path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import bench_maxtext
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after one warm-up)")
     parser.add_argument("--host-devices", type=int, metavar="N", help="simulate N CPU devices")
     parser.add_argument("--vs-baseline", action="store_true",
                         help="also time a hand-written jax.jit step, interleaved, and print the ratio")
+    parser.add_argument("--vs-maxtext", action="store_true",
+                        help="time MaxText (scripts/install_maxtext.sh) and meshtrain on --shape, in ABBA order")
+    parser.add_argument("--shape", choices=sorted(bench_maxtext.SHAPES), default="issue",
+                        help="--vs-maxtext: issue #13's 20.6M Llama, or 8 layers of embed 512 (bench_maxtext.SHAPES)")
+    parser.add_argument("--rounds", type=int, default=2, help="--vs-maxtext: runs of each framework")
     parser.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
                         help="model.attention: jax.nn.dot_product_attention's implementation (cudnn: GPU only)")
     parser.add_argument("--sweep", choices=("layouts", "depth", "context", "experts"),
@@ -415,6 +495,11 @@ def main(argv: list[str] | None = None) -> int:
     from meshtrain import xla_flags
     from meshtrain.cli import use_host_devices
 
+    if args.vs_maxtext:
+        if bench_maxtext.installation() is None:
+            print(bench_maxtext.NOT_INSTALLED)
+            return 0
+        args.host_devices = args.host_devices or bench_maxtext.SHAPES[args.shape].devices
     if args.host_devices is not None:
         use_host_devices(args.host_devices)
     else:
@@ -427,7 +512,10 @@ def main(argv: list[str] | None = None) -> int:
 
     header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "jax": jax.__version__, "command": " ".join(["python scripts/bench.py", *(argv or sys.argv[1:])])}
-    if args.sweep == "layouts":
+    if args.vs_maxtext:
+        results = {**header, **vs_maxtext(args.config, args.overrides, args.shape, args.steps, args.rounds)}
+        print_result(results)
+    elif args.sweep == "layouts":
         results = sweep_layouts(args.config, args.overrides, args.steps, args.out)
     elif args.sweep == "depth":
         results = sweep_depth(args.config, args.overrides, args.depths)

@@ -129,3 +129,26 @@ def test_xla_flags_applied_for_gpu_runs(monkeypatch):
     monkeypatch.setenv(xla_flags.DISABLE_ENV, "0")
     monkeypatch.setenv("XLA_FLAGS", "")
     assert xla_flags.apply_recommended() == [] and os.environ["XLA_FLAGS"] == ""
+
+
+def test_vs_maxtext_not_installed(monkeypatch, capsys, tmp_path):
+    """Without MaxText's venv the comparison says so in one line and exits 0: no test needs MaxText."""
+    import bench_maxtext
+
+    monkeypatch.setattr(bench_maxtext, "VENV", str(tmp_path / "absent"))
+    monkeypatch.delenv("MAXTEXT_VENV", raising=False)
+    assert bench_maxtext.run_maxtext(bench_maxtext.SHAPES["issue"]) is None
+    assert bench_maxtext.main(["--shape", "large"]) == 0
+    assert bench.main(["--vs-maxtext"]) == 0
+    assert capsys.readouterr().out == f"{bench_maxtext.NOT_INSTALLED}\n" * 3
+
+
+def test_maxtext_log_and_args():
+    import bench_maxtext
+
+    log = ("I1201 metric_logger.py:265] completed step: 3, seconds: 1.234, TFLOP/s/device: 0.021, "
+           "Tokens/s/device: 271.877, total_weights: 2048, loss: 10.876, lm_loss: 10.876, perplexity: 52867.070\n")
+    assert bench_maxtext.parse_steps(log) == [(3, 1.234, 10.876)]
+    args = bench_maxtext.maxtext_args(bench_maxtext.SHAPES["issue"], 23, "/tmp/out")
+    assert {"base_emb_dim=256", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "per_device_batch_size=1",
+            "remat_policy=full", "steps=23", "attention=dot_product"} <= set(args)
