@@ -18,16 +18,15 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MAXTEXT_VENV:-$ROOT/.maxtext-venv}"
-if [[ -z "${MAXTEXT_PYTHON:-}" ]]; then
-  for candidate in /root/.pyenv/versions/3.12.1/bin/python3 python3.12 python3.13 python3; do
-    if command -v "$candidate" >/dev/null 2>&1 &&
-       "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
-      MAXTEXT_PYTHON="$candidate"
-      break
-    fi
-  done
-fi
-if [[ -z "${MAXTEXT_PYTHON:-}" ]]; then
+PYTHON=""
+for candidate in ${MAXTEXT_PYTHON:-/root/.pyenv/versions/3.12.1/bin/python3 python3.12 python3.13 python3}; do
+  if command -v "$candidate" >/dev/null 2>&1 &&
+     "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+    PYTHON="$candidate"
+    break
+  fi
+done
+if [[ -z "$PYTHON" ]]; then
   echo "install_maxtext: missing Python >= 3.12 (MaxText needs it; set MAXTEXT_PYTHON=/path/to/python3.12)"
   exit 1
 fi
@@ -64,9 +63,12 @@ if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]] &&
 fi
 
 start=$(date +%s)
-[[ -x "$VENV/bin/python" ]] || "$MAXTEXT_PYTHON" -m venv "$VENV"
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
 # shellcheck disable=SC2086
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps $PACKAGES
+if ! "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps $PACKAGES; then
+  echo "install_maxtext: pip could not install the pinned packages above (it needs PyPI)"
+  exit 1
+fi
 if ! out="$(check 2>&1)"; then
   echo "$out" | tail -20
   echo "install_maxtext: MaxText does not import in $VENV (see above)"
