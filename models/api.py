@@ -54,11 +54,15 @@ class AxisRole(str, enum.Enum):
     hidden units: the column- and row-parallel dimensions of Megatron's layer).
     EXPERT: the experts of a mixture-of-experts layer, split by expert parallelism over the mesh
     axes that split the batch (each device holds its share of the experts; tokens travel to them).
+    EXPERT_ROWS: the batch rows of an expert's token buffer: split over the batch's mesh axes that
+    the EXPERT axes do not take (none under full expert parallelism; all of them when the experts
+    are replicated), so that each token's expert work is done once.
     """
 
     REPLICATED = "replicated"
     TENSOR = "tensor_parallel"
     EXPERT = "expert_parallel"
+    EXPERT_ROWS = "expert_rows"
 
 
 class ModelConfig(Protocol):

@@ -106,14 +106,22 @@ class ShardingRules:
 
     def completed(self, axis_roles: Mapping[str, AxisRole]) -> "ShardingRules":
         """These rules for a family with ``axis_roles``: each family axis the table does not name
-        gets the rule of its role. A table row for an axis the family does not have is an error."""
+        gets the rule of its role (EXPERT_ROWS: the batch's activation axes that the EXPERT axes do
+        not use). A table row for an axis the family does not have is an error."""
         known = FRAMEWORK_AXES + tuple(axis_roles)
         unknown = [axis for axis in self.table if axis not in known]
         if unknown:
             raise ConfigError("sharding.rules", f"unknown logical axes {unknown}; valid: {list(known)}")
         rows = {axis: self.roles.get(role, AxisRule()) for axis, role in axis_roles.items()
                 if axis not in self.table}
-        return dataclasses.replace(self, table={**self.table, **rows})
+        table = {**self.table, **rows}
+        taken = {mesh_axis for axis, role in axis_roles.items() if role is AxisRole.EXPERT
+                 for mesh_axis in mesh_axes_of(table[axis].activations)}
+        free = tuple(axis for axis in mesh_axes_of(table["batch"].activations) if axis not in taken)
+        for axis, role in axis_roles.items():
+            if role is AxisRole.EXPERT_ROWS and axis not in self.table:
+                table[axis] = AxisRule(activations=free or None)
+        return dataclasses.replace(self, table=table)
 
     def uses(self, mesh_axis: str) -> bool:
         """Whether any rule splits something over ``mesh_axis``."""

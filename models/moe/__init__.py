@@ -2,21 +2,15 @@
 
 from models.api import AxisRole, ModelFamily, register
 from models.moe.hf import MoEHF
-from models.moe.model import (
-                              CHECKPOINT_NAMES,
-                              Dispatch,
-                              MoE,
-                              MoEConfig,
-                              activation_bytes,
-                              flops_per_token,
-                              recompute_flops_per_token,
-)
+from models.moe.model import (CHECKPOINT_NAMES, Dispatch, MoE, MoEConfig, activation_bytes, flops_per_token,
+                              recompute_flops_per_token)
 
 FAMILY = register(ModelFamily(
     name="moe", config_class=MoEConfig, model_class=MoE,
     axis_roles={"heads": AxisRole.TENSOR, "kv_heads": AxisRole.TENSOR, "head_dim": AxisRole.REPLICATED,
                 "mlp": AxisRole.TENSOR, "experts": AxisRole.EXPERT, "expert_embed": AxisRole.REPLICATED,
-                "expert_mlp": AxisRole.TENSOR, "expert_logits": AxisRole.REPLICATED},
+                "expert_mlp": AxisRole.TENSOR, "expert_logits": AxisRole.REPLICATED,
+                "expert_rows": AxisRole.EXPERT_ROWS},
     flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops_per_token,
     activation_bytes=activation_bytes, hf=MoEHF()))
 

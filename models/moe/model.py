@@ -63,8 +63,9 @@ from models.llama.model import Attention as LlamaAttention
 
 # Activations a NAMED remat policy may keep: Llama's, and the experts' hidden units.
 CHECKPOINT_NAMES = LLAMA_CHECKPOINT_NAMES + ("expert_hidden",)
-# Expert inputs and outputs: experts, batch rows, groups of a row, slots, hidden.
-EXPERT_AXES = ("experts", None, None, None, "expert_embed")
+# Expert inputs and outputs: experts, batch rows (over the batch's axes the experts leave free),
+# groups of a row, slots, hidden.
+EXPERT_AXES = ("experts", "expert_rows", None, None, "expert_embed")
 ROW_AXES = (None, "batch", None, None, "expert_embed")
 
 
@@ -339,7 +340,7 @@ class SparseMoE(nnx.Module):
         expert_in = shard(expert_in, EXPERT_AXES)
         hidden = (jax.nn.silu(matmul("ebncd,edf->ebncf", expert_in, self.gate[...]))
                   * matmul("ebncd,edf->ebncf", expert_in, self.up[...]))
-        hidden = checkpoint_name(shard(hidden, ("experts", None, None, None, "expert_mlp")), "expert_hidden")
+        hidden = checkpoint_name(shard(hidden, ("experts", "expert_rows", None, None, "expert_mlp")), "expert_hidden")
         expert_out = shard(matmul("ebncf,efd->ebncd", hidden, self.down[...]), EXPERT_AXES)
         expert_out = shard(expert_out, ROW_AXES)
         y = matmul("ebncd,bnsec->bnsd", expert_out, combine).reshape(rows, length, width)
