@@ -75,12 +75,14 @@ def _reference_layer(weights: dict, x: jax.Array, cfg: MoEConfig) -> jax.Array:
 
 
 @pytest.mark.parametrize("cfg", [
-    MoEConfig(embed_dim=12, num_experts=4, top_k=2, expert_mlp_dim=10, seq_len=8, group_size=4),
-    MoEConfig(embed_dim=12, num_experts=4, top_k=2, expert_mlp_dim=10, seq_len=8, group_size=4,
-              dispatch=Dispatch.CAPACITY, capacity_factor=0.5),
-    MoEConfig(embed_dim=12, num_experts=5, top_k=3, expert_mlp_dim=10, seq_len=8, norm_topk_prob=False,
-              dispatch=Dispatch.CAPACITY, capacity_factor=1.0),
-], ids=["dropless", "capacity", "top3-unnormalised"])
+    pytest.param(MoEConfig(embed_dim=12, num_experts=4, top_k=2, expert_mlp_dim=10, seq_len=8, group_size=4),
+                 id="dropless", marks=pytest.mark.slow),
+    pytest.param(MoEConfig(embed_dim=12, num_experts=4, top_k=2, expert_mlp_dim=10, seq_len=8, group_size=4,
+                           dispatch=Dispatch.CAPACITY, capacity_factor=0.5), id="capacity"),
+    pytest.param(MoEConfig(embed_dim=12, num_experts=5, top_k=3, expert_mlp_dim=10, seq_len=8, norm_topk_prob=False,
+                           dispatch=Dispatch.CAPACITY, capacity_factor=1.0), id="top3-unnormalised",
+                 marks=pytest.mark.slow),
+])
 def test_the_layer_equals_a_for_loop_reference(cfg):
     graphdef, state = nnx.split(SparseMoE(cfg, nnx.Rngs(0)))
     names = ("router", "gate", "up", "down")

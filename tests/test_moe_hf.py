@@ -258,6 +258,7 @@ def finetune(hf_dirs, tmp_path_factory):
     return cfg, run_dir, path
 
 
+@pytest.mark.slow
 def test_finetune_from_hf_starts_at_the_transformers_loss(finetune):
     cfg, run_dir, path = finetune
     first, expected = first_logged_and_transformers_loss(cfg, run_dir, _from_pretrained(path))
