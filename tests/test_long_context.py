@@ -13,7 +13,6 @@ from flax import nnx
 
 from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.mesh import MeshConfig, make_mesh
-from meshtrain.parallel.layout import ParallelPlan
 from meshtrain.parallel.rules import AxisRule, Preset, ShardingRules
 from meshtrain.trainer import Trainer
 from models.api import family_named
