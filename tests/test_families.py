@@ -16,11 +16,9 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from meshtrain import plan as planner
 from meshtrain.config import load_config, to_dict
-from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.rules import Preset
@@ -30,7 +28,7 @@ from models.api import FRAMEWORK_AXES, families
 from models.common import RematPolicy
 from toy_family import FAMILY as TOY_FAMILY
 from toy_family import ToyGPTConfig
-from utils import OPTIMIZER, TRAIN
+from utils import OPTIMIZER, TRAIN, loss_grads_and_statistics
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -89,11 +87,9 @@ def _trainer(mesh_shape, pipeline=PipelineConfig(), model=TOY_MODEL):
 
 
 def _loss_and_grads(trainer):
-    dataset = make_dataset(DataConfig(), vocab_size=trainer.model_cfg.vocab_size, seq_len=trainer.model_cfg.seq_len)
-    batch = global_batch(dataset, 0, trainer.train_cfg.batch_size, trainer.batch_sharding)
-    loss, grads, _, _ = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
-    grads = trainer.layer_order.to_logical(grads)
-    return float(loss), {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
+    """Loss and per-parameter gradients (logical layer order) at init on the step-0 batch."""
+    loss, grads, _ = loss_grads_and_statistics(trainer)
+    return loss, grads
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,12 @@ import math
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.rules import AxisRule, Preset, ShardingRules
 from meshtrain.trainer import Trainer
 from models.api import family_named
-from utils import MODEL, OPTIMIZER, TRAIN, collective_counts
+from utils import MODEL, OPTIMIZER, TRAIN, collective_counts, loss_grads_and_statistics
 
 # 8 query heads / 4 kv heads and mlp 72 split by tensor 2 and 4; seq 32 split by up to 8.
 LONG = dataclasses.replace(MODEL, seq_len=32)
@@ -29,10 +27,9 @@ def _trainer(mesh_shape, preset, model=LONG, batch_size=8):
 
 
 def _loss_and_grads(trainer):
-    dataset = make_dataset(DataConfig(), vocab_size=trainer.model_cfg.vocab_size, seq_len=trainer.model_cfg.seq_len)
-    batch = global_batch(dataset, 0, trainer.train_cfg.batch_size, trainer.batch_sharding)
-    loss, grads, _, _ = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
-    return float(loss), {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
+    """Loss and per-parameter gradients (logical layer order) at init on the step-0 batch."""
+    loss, grads, _ = loss_grads_and_statistics(trainer)
+    return loss, grads
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.pipeline import LayerOrder, PipelineConfig, Schedule
 from meshtrain.parallel.rules import Preset
@@ -25,7 +24,7 @@ from meshtrain.precision import Precision
 from meshtrain.train import main
 from meshtrain.trainer import Trainer
 from models.common import RematPolicy
-from utils import MODEL, OPTIMIZER, TRAIN, collective_counts
+from utils import MODEL, OPTIMIZER, TRAIN, collective_counts, loss_grads_and_statistics
 
 EIGHT_LAYERS = dataclasses.replace(MODEL, num_layers=8)
 SCHEDULES = {"gpipe": PipelineConfig(4, Schedule.GPIPE), "1f1b": PipelineConfig(4, Schedule.ONE_F_ONE_B),
@@ -41,13 +40,8 @@ def _trainer(mesh_shape, pipeline=PipelineConfig(), model=EIGHT_LAYERS, **train_
 
 def _loss_and_grads(trainer):
     """Loss and per-parameter gradients (logical layer order) at init on the step-0 batch."""
-    dataset = make_dataset(DataConfig(), vocab_size=trainer.model_cfg.vocab_size,
-                           seq_len=trainer.model_cfg.seq_len)
-    batch = global_batch(dataset, 0, trainer.train_cfg.batch_size, trainer.batch_sharding)
-    loss, grads, _, _ = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
-    grads = trainer.layer_order.to_logical(grads)
-    return float(loss), {".".join(map(str, path)): np.asarray(v.get_value())
-                         for path, v in nnx.to_flat_state(grads)}
+    loss, grads, _ = loss_grads_and_statistics(trainer)
+    return loss, grads
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,11 @@ def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
+def sum_leading(tree: Any) -> Any:
+    """Every array of ``tree`` summed over its leading axis (values stacked by a scan)."""
+    return jax.tree.map(lambda x: jnp.sum(x, axis=0), tree)
+
+
 def accumulate_gradients(loss_and_grad: Callable[[Any, Batch], tuple[tuple[jax.Array, Any], Any]], params: Any,
                          microbatches: Batch, constrain_grads: Callable[[Any], Any]) -> tuple[jax.Array, Any, Any]:
     """Sums ``loss_and_grad(params, microbatch) -> ((loss, aux), grads)`` over the leading
@@ -41,4 +46,4 @@ def accumulate_gradients(loss_and_grad: Callable[[Any, Batch], tuple[tuple[jax.A
 
     zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))
     (loss, grads), aux = jax.lax.scan(add_microbatch, (jnp.zeros((), jnp.float32), zeros), microbatches)
-    return loss, jax.tree.map(lambda x: jnp.sum(x, axis=0), aux), grads
+    return loss, sum_leading(aux), grads

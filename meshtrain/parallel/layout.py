@@ -165,9 +165,7 @@ class ParallelPlan:
         only over mesh axes that split the batch: tokens are dispatched between the ranks holding
         different rows, and an axis holding the same rows has no tokens to send."""
         found = []
-        for logical, role in self.family.axis_roles.items():
-            if role is not AxisRole.EXPERT:
-                continue
+        for logical in self.expert_axes:
             rule, field = rules.table[logical], f"sharding.rules.{logical}"
             held, computed = mesh_axes_of(rule.params), mesh_axes_of(rule.activations)
             if held != computed:

@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from meshtrain.errors import ConfigError, Infeasible
-from meshtrain.parallel.accumulate import Batch, split_microbatches
+from meshtrain.parallel.accumulate import Batch, split_microbatches, sum_leading
 from meshtrain.parallel.rules import AxisRule, ShardingRules
 from models.api import AUX_LOSS, Documents, LayerAux
 
@@ -72,11 +72,6 @@ class Objective:
     def of_layers(self, aux: LayerAux) -> jax.Array:
         """The share of the loss of the layers' aux terms ``aux``."""
         return self.of_aux(aux[AUX_LOSS])
-
-
-def _sum_ticks(per_tick: LayerAux) -> LayerAux:
-    """Aux terms stacked over scan ticks (or microbatches) -> their sums."""
-    return jax.tree.map(lambda x: jnp.sum(x, axis=0), per_tick)
 
 
 def _masked(aux: LayerAux, ok: jax.Array) -> LayerAux:
@@ -296,7 +291,7 @@ def circular_loss(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective:
 
             (_, _, outputs), aux = jax.lax.scan(tick, (current, ring_buffer, outputs), jnp.arange(ticks))
             return (jax.lax.psum(jnp.where(stage == stages - 1, outputs, 0.0), STAGE),
-                    jax.lax.psum(_sum_ticks(aux), STAGE))
+                    jax.lax.psum(sum_leading(aux), STAGE))
 
         pipelined = jax.shard_map(stage_loop, mesh=mesh,
                                   in_specs=(_stage_specs(params), PartitionSpec(), PartitionSpec()),
@@ -380,7 +375,7 @@ def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: O
         grads = jax.tree_util.tree_map_with_path(
             lambda path, g: g if path[0].key == "layers" else jax.lax.psum(g, STAGE), carry["grads"])
         return (jax.lax.psum(carry["loss"], STAGE), grads, jax.lax.psum(carry["d_inputs"], STAGE),
-                jax.lax.psum(_sum_ticks(aux), STAGE))
+                jax.lax.psum(sum_leading(aux), STAGE))
 
     def value_and_grad(params: nnx.State, batch: Batch) -> tuple[tuple[jax.Array, LayerAux], nnx.State]:
         embed = lambda p: model_of(p).embed(batch["inputs"], shard, documents_of(batch)).astype(CROSSING_DTYPE)
