@@ -26,7 +26,7 @@ from meshtrain.parallel.ring_attention import balanced_order
 from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, named_shardings, optimizer_shardings,
                                          ring_axis)
 from meshtrain.parallel.zero import StateLayout, ZeroConfig
-from meshtrain.precision import LossScale, Precision, cast_floating, initial_loss_scale
+from meshtrain.precision import LossScale, Precision, initial_loss_scale
 from meshtrain.train_config import TrainConfig
 from models.api import AUX_LOSS, DecoderModel, ModelConfig, family_of
 
@@ -105,8 +105,7 @@ class Trainer:
             return ""
         cfg = self.pipeline_cfg
         return (f"pipeline: schedule {cfg.schedule.value}, {stages} stages x {cfg.chunks_per_stage} "
-                f"virtual, {cfg.microbatches} microbatches, theoretical bubble "
-                f"{cfg.bubble_fraction(stages):.1%}")
+                f"virtual, {cfg.microbatches} microbatches: {cfg.schedule_table(stages).describe()}")
 
     def _fresh_state(self, seed: int) -> TrainState:
         params = self.layer_order.to_storage(nnx.state(self.family.build(self.model_cfg, seed)))
@@ -150,8 +149,9 @@ class Trainer:
         return {key: value[:, order] for key, value in batch.items()}
 
     def _model_of(self, params: nnx.State) -> DecoderModel:
-        """The model on ``params`` cast to the compute dtype."""
-        return nnx.merge(self.graphdef, cast_floating(params, self.train_cfg.precision.compute_dtype))
+        """The model on ``params`` (already in the compute dtype: the pipeline casts the fp32 master
+        weights once per step and differentiates through the cast)."""
+        return nnx.merge(self.graphdef, params)
 
     def evaluate(self, params: nnx.State, batch: Batch) -> Metrics:
         """Forward only: the summed token cross-entropy of a global batch (``loss_sum``, fp32) and its

@@ -2,9 +2,8 @@
 
 On one device the count equals the family's analytic ``flops_per_token`` (the number MFU uses),
 plus exactly the recomputed forward under full remat. On a 4-stage pipeline it is what each device
-executes; the tests pin what today's schedules cost against the ideal ``(single / S) / (1 -
-bubble)``, term by term (the stacked layers per tick, and the head, which GPipe and interleaved run
-replicated outside the stages and 1F1B traces on every stage every tick).
+executes: each schedule's count equals its table's lock-step time exactly, i.e. the ideal
+``(single / S) / (1 - bubble)`` with the table's bubble.
 """
 
 from __future__ import annotations
@@ -15,11 +14,14 @@ import math
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from meshtrain.flops import count_flops
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
+from meshtrain.parallel.layout import abstract_model
 from meshtrain.parallel.rules import Preset
+from meshtrain.parallel.schedules import OpCosts
 from meshtrain.trainer import Trainer
 from models.common import RematPolicy
 from models.llama import FAMILY, LlamaConfig
@@ -66,24 +68,33 @@ def test_remat_adds_exactly_the_recomputed_forward(remat):
 # Per token: the head's forward (2 x embed x vocab) and the layers' forward (weights and attention).
 HEAD_FORWARD = 2 * MODEL.embed_dim * MODEL.vocab_size
 LAYERS_FORWARD = FAMILY.flops_per_token(MODEL) / 3 - HEAD_FORWARD
+# The layers' weight matmuls alone (2 FLOPs per weight and token): the weight-gradient half of the
+# backward repeats them once; the input-gradient half repeats them and the attention dots twice.
+LAYER_WEIGHTS_FORWARD = 2 * sum(math.prod(v.get_value().shape) for path, v in
+                                nnx.to_flat_state(abstract_model(MODEL)[1])
+                                if path[0] == "layers" and len(v.get_value().shape) == 3)
+ATTENTION_FORWARD = LAYERS_FORWARD - LAYER_WEIGHTS_FORWARD
+
+
+def _op_costs() -> OpCosts:
+    """FLOPs of each kind of work on one stage's layers for one microbatch, and of the head."""
+    tokens, per_stage = TOKENS / MICRO, lambda flops: flops * TOKENS / MICRO / STAGES
+    return OpCosts(forward=per_stage(LAYERS_FORWARD), backward=per_stage(2 * LAYERS_FORWARD),
+                   input_grad=per_stage(LAYER_WEIGHTS_FORWARD + 2 * ATTENTION_FORWARD),
+                   weight_grad=per_stage(LAYER_WEIGHTS_FORWARD), head=3 * HEAD_FORWARD * tokens)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pipeline, expected", [
-    # GPipe / interleaved: every stage runs its chunk (masked when idle) for V*M + S - 1 ticks,
-    # forward and backward; the head runs outside the stages on the whole batch, on every stage.
-    (PipelineConfig(MICRO, Schedule.GPIPE),
-     3 * LAYERS_FORWARD * TOKENS / STAGES * (MICRO + STAGES - 1) / MICRO + 3 * HEAD_FORWARD * TOKENS),
-    (PipelineConfig(MICRO, Schedule.INTERLEAVED, virtual_stages=2),
-     3 * LAYERS_FORWARD * TOKENS / STAGES * (2 * MICRO + STAGES - 1) / (2 * MICRO) + 3 * HEAD_FORWARD * TOKENS),
-    # 1F1B: M + 2S - 2 ticks, each the stage's forward, its recomputed forward and backward (4 F),
-    # and the head's forward and backward on one microbatch, on every stage.
-    (PipelineConfig(MICRO, Schedule.ONE_F_ONE_B),
-     (MICRO + 2 * STAGES - 2) * (4 * LAYERS_FORWARD / STAGES + 3 * HEAD_FORWARD) * TOKENS / MICRO),
-], ids=["gpipe", "interleaved", "1f1b"])
-def test_pipeline_schedules_per_device_flops(pipeline, expected):
+@pytest.mark.parametrize("pipeline", [
+    PipelineConfig(MICRO, Schedule.GPIPE), PipelineConfig(MICRO, Schedule.ONE_F_ONE_B),
+    PipelineConfig(MICRO, Schedule.INTERLEAVED, virtual_stages=2), PipelineConfig(MICRO, Schedule.ZB_H1),
+], ids=["gpipe", "1f1b", "interleaved", "zb_h1"])
+def test_pipeline_schedules_do_only_the_work_their_table_implies(pipeline):
+    """Per device, each schedule executes exactly its table's lock-step time: no stage repeats the
+    head or the embedding, no forward is recomputed, idle slots compute nothing; so the count is
+    (single-device FLOPs / S) / (1 - bubble of the table), priced with the same FLOPs per op."""
     per_device = _step_flops((1, 1, 1, STAGES), pipeline=pipeline)
-    assert per_device == pytest.approx(expected, rel=1e-9)
-    # Against the ideal: what the schedule's bubble alone would cost.
-    ideal = FAMILY.flops_per_token(MODEL) * TOKENS / STAGES / (1 - pipeline.bubble_fraction(STAGES))
-    assert per_device > ideal
+    table, costs = pipeline.schedule_table(STAGES), _op_costs()
+    assert per_device == pytest.approx(table.time(costs), rel=1e-9)
+    single = FAMILY.flops_per_token(MODEL) * TOKENS
+    assert per_device == pytest.approx(single / STAGES / (1 - table.bubble(costs)), rel=0.05)

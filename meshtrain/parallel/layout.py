@@ -152,7 +152,8 @@ class ParallelPlan:
                                     "e.g. preset fsdp_tp_cp) or set mesh.stage=1", "ring attention with stage > 1"))
         found += self._expert_problems(rules)
         if self.stages > 1:
-            found += self.pipeline.problems(self.stages, self.model.num_layers, self.rows_per_shard)
+            found += self.pipeline.problems(self.stages, self.model.num_layers, self.rows_per_shard,
+                                            self.model.seq_len)
         for path, variable in nnx.to_flat_state(self.abstract_params):
             problem = self._divisibility(".".join(map(str, path)), variable, rules)
             if problem is not None and problem.reason not in [p.reason for p in found]:

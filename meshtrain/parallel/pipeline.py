@@ -1,30 +1,35 @@
-"""Pipeline parallelism over the ``stage`` mesh axis: GPipe, 1F1B and interleaved schedules.
+"""Pipeline parallelism over the ``stage`` mesh axis: schedules as tables, run by one executor.
 
 The stacked ``layers`` axis of every per-layer parameter is split over ``stage`` (rule
-``layers -> stage`` at rest), so each stage holds only its own layers. The embedding and the head
-stay outside the stage loop. Each schedule is one ``jax.shard_map`` that is manual over ``stage``
-only: inside a stage the ``data``/``fsdp``/``tensor`` axes stay automatic, so FSDP and tensor
-parallelism keep working. Activations (and, for 1F1B, their gradients) move between neighbouring
-stages with ``lax.ppermute``. Values that cross stages stay fp32 and are cast to the compute dtype
-inside the stage (XLA:CPU aborts on a bf16 psum inside a partially manual shard_map).
+``layers -> stage`` at rest), so each stage holds only its own layers. A schedule is a
+``ScheduleTable`` (``meshtrain.parallel.schedules``: GPipe, 1F1B, interleaved 1F1B, ZB-H1, or a
+user's file): which forward / backward / input-gradient / weight-gradient task each stage runs at
+each tick. ``run_table`` executes any table in one ``jax.shard_map`` manual over ``stage`` only
+(inside a stage the ``data``/``fsdp``/``tensor`` axes stay automatic, so FSDP and tensor parallelism
+keep working): a ``lax.scan`` per run of ticks with the same slot kinds, in which each device runs
+only its own task of each slot (``lax.cond``; an idle stage computes nothing), then activations
+move one stage forward and gradients one stage back (``lax.ppermute``).
 
-Schedules, with S stages, M microbatches and V virtual stages (chunks of layers per stage):
+No work is repeated: the embedding runs in the first chunk's forward on stage 0 (its gradient in
+that chunk's backward); the head and the loss of a microbatch run once, split over the stages by
+sequence position (a reduce-scatter of the last stage's output, an all-gather of its gradient),
+right after the forward slot in which the last stage finishes it; a forward keeps the residuals of
+``jax.vjp`` (the activations its backward needs, never the weights, which the backward takes from
+the parameters again), so the backward recomputes nothing unless ``model.remat`` asks for it. ZB-H1
+splits that backward into its input-gradient and weight-gradient parts
+(``meshtrain.parallel.backward_split``), each equation running once, in one of them.
 
-* GPipe: all forwards, then all backwards (autodiff of the scanned tick loop); activations of all M
-  microbatches are held; bubble (S-1)/(M+S-1).
-* 1F1B: an explicit lock-step schedule. Stage s runs the forward of microbatch m at tick m+s and
-  its backward at tick m+2S-2-s (the last stage runs the head, the loss and its own backward in the
-  tick it finishes the forward). A stage holds at most 2S-1 stage inputs, bounded by S, not M; the
-  backward recomputes the stage's forward from its stashed input. Bubble (S-1)/(M+S-1).
-* Interleaved: stage s holds V chunks, logical chunks s, s+S, ..., s+(V-1)S (round robin); a
-  microbatch passes the ring of stages V times. Bubble (S-1)/(V*M+S-1). Needs M >= S. Because the
-  chunks are round robin, the stacked layers are *stored* in stage order; ``LayerOrder`` converts.
+Values that cross stages stay fp32 and are cast to the compute dtype inside the stage (XLA:CPU
+aborts on a bf16 psum inside a partially manual shard_map). Because interleaved chunks are round
+robin, the stacked layers are *stored* in stage order; ``LayerOrder`` converts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import pathlib
 from typing import Any, Callable
 
 import jax
@@ -34,8 +39,11 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from meshtrain.errors import ConfigError, Infeasible
-from meshtrain.parallel.accumulate import Batch, split_microbatches, sum_leading
+from meshtrain.parallel.accumulate import Batch, split_microbatches
 from meshtrain.parallel.rules import AxisRule, ShardingRules
+from meshtrain.parallel.schedules import (SENDS_GRADIENT, ScheduleTable, Work, gpipe, interleaved_1f1b, one_f_one_b,
+                                          zb_h1)
+from meshtrain.precision import cast_floating
 from models.api import AUX_LOSS, Documents, LayerAux
 
 STAGE = "stage"
@@ -43,7 +51,7 @@ STAGE = "stage"
 # (params, microbatch) -> ((scaled loss, the layers' aux terms summed over its rows), grads); grads
 # have the structure of params.
 ValueAndGrad = Callable[[nnx.State, Batch], tuple[tuple[jax.Array, LayerAux], nnx.State]]
-# params (fp32, possibly one stage's slice of the layers) -> a model in the compute dtype.
+# params (in the compute dtype, possibly one stage's slice of the layers) -> the model on them.
 ModelOf = Callable[[nnx.State], Any]
 # (params, microbatch) -> (its scaled loss, the layers' aux terms), forward only.
 Loss = Callable[[nnx.State, Batch], tuple[jax.Array, LayerAux]]
@@ -61,7 +69,8 @@ def documents_of(batch: Batch) -> Documents | None:
 class Objective:
     """The two (linear) terms of one microbatch's scaled, normalised loss.
 
-    of_logits: (logits [batch, length, vocab], microbatch) -> the token loss.
+    of_logits: (logits [batch, length, vocab], microbatch) -> the token loss (a sum over tokens, so
+    any split of the tokens adds up to it).
     of_aux: the layers' auxiliary-loss sum over the microbatch's rows (``aux[AUX_LOSS]`` of
     ``DecoderModel.run_layers``) -> its share of the loss.
     """
@@ -74,47 +83,64 @@ class Objective:
         return self.of_aux(aux[AUX_LOSS])
 
 
-def _masked(aux: LayerAux, ok: jax.Array) -> LayerAux:
-    return jax.tree.map(lambda x: jnp.where(ok, x, jnp.zeros_like(x)), aux)
-
-
 class Schedule(str, enum.Enum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved"
+    INTERLEAVED = "interleaved"  # interleaved 1F1B
+    ZB_H1 = "zb_h1"
+    CUSTOM = "custom"  # a table from pipeline.table
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """``microbatches`` per (accumulation) batch, the ``schedule`` and, for interleaved, the number
-    of ``virtual_stages`` (chunks of layers) per stage. Used when ``mesh.stage`` > 1."""
+    """``microbatches`` per (accumulation) batch, the ``schedule``, for interleaved (or a custom
+    table with several chunks) the number of ``virtual_stages`` (chunks of layers) per stage, and
+    for ``custom`` the JSON ``table`` file (``ScheduleTable.to_json``). Used when ``mesh.stage`` > 1."""
 
     microbatches: int = 1
     schedule: Schedule = Schedule.GPIPE
     virtual_stages: int = 1
+    table: str = ""
 
     def __post_init__(self):
         if self.microbatches < 1:
             raise ConfigError("microbatches", f"must be a positive integer, got {self.microbatches}")
         if self.virtual_stages < 1:
             raise ConfigError("virtual_stages", f"must be a positive integer, got {self.virtual_stages}")
-        if self.virtual_stages > 1 and self.schedule is not Schedule.INTERLEAVED:
-            raise ConfigError("virtual_stages", f"{self.virtual_stages} needs schedule 'interleaved', "
-                              f"got {self.schedule.value!r}")
+        if self.virtual_stages > 1 and self.schedule not in (Schedule.INTERLEAVED, Schedule.CUSTOM):
+            raise ConfigError("virtual_stages", f"{self.virtual_stages} needs schedule 'interleaved' or "
+                              f"'custom', got {self.schedule.value!r}")
+        if bool(self.table) != (self.schedule is Schedule.CUSTOM):
+            raise ConfigError("table", "a table file goes with schedule 'custom' (and only with it), got "
+                              f"schedule {self.schedule.value!r} and table {self.table!r}")
 
     @property
     def chunks_per_stage(self) -> int:
-        return self.virtual_stages if self.schedule is Schedule.INTERLEAVED else 1
+        return self.virtual_stages
+
+    def schedule_table(self, stages: int) -> ScheduleTable:
+        """The table this config runs on ``stages`` stages (not checked: see ``problems``)."""
+        builders = {Schedule.GPIPE: lambda: gpipe(stages, self.microbatches),
+                    Schedule.ONE_F_ONE_B: lambda: one_f_one_b(stages, self.microbatches),
+                    Schedule.INTERLEAVED: lambda: interleaved_1f1b(stages, self.microbatches, self.virtual_stages),
+                    Schedule.ZB_H1: lambda: zb_h1(stages, self.microbatches),
+                    Schedule.CUSTOM: self._read_table}
+        return builders[self.schedule]()
+
+    def _read_table(self) -> ScheduleTable:
+        try:
+            text = pathlib.Path(self.table).read_text()
+        except OSError as error:
+            raise ConfigError("pipeline.table", f"cannot read {self.table!r}: {error.strerror}") from None
+        return ScheduleTable.from_json(text)
 
     def bubble_fraction(self, stages: int) -> float:
-        """Theoretical idle fraction: (S-1)/(V*M+S-1)."""
-        if stages == 1:
-            return 0.0
-        return (stages - 1) / (self.chunks_per_stage * self.microbatches + stages - 1)
+        """The idle share of the lock-step time of this schedule's table (F = 1, B = 2, I = W = 1)."""
+        return 0.0 if stages == 1 else self.schedule_table(stages).bubble()
 
-    def problems(self, stages: int, num_layers: int, rows: int) -> list[Infeasible]:
-        """Why this schedule cannot run ``num_layers`` layers on ``stages`` stages with ``rows`` rows
-        per data-parallel shard and accumulation step (empty when it can)."""
+    def problems(self, stages: int, num_layers: int, rows: int, seq_len: int) -> list[Infeasible]:
+        """Why this schedule cannot run ``num_layers`` layers of ``seq_len`` tokens on ``stages``
+        stages with ``rows`` rows per data-parallel shard and accumulation step (empty when it can)."""
         found = []
         chunks = stages * self.chunks_per_stage
         if num_layers % chunks:
@@ -126,10 +152,23 @@ class PipelineConfig:
             found.append(Infeasible("pipeline.microbatches", f"{self.microbatches} does not divide the {rows} "
                                     "rows each data-parallel shard holds per accumulation step; choose a divisor",
                                     f"pipeline microbatches {self.microbatches} do not divide {rows} rows"))
-        if self.schedule is not Schedule.GPIPE and self.microbatches < stages:
-            found.append(Infeasible("pipeline.microbatches", f"schedule {self.schedule.value!r} needs at least "
-                                    f"as many microbatches as stages ({stages}), got {self.microbatches}",
-                                    f"{self.schedule.value} needs microbatches >= stage={stages}"))
+        if seq_len % stages:
+            found.append(Infeasible("model.seq_len", f"{seq_len} is not divisible by mesh.stage={stages} (the "
+                                    "head runs split over the stages by sequence position)",
+                                    f"seq {seq_len} not divisible by stage={stages}"))
+        try:
+            table = self.schedule_table(stages)
+        except ConfigError as error:
+            return found + [Infeasible(error.field, error.message, f"{self.schedule.value}: {error.message}")]
+        shape = (table.stages, table.chunks, table.microbatches)
+        if shape != (stages, self.chunks_per_stage, self.microbatches):
+            found.append(Infeasible("pipeline.table", f"the table is for {shape[0]} stages x {shape[1]} chunks x "
+                                    f"{shape[2]} microbatches, the run has mesh.stage={stages} x pipeline."
+                                    f"virtual_stages={self.chunks_per_stage} x pipeline.microbatches="
+                                    f"{self.microbatches}", "table shape differs from the run"))
+        elif (table_problems := table.problems()):
+            found.append(Infeasible("pipeline.table", f"{self.schedule.value} table cannot run: "
+                                    f"{table_problems[0]}", f"invalid table: {table_problems[0]}"))
         return found
 
 
@@ -144,7 +183,7 @@ class LayerOrder:
 
     Interleaving puts logical chunk c on stage c mod S, as stage-local chunk c // S; the arrays are
     split over ``stage`` in contiguous blocks, so storage chunk ``(c mod S) * V + c // S`` holds
-    logical chunk c. GPipe and 1F1B store layers in their logical order.
+    logical chunk c. With one chunk per stage the layers are stored in their logical order.
     """
 
     stages: int = 1
@@ -160,9 +199,7 @@ class LayerOrder:
     def of_config(cls, config: dict, stages: int) -> "LayerOrder":
         """The storage order of a run on ``stages`` stages from its saved config (a plain
         ``{section: {field: value}}`` mapping, as checkpoints record it)."""
-        pipeline = config.get("pipeline", {})
-        interleaved = pipeline.get("schedule") == Schedule.INTERLEAVED.value
-        virtual = int(pipeline.get("virtual_stages", 1)) if interleaved and stages > 1 else 1
+        virtual = int(config.get("pipeline", {}).get("virtual_stages", 1)) if stages > 1 else 1
         return cls(stages, virtual, int(config["model"]["num_layers"]))
 
     def same_permutation(self, other: "LayerOrder") -> bool:
@@ -197,7 +234,9 @@ class LayerOrder:
     def _permute(self, params: nnx.State, take: np.ndarray) -> nnx.State:
         if self.virtual_stages == 1:
             return params
-        return _map_layers(params, lambda x: x[take])
+        return _with_layers(params, jax.tree.map(lambda x: x[take], params["layers"]))
+
+
 
 
 def _stage_specs(params: nnx.State) -> nnx.State:
@@ -218,202 +257,305 @@ def _shift(x: jax.Array, stages: int, step: int) -> jax.Array:
     return jax.lax.ppermute(x, STAGE, [(i, (i + step) % stages) for i in range(stages)])
 
 
-def _merge(x: jax.Array) -> jax.Array:
-    """Inverse of the strided split: [M, rows, ...] -> [rows * M, ...]."""
-    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
-
-
-def _map_layers(params: nnx.State, fn: Callable[[jax.Array], jax.Array]) -> nnx.State:
-    """``params`` with ``fn`` applied to every stacked layer array (the rest untouched)."""
-    params = jax.tree.map(lambda x: x, params)  # a shallow copy of the tree
-    params["layers"] = jax.tree.map(fn, params["layers"])
+def _with_layers(rest: nnx.State, layers: Any) -> nnx.State:
+    """``rest`` (params with ``layers`` None) with ``layers`` put back."""
+    params = jax.tree.map(lambda x: x, rest)  # a shallow copy of the tree
+    params["layers"] = layers
     return params
 
 
-def _slice_layers(params: nnx.State, start: jax.Array, count: int) -> nnx.State:
-    """The stage-local chunk of ``count`` layers beginning at ``start``."""
-    return _map_layers(params, lambda x: jax.lax.dynamic_slice_in_dim(x, start, count))
+def _without_layers(params: nnx.State) -> tuple[Any, nnx.State]:
+    """(the stacked layers, the rest of ``params`` with ``layers`` None)."""
+    return params["layers"], _with_layers(params, None)
 
 
-def sequential_loss(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
-                    shard, compute_dtype) -> Loss:
+def _if(active: jax.Array, compute: Callable[[], Any]) -> Any:
+    """``compute()`` where ``active`` (this stage has the task), zeros elsewhere: a ``lax.cond``, so
+    an idle stage does none of the work."""
+    shapes = jax.eval_shape(compute)
+    varying = lambda tree: jax.tree.map(_stage_varying, tree)
+    return jax.lax.cond(active, lambda: varying(compute()),
+                        lambda: varying(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)))
+
+
+def _read(buffer: jax.Array, slot: jax.Array) -> jax.Array:
+    return buffer[jnp.maximum(slot, 0)]
+
+
+def _write(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    """``buffer`` with ``value`` at ``slot`` (unchanged where ``slot`` < 0)."""
+    index = jnp.maximum(slot, 0)
+    return buffer.at[index].set(jnp.where(slot >= 0, value.astype(buffer.dtype), buffer[index]))
+
+
+def _phases(table: ScheduleTable) -> list[tuple[tuple[tuple[Work, ...], bool], int, int]]:
+    """Runs of consecutive ticks with the same signature: (signature, first tick, end tick)."""
+    runs = []
+    for tick in range(len(table.ticks)):
+        signature = table.signature(tick)
+        if runs and runs[-1][0] == signature:
+            runs[-1][2] = tick + 1
+        else:
+            runs.append([signature, tick, tick + 1])
+    return [tuple(run) for run in runs]
+
+
+@dataclasses.dataclass
+class _Residuals:
+    """How a forward's ``jax.vjp`` closure is kept: its leaves that are parameters (the chunk's
+    layers or the rest) are taken from the parameters again; only the others are stashed."""
+
+    treedef: Any = None
+    sources: tuple[tuple[str, int], ...] = ()  # per closure leaf: ("stash" | "layers" | "rest", index)
+
+    def split(self, closure: Any, layers: Any, rest: nnx.State) -> list[jax.Array]:
+        leaves, treedef = jax.tree.flatten(closure)
+        params = {id(x): ("layers", i) for i, x in enumerate(jax.tree.leaves(layers))}
+        params.update({id(x): ("rest", i) for i, x in enumerate(jax.tree.leaves(rest))})
+        stash, sources = [], []
+        for leaf in leaves:
+            if id(leaf) in params:
+                sources.append(params[id(leaf)])
+            else:
+                sources.append(("stash", len(stash)))
+                stash.append(leaf)
+        if self.treedef is None:
+            self.treedef, self.sources = treedef, tuple(sources)
+        elif tuple(sources) != self.sources or treedef.num_leaves != self.treedef.num_leaves:
+            raise AssertionError("the stage's vjp residuals differ between two traces of the same chunk")
+        return stash
+
+    def closure(self, stash: list[jax.Array], layers: Any, rest: nnx.State) -> Callable:
+        pools = {"stash": stash, "layers": jax.tree.leaves(layers), "rest": jax.tree.leaves(rest)}
+        return jax.tree.unflatten(self.treedef, [pools[kind][i] for kind, i in self.sources])
+
+
+def run_table(table: ScheduleTable, mesh: Mesh, model_of: ModelOf, objective: Objective, shard, compute_dtype,
+              train: bool) -> Callable[[nnx.State, Batch], tuple]:
+    """The executor: ``(params, batch) -> (loss, aux)`` (forward only) or ``-> (loss, aux, grads)``
+    (``train``) of ``batch`` split into ``table.microbatches`` microbatches, run as ``table`` says."""
+    stages, chunks, micro = table.stages, table.chunks, table.microbatches
+    fields, sizes = table.buffers()
+    phases = _phases(table)
+    head_microbatch = np.array([table.head_microbatch(t) if table.head_microbatch(t) is not None else -1
+                                for t in range(len(table.ticks))], np.int32)
+
+    def schedule(params: nnx.State, microbatches: Batch):
+        stage = jax.lax.axis_index(STAGE)
+        last = stages - 1
+        params = jax.tree.map(_stage_varying, params)
+        layers_c, rest_c = _without_layers(cast_floating(params, compute_dtype))
+        per_chunk = jax.tree.leaves(layers_c)[0].shape[0] // chunks
+        chunk_layers = lambda v: jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, v * per_chunk, per_chunk),
+                                              layers_c)
+        microbatch = lambda m: jax.tree.map(lambda a: a[m], microbatches)
+        length = microbatches["inputs"].shape[-1]
+        part = length // stages
+
+        def embed(rest: nnx.State, m: jax.Array) -> jax.Array:
+            mb = microbatch(m)
+            x = model_of(_with_layers(rest, layers_c)).embed(mb["inputs"], shard, documents_of(mb))
+            return x.astype(CROSSING_DTYPE)
+
+        def stage_forward(layers: Any, x: jax.Array, m: jax.Array) -> tuple[tuple[jax.Array, jax.Array], LayerAux]:
+            """One chunk: ((output, its share of the loss from the layers' aux losses), aux terms)."""
+            y, aux = model_of(_with_layers(rest_c, layers)).run_layers(x.astype(compute_dtype), shard,
+                                                                      documents_of(microbatch(m)))
+            return (y.astype(CROSSING_DTYPE), objective.of_layers(aux)), aux
+
+        def head_loss(rest: nnx.State, y: jax.Array, m: jax.Array) -> jax.Array:
+            """The token loss of this stage's share (positions [stage * part, +part)) of microbatch m."""
+            mb = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, stage * part, part, axis=1), microbatch(m))
+            logits = model_of(_with_layers(rest, layers_c)).logits(y.astype(compute_dtype), shard)
+            return objective.of_logits(logits, mb)
+
+        residuals = _Residuals()
+        x_shape = jax.eval_shape(embed, rest_c, 0)
+
+        def forward_with_closure(v, x, m):
+            layers, x = chunk_layers(v), _stage_varying(x)
+            if not train:
+                return stage_forward(layers, x, m), []
+            outputs, closure, aux = jax.vjp(functools.partial(stage_forward, m=m), layers, x, has_aux=True)
+            return (outputs, aux), residuals.split(closure, layers, rest_c)
+
+        probe = jax.eval_shape(forward_with_closure, 0, jax.ShapeDtypeStruct(x_shape.shape, x_shape.dtype), 0)
+        (_, aux_shapes), stash_shapes = probe
+
+        def backward(stash_and_params, cotangent):
+            stash, layers, rest = stash_and_params
+            return residuals.closure(stash, layers, rest)(cotangent)
+
+        split = None
+        if train and table.splits_backward:
+            from meshtrain.parallel.backward_split import split_backward  # TODO top-level once landed
+            layer_shapes = jax.eval_shape(chunk_layers, 0)
+            cotangent_shapes = (x_shape, jax.ShapeDtypeStruct((), jnp.float32))
+            split = split_backward(backward, (list(stash_shapes), layer_shapes, jax.eval_shape(lambda: rest_c)),
+                                   cotangent_shapes)
+
+        zeros = lambda shapes, lead=(): jax.tree.map(lambda s: _stage_varying(jnp.zeros(lead + s.shape, s.dtype)), shapes)
+        carry = dict(inputs=zeros(x_shape, (sizes.inputs,)), gradients=zeros(x_shape, (sizes.gradients,)),
+                     stash=zeros(list(stash_shapes), (sizes.stash,)),
+                     cut=zeros(list(split.cut_shapes) if split else [], (sizes.cut,)),
+                     loss=_stage_varying(jnp.zeros((), jnp.float32)), aux=zeros(aux_shapes))
+        if train:
+            zeros_f32 = lambda tree: jax.tree.map(lambda x: _stage_varying(jnp.zeros(x.shape, jnp.float32)), tree)
+            carry.update(layer_grads=zeros_f32(layers_c), rest_grads=zeros_f32(rest_c))
+
+        def add_layer_grads(grads, v, d_layers):
+            if chunks == 1:
+                return jax.tree.map(lambda g, d: g + d.astype(jnp.float32), grads, d_layers)
+            return jax.tree.map(lambda g, d: jax.lax.dynamic_update_slice_in_dim(
+                g, jax.lax.dynamic_slice_in_dim(g, v * per_chunk, per_chunk) + d.astype(jnp.float32),
+                v * per_chunk, 0), grads, d_layers)
+
+        def add_embed_grads(carry, first, m, dx):
+            """Stage 0's gradient of the embedding from d(first chunk's input)."""
+            def add(rest_grads):
+                _, embed_vjp = jax.vjp(lambda rest: embed(rest, m), rest_c)
+                return jax.tree.map(lambda g, d: g + d.astype(jnp.float32), rest_grads, embed_vjp(dx)[0])
+            carry["rest_grads"] = jax.lax.cond(first, add, lambda g: jax.tree.map(_stage_varying, g),
+                                               carry["rest_grads"])
+            return carry
+
+        def forward_slot(carry, task):
+            m, v, stash_slot = task["F_microbatch"], task["F_chunk"], task["F_stash"]
+            first = (stage == 0) & (v == 0)
+
+            def compute():
+                x = jax.lax.cond(first, lambda: _stage_varying(embed(rest_c, m)),
+                                 lambda: _stage_varying(_read(carry["inputs"], task["F_input"])))
+                return forward_with_closure(v, x, m)
+
+            ((y, aux_loss), aux), stash = _if(stash_slot >= 0, compute)
+            carry["stash"] = [_write(b, stash_slot, s) for b, s in zip(carry["stash"], stash)]
+            carry["loss"] += aux_loss
+            carry["aux"] = jax.tree.map(jnp.add, carry["aux"], aux)
+            return carry, y
+
+        def head_step(carry, y, m, gradient_slot):
+            """Microbatch m's head and loss, split over the stages by position."""
+            mine = jax.lax.psum_scatter(jnp.where(stage == last, y, 0.0), STAGE, scatter_dimension=1, tiled=True)
+            if not train:
+                carry["loss"] += head_loss(rest_c, mine, m)
+                return carry
+            loss, (d_rest, d_mine) = jax.value_and_grad(head_loss, argnums=(0, 1))(rest_c, mine, m)
+            carry["loss"] += loss
+            carry["rest_grads"] = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), carry["rest_grads"], d_rest)
+            d_y = jax.lax.all_gather(d_mine.astype(CROSSING_DTYPE), STAGE, axis=1, tiled=True)
+            carry["gradients"] = _write(carry["gradients"], gradient_slot, d_y)
+            return carry
+
+        def backward_slot(carry, task, work):
+            w = work.value
+            m, v, stash_slot = task[f"{w}_microbatch"], task[f"{w}_chunk"], task[f"{w}_stash"]
+            first = (stage == 0) & (v == 0)
+
+            def compute():
+                stash = [_read(b, stash_slot) for b in carry["stash"]]
+                cotangent = (_read(carry["gradients"], task[f"{w}_gradient"]), jnp.ones((), jnp.float32))
+                if work is Work.BACKWARD:
+                    d_layers, dx = backward((stash, chunk_layers(v), rest_c), cotangent)
+                    return d_layers, dx, []
+                dx, cut = split.input_grad((stash, chunk_layers(v), rest_c), cotangent)
+                return None, dx, list(cut)
+
+            d_layers, dx, cut = _if(stash_slot >= 0, compute)
+            if work is Work.BACKWARD:
+                carry["layer_grads"] = add_layer_grads(carry["layer_grads"], v, d_layers)
+            else:
+                carry["cut"] = [_write(b, task["I_cut"], c) for b, c in zip(carry["cut"], cut)]
+            carry = add_embed_grads(carry, first & (stash_slot >= 0), m, dx)
+            return carry, jnp.where(first, 0.0, dx)
+
+        def weight_slot(carry, task):
+            v, stash_slot = task["W_chunk"], task["W_stash"]
+
+            def compute():
+                stash = [_read(b, stash_slot) for b in carry["stash"]]
+                cut = [_read(b, task["W_cut"]) for b in carry["cut"]]
+                return split.weight_grad((stash, chunk_layers(v), rest_c), cut)
+
+            carry["layer_grads"] = add_layer_grads(carry["layer_grads"], v, _if(stash_slot >= 0, compute))
+            return carry
+
+        def run_phase(carry, signature, begin, end):
+            works, has_head = signature
+
+            def tick(carry, row):
+                task = {name: values[stage] for name, values in row.items() if name != "head"}
+                carry = dict(carry)
+                sent_forward = sent_backward = None
+                for work in works:
+                    if work is Work.FORWARD:
+                        carry, y = forward_slot(carry, task)
+                        if has_head:
+                            carry = head_step(carry, y, row["head"], task["head_gradient"])
+                        sent_forward = y
+                    elif work in SENDS_GRADIENT:
+                        carry, sent_backward = backward_slot(carry, task, work)
+                    else:
+                        carry = weight_slot(carry, task)
+                if sent_forward is not None:
+                    carry["inputs"] = _write(carry["inputs"], task["receive_input"], _shift(sent_forward, stages, 1))
+                if sent_backward is not None:
+                    carry["gradients"] = _write(carry["gradients"], task["receive_gradient"],
+                                                _shift(sent_backward, stages, -1))
+                return carry, None
+
+            rows = {name: jnp.asarray(values[begin:end]) for name, values in fields.items()}
+            rows["head"] = jnp.asarray(head_microbatch[begin:end])
+            return jax.lax.scan(tick, carry, rows)[0]
+
+        for signature, begin, end in phases:
+            carry = run_phase(carry, signature, begin, end)
+        loss, aux = jax.lax.psum(carry["loss"], STAGE), jax.lax.psum(carry["aux"], STAGE)
+        if not train:
+            return loss, aux
+        rest_grads = jax.lax.psum(carry["rest_grads"], STAGE)
+        return loss, aux, _with_layers(rest_grads, carry["layer_grads"])
+
+    def run(params: nnx.State, batch: Batch):
+        specs = _stage_specs(params)
+        out_specs = (PartitionSpec(), PartitionSpec()) + ((specs,) if train else ())
+        pipelined = jax.shard_map(schedule, mesh=mesh, in_specs=(specs, PartitionSpec()), out_specs=out_specs,
+                                  axis_names={STAGE})
+        return pipelined(params, split_microbatches(batch, micro))
+
+    return run
+
+
+def sequential_loss(model_of: ModelOf, objective: Objective, shard, compute_dtype) -> Loss:
     """No pipeline: the whole model's loss."""
-    del cfg, mesh, compute_dtype
 
     def loss(params: nnx.State, batch: Batch) -> tuple[jax.Array, LayerAux]:
-        model, documents = model_of(params), documents_of(batch)
+        model, documents = model_of(cast_floating(params, compute_dtype)), documents_of(batch)
         x, aux = model.run_layers(model.embed(batch["inputs"], shard, documents), shard, documents)
         return objective.of_logits(model.logits(x, shard), batch) + objective.of_layers(aux), aux
 
     return loss
 
 
-def circular_loss(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
-                  shard, compute_dtype) -> Loss:
-    """The loss through the GPipe (V = 1) and interleaved (V > 1) schedules' forward.
-
-    Stage s at tick t works on the item that entered stage 0 at tick t - s: microbatch
-    (t - s) mod M on its local chunk (t - s) // M. Stage 0 injects microbatch t while t < M and
-    afterwards takes what the last stage sent round the ring (buffered by microbatch).
-    """
-    stages, chunks, micro = mesh.shape[STAGE], cfg.chunks_per_stage, cfg.microbatches
-    ticks = chunks * micro + stages - 1
-
-    def run_stack(params: nnx.State, x: jax.Array, documents: Documents | None) -> tuple[jax.Array, LayerAux]:
-        """x: [rows, length, embed] (fp32) through every layer, pipelined; and the aux terms' sums."""
-        layers_per_chunk = jax.tree.leaves(params["layers"])[0].shape[0] // (stages * chunks)
-
-        def stage_loop(params: nnx.State, inputs: jax.Array,
-                       documents: Documents | None) -> tuple[jax.Array, LayerAux]:
-            stage = jax.lax.axis_index(STAGE)
-            current = _stage_varying(jnp.zeros_like(inputs[0]))
-            ring_buffer = _stage_varying(jnp.zeros_like(inputs))  # stage 0: items coming round again
-            outputs = _stage_varying(jnp.zeros_like(inputs))
-
-            def tick(carry, t):
-                current, ring_buffer, outputs = carry
-                item = t - stage
-                microbatch, chunk = jnp.mod(item, micro), jnp.clip(item // micro, 0, chunks - 1)
-                fresh = jnp.where(t < micro, inputs[jnp.minimum(t, micro - 1)], ring_buffer[microbatch])
-                current = jnp.where(stage == 0, fresh, current)
-                model = model_of(_slice_layers(params, chunk * layers_per_chunk, layers_per_chunk))
-                own_documents = jax.tree.map(lambda a: a[microbatch], documents)
-                current, aux = model.run_layers(current.astype(compute_dtype), shard, own_documents)
-                current = current.astype(CROSSING_DTYPE)
-                aux = _masked(aux, (item >= 0) & (item < chunks * micro))
-                done = (stage == stages - 1) & (item >= 0) & (item // micro == chunks - 1)
-                outputs = jnp.where(done, outputs.at[microbatch].set(current), outputs)
-                current = _shift(current, stages, 1)
-                arrived = t - (stages - 1)  # the item the last stage just sent round the ring
-                ring_buffer = jnp.where((stage == 0) & (arrived >= 0),
-                                        ring_buffer.at[jnp.mod(arrived, micro)].set(current), ring_buffer)
-                return (current, ring_buffer, outputs), aux
-
-            (_, _, outputs), aux = jax.lax.scan(tick, (current, ring_buffer, outputs), jnp.arange(ticks))
-            return (jax.lax.psum(jnp.where(stage == stages - 1, outputs, 0.0), STAGE),
-                    jax.lax.psum(sum_leading(aux), STAGE))
-
-        pipelined = jax.shard_map(stage_loop, mesh=mesh,
-                                  in_specs=(_stage_specs(params), PartitionSpec(), PartitionSpec()),
-                                  out_specs=(PartitionSpec(), PartitionSpec()), axis_names={STAGE})
-        outputs, aux_sum = pipelined(params, split_microbatches(x, micro),
-                                     split_microbatches(documents, micro))
-        return _merge(outputs), aux_sum
-
-    def loss(params: nnx.State, batch: Batch) -> tuple[jax.Array, LayerAux]:
-        model, documents = model_of(params), documents_of(batch)
-        x = model.embed(batch["inputs"], shard, documents).astype(CROSSING_DTYPE)
-        x, aux = run_stack(params, x, documents)
-        return objective.of_logits(model.logits(x.astype(compute_dtype), shard), batch) + objective.of_layers(aux), aux
-
-    return loss
-
-
-def one_f_one_b(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
-                shard, compute_dtype) -> ValueAndGrad:
-    """The 1F1B schedule (see the module docstring), with an explicit backward per stage."""
-    stages, micro = mesh.shape[STAGE], cfg.microbatches
-    ticks = micro + 2 * stages - 2
-    stash_size = min(micro, 2 * stages - 1)
-
-    def stage_forward(params: nnx.State, x: jax.Array, documents: Documents | None
-                      ) -> tuple[tuple[jax.Array, jax.Array], LayerAux]:
-        """This stage's layers: ((output, its share of the loss from the layers' aux losses), the
-        layers' aux terms)."""
-        y, aux = model_of(params).run_layers(x.astype(compute_dtype), shard, documents)
-        return (y.astype(CROSSING_DTYPE), objective.of_layers(aux)), aux
-
-    def head_loss(params: nnx.State, y: jax.Array, microbatch: Batch) -> jax.Array:
-        return objective.of_logits(model_of(params).logits(y.astype(compute_dtype), shard), microbatch)
-
-    def schedule(params: nnx.State, inputs: jax.Array, microbatches: Batch):
-        """inputs: [M, rows, length, embed] embedding outputs. Returns the summed loss, the
-        gradients (layers: this stage's; the rest: this stage's contribution) and d(inputs)."""
-        stage = jax.lax.axis_index(STAGE)
-        last = stages - 1
-        # Per-stage copies of the replicated parameters: each stage's gradient stays its own until
-        # the explicit psum at the end (only the last stage's head gradient is non-zero).
-        params = jax.tree.map(_stage_varying, params)
-        zeros_like_varying = lambda tree: jax.tree.map(lambda x: _stage_varying(jnp.zeros_like(x)), tree)
-        carry = dict(
-            forward_in=zeros_like_varying(inputs[0]), backward_in=zeros_like_varying(inputs[0]),
-            stash=_stage_varying(jnp.zeros((stash_size, *inputs.shape[1:]), inputs.dtype)),
-            grads=zeros_like_varying(params), d_inputs=zeros_like_varying(inputs),
-            loss=_stage_varying(jnp.zeros((), jnp.float32)))
-
-        def tick(carry, t):
-            # Forward of microbatch t - stage.
-            forward_mb = t - stage
-            forward_ok = (forward_mb >= 0) & (forward_mb < micro)
-            f_index = jnp.clip(forward_mb, 0, micro - 1)
-            x = jnp.where(stage == 0, inputs[f_index], carry["forward_in"])
-            stash = jnp.where(forward_ok, carry["stash"].at[f_index % stash_size].set(x), carry["stash"])
-            # The last stage turns its output into the loss and the loss's gradient at once.
-            microbatch = jax.tree.map(lambda a: a[f_index], microbatches)
-            (y, aux_loss), aux = stage_forward(params, x, documents_of(microbatch))
-            loss, (head_grads, d_y) = jax.value_and_grad(head_loss, argnums=(0, 1))(params, y, microbatch)
-            head_ok = forward_ok & (stage == last)
-            # Backward of microbatch t - (2S - 2 - stage): the last stage's is the one just run.
-            backward_mb = t - (2 * stages - 2 - stage)
-            backward_ok = (backward_mb >= 0) & (backward_mb < micro)
-            b_index = jnp.clip(backward_mb, 0, micro - 1)
-            cotangent = jnp.where(stage == last, d_y, carry["backward_in"])
-            backward_documents = documents_of(jax.tree.map(lambda a: a[b_index], microbatches))
-            _, stage_vjp = jax.vjp(lambda p, x: stage_forward(p, x, backward_documents)[0],
-                                   params, stash[b_index % stash_size])
-            layer_grads, d_x = stage_vjp((cotangent, jnp.ones_like(aux_loss)))
-            add = lambda acc, g, ok: jax.tree.map(lambda a, b: a + jnp.where(ok, b, 0.0), acc, g)
-            grads = add(add(carry["grads"], layer_grads, backward_ok), head_grads, head_ok)
-            d_inputs = jnp.where(backward_ok & (stage == 0),
-                                 carry["d_inputs"].at[b_index].set(d_x), carry["d_inputs"])
-            return dict(forward_in=_shift(y, stages, 1), backward_in=_shift(d_x, stages, -1),
-                        stash=stash, grads=grads, d_inputs=d_inputs,
-                        loss=carry["loss"] + jnp.where(head_ok, loss, 0.0)
-                        + jnp.where(forward_ok, aux_loss, 0.0)), _masked(aux, forward_ok)
-
-        carry, aux = jax.lax.scan(tick, carry, jnp.arange(ticks))
-        grads = jax.tree_util.tree_map_with_path(
-            lambda path, g: g if path[0].key == "layers" else jax.lax.psum(g, STAGE), carry["grads"])
-        return (jax.lax.psum(carry["loss"], STAGE), grads, jax.lax.psum(carry["d_inputs"], STAGE),
-                jax.lax.psum(sum_leading(aux), STAGE))
+def make_value_and_grad(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
+                        shard, compute_dtype) -> ValueAndGrad:
+    """The loss-and-gradient function of one (accumulation) microbatch for ``mesh`` and ``cfg``."""
+    if mesh.shape[STAGE] == 1:
+        return jax.value_and_grad(sequential_loss(model_of, objective, shard, compute_dtype), has_aux=True)
+    run = run_table(cfg.schedule_table(mesh.shape[STAGE]), mesh, model_of, objective, shard, compute_dtype, True)
 
     def value_and_grad(params: nnx.State, batch: Batch) -> tuple[tuple[jax.Array, LayerAux], nnx.State]:
-        embed = lambda p: model_of(p).embed(batch["inputs"], shard, documents_of(batch)).astype(CROSSING_DTYPE)
-        x, embed_vjp = jax.vjp(embed, params)
-        specs = _stage_specs(params)
-        run = jax.shard_map(schedule, mesh=mesh, in_specs=(specs, PartitionSpec(), PartitionSpec()),
-                            out_specs=(PartitionSpec(), specs, PartitionSpec(), PartitionSpec()),
-                            axis_names={STAGE})
-        microbatches = split_microbatches({k: v for k, v in batch.items() if k != "inputs"}, micro)
-        loss, grads, d_inputs, aux = run(params, split_microbatches(x, micro), microbatches)
-        (embed_grads,) = embed_vjp(_merge(d_inputs))
-        return (loss, aux), jax.tree.map(jnp.add, grads, embed_grads)
+        loss, aux, grads = run(params, batch)
+        return (loss, aux), grads
 
     return value_and_grad
 
 
-def _by_autodiff(loss_of: Callable[..., Loss]) -> Callable[..., ValueAndGrad]:
-    """A schedule whose backward is autodiff of its forward loss (no pipeline, GPipe, interleaved)."""
-    return lambda *args: jax.value_and_grad(loss_of(*args), has_aux=True)
-
-
-_SCHEDULES: dict[Schedule, Callable[..., ValueAndGrad]] = {
-    Schedule.GPIPE: _by_autodiff(circular_loss),
-    Schedule.INTERLEAVED: _by_autodiff(circular_loss),
-    Schedule.ONE_F_ONE_B: one_f_one_b,
-}
-
-
-def make_value_and_grad(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
-                        shard, compute_dtype) -> ValueAndGrad:
-    """The loss-and-gradient function of one (accumulation) microbatch for ``mesh`` and ``cfg``."""
-    schedule = _by_autodiff(sequential_loss) if mesh.shape[STAGE] == 1 else _SCHEDULES[cfg.schedule]
-    return schedule(cfg, mesh, model_of, objective, shard, compute_dtype)
-
-
 def make_loss(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
               shard, compute_dtype) -> Loss:
-    """The forward-only loss of a batch for ``mesh`` and ``cfg`` (evaluation): every schedule's
-    forward is GPipe's (1F1B differs only in when backwards run; interleaved keeps its chunks)."""
-    loss = sequential_loss if mesh.shape[STAGE] == 1 else circular_loss
-    return loss(cfg, mesh, model_of, objective, shard, compute_dtype)
+    """The forward-only loss of a batch for ``mesh`` and ``cfg`` (evaluation): the forwards of the
+    schedule's table."""
+    if mesh.shape[STAGE] == 1:
+        return sequential_loss(model_of, objective, shard, compute_dtype)
+    return run_table(cfg.schedule_table(mesh.shape[STAGE]).forward_only(), mesh, model_of, objective, shard,
+                     compute_dtype, False)
