@@ -32,8 +32,9 @@ from flax import nnx
 
 from meshtrain.mesh import MESH_AXES
 from meshtrain.parallel.layout import ParallelPlan
-from meshtrain.parallel.pipeline import Schedule
+from meshtrain.errors import ConfigError
 from meshtrain.parallel.rules import mesh_axes_of
+from meshtrain.parallel.schedules import SENDS_GRADIENT, ScheduleTable, Work
 from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
 from models.common import RematPolicy
 # Device order, slowest to fastest varying (meshtrain.mesh): an axis is inside one node when it and
@@ -119,6 +120,8 @@ class Estimate:
     batch: int = 0
     compute_s: float = 0.0
     comm_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    bubble: float = 0.0  # the pipeline table's idle share (F = 1, B = 2, I = W = 1)
+    in_flight: int = 0  # the table's peak chunk activations in flight on a stage (0 without a pipeline)
     reasons: list[str] = dataclasses.field(default_factory=list)  # structural: cannot run at all
 
     @property
@@ -158,6 +161,17 @@ def _axis_bandwidth(axis: str, mesh: Mapping[str, int], hw: Hardware) -> float:
     return hw.intra_node_bandwidth if inner <= hw.node_size else hw.inter_node_bandwidth
 
 
+def _schedule_table(plan: ParallelPlan) -> ScheduleTable | None:
+    """The run's pipeline table (None without a pipeline, or when it cannot run: ``problems`` says why)."""
+    if plan.stages == 1:
+        return None
+    try:
+        table = plan.pipeline.schedule_table(plan.stages)
+    except ConfigError:
+        return None
+    return None if table.problems() else table
+
+
 def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hardware) -> Estimate:
     """The analytic estimate of ``layout``, laid out by ``plan`` (see the module docstring and
     docs/memory.md)."""
@@ -165,7 +179,6 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
     model, family = plan.model, plan.family
     mesh = plan.mesh_shape
     stages = plan.stages
-    schedule, virtual_stages = plan.pipeline.schedule, plan.pipeline.virtual_stages
     batch_size, grad_accum = plan.train.batch_size, plan.train.grad_accum
     # Structural feasibility: the trainer's own checks (``ParallelPlan.problems``), as short reasons.
     if layout.remat not in ACTIVATION_COEFFICIENTS:
@@ -216,15 +229,13 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
     a_working = ACTIVATION_COEFFICIENTS.get(layout.remat, 1.0)
     saved, working = family.activation_bytes(model, mesh["tensor"], layout.remat, compute_bytes, sp)
     est.activations = round(layers_here * tokens * saved)
-    if stages > 1:
-        if schedule is Schedule.ONE_F_ONE_B:  # only min(M, 2S-1) stage inputs are stashed
-            est.activations = round(est.activations * min(micro, 2 * stages - 1) / micro)
-        else:  # autodiff of the tick loop keeps about six fp32 microbatch-sized values per tick
-            v = virtual_stages if schedule is Schedule.INTERLEAVED else 1
-            ticks = v * micro + stages - 1
-            est.activations += round(6 * ticks * tokens / micro * model.embed_dim * FP32)
-        # Embedding outputs, stage outputs and the ring buffer / input gradients: fp32, all microbatches.
-        est.activations += round(3 * tokens * model.embed_dim * FP32)
+    table = _schedule_table(plan)
+    if table is not None:
+        # The stash holds the table's peak in-flight chunk activations (1/V of a stage's each), and
+        # the executor's fp32 buffers of received activations and gradients one microbatch each.
+        _, buffers = table.buffers()
+        est.activations = round(est.activations * table.peak_in_flight / table.chunks / micro)
+        est.activations += round((buffers.inputs + buffers.gradients + 2) * tokens / micro * model.embed_dim * FP32)
     est.batch = BATCH_BYTES_PER_TOKEN * rows * grad_accum * model.seq_len  # token arrays: whole rows
     working_tokens = tokens / micro
     copy = compute_bytes * p_local if compute_bytes != FP32 else 0.0
@@ -241,11 +252,9 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
     # Roofline step time.
     global_tokens = batch_size * model.seq_len
     flops = family.flops_per_token(model) + family.recompute_flops_per_token(model, layout.remat)
-    bubble = 0.0
-    if stages > 1:
-        v = virtual_stages if schedule is Schedule.INTERLEAVED else 1
-        bubble = (stages - 1) / (v * micro + stages - 1)
-    est.compute_s = global_tokens * flops / (layout.devices * hw.peak_flops) / (1 - bubble)
+    if table is not None:
+        est.bubble, est.in_flight = table.bubble(), table.peak_in_flight
+    est.compute_s = global_tokens * flops / (layout.devices * hw.peak_flops) / (1 - est.bubble)
     ring = lambda n: (n - 1) / n
     comm: dict[str, float] = {}
     local_tokens_step = tokens * grad_accum
@@ -276,9 +285,12 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
                                                 * model.seq_len * model.embed_dim * compute_bytes)
     if mesh["data"] > 1:
         comm["data"] = grad_accum * 2 * ring(mesh["data"]) * data_reduced * FP32
-    if stages > 1:
-        v = virtual_stages if schedule is Schedule.INTERLEAVED else 1
-        ticks = v * micro + stages - 1
-        comm["stage"] = grad_accum * 2 * ticks * working_tokens * model.embed_dim * FP32
+    if table is not None:
+        # Per tick one activation forward, one gradient back; per head the reduce-scatter of the
+        # last stage's output and the all-gather of its gradient.
+        signatures = [table.signature(t) for t in range(len(table.ticks))]
+        sends = sum((Work.FORWARD in works) + any(w in SENDS_GRADIENT for w in works) for works, _ in signatures)
+        heads = sum(head for _, head in signatures)
+        comm["stage"] = (grad_accum * (sends + 2 * ring(stages) * heads) * working_tokens * model.embed_dim * FP32)
     est.comm_s = {axis: nbytes / _axis_bandwidth(axis, mesh, hw) for axis, nbytes in comm.items()}
     return est

@@ -181,7 +181,9 @@ def _gb(nbytes: float) -> str:
 
 def _row(rank: str, est: Estimate, verdict: str) -> list[str]:
     lay = est.layout
+    piped = lay.stage > 1 and est.in_flight
     return [rank, lay.label(), str(lay.zero), lay.remat.value, str(lay.microbatches) if lay.stage > 1 else "-",
+            f"{est.bubble:.1%}" if piped else "-", str(est.in_flight) if piped else "-",
             "yes" if lay.offload else "-", _gb(est.params), _gb(est.grads),
             _gb(est.offload_transient) + "*" if lay.offload else _gb(est.optimizer),
             _gb(est.activations), _gb(est.temporaries + est.batch), _gb(est.total),
@@ -189,13 +191,13 @@ def _row(rank: str, est: Estimate, verdict: str) -> list[str]:
             f"{sum(est.comm_s.values()):.3g}", verdict]
 
 
-HEADER = ["#", "mesh d,f,t,s", "zero", "remat", "mb", "offl", "params", "grads", "optim", "activ",
-          "temps", "total GB", "host GB", "step s", "comp s", "comm s", "verdict"]
+HEADER = ["#", "mesh d,f,t,s", "zero", "remat", "mb", "bubble", "flight", "offl", "params", "grads", "optim",
+          "activ", "temps", "total GB", "host GB", "step s", "comp s", "comm s", "verdict"]
 
 
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) if i not in (1, 3, 16) else c.ljust(w)
+    return "\n".join("  ".join(c.rjust(w) if i not in (1, 3, 18) else c.ljust(w)
                                for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows)
 
 
@@ -211,7 +213,8 @@ def format_plan(plan: Plan, top: int, show_infeasible: int) -> str:
              + (f", host {plan.host_memory / GB:.4g} GB per device" if plan.host_memory is not None else ""),
              f"roofline: {hw.peak_flops / 1e12:.0f} TFLOP/s per device, {hw.intra_node_bandwidth / GB:.0f} GB/s "
              f"inside a node of {hw.node_size}, {hw.inter_node_bandwidth / GB:.0f} GB/s across nodes; "
-             "step = compute / (1 - bubble) + collectives (no overlap)",
+             "step = compute / (1 - bubble) + collectives (no overlap); bubble and flight (peak chunk "
+             "activations a stage holds) from the pipeline schedule's table",
              f"layouts: {len(plan.estimates)} enumerated, {len(fit)} fit, {len(big)} need too much memory, "
              f"{len(broken)} cannot be built",
              "per device, GB (temps = compute copy, gathered weights, one layer's working set, logits, batch;"

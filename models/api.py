@@ -31,6 +31,9 @@ from models.common import ActivationSharding, RematPolicy, segment_mask
 # keys and values (``kv_length``), so that sequence and context parallelism can split them apart;
 # hidden size, vocabulary, the stacked-layer axis. A family adds its own in ``ModelFamily.axis_roles``.
 FRAMEWORK_AXES = ("batch", "sequence", "length", "kv_length", "embed", "vocab", "layers")
+# The residual stream between layers (what ``embed`` returns and ``run_layers`` takes): how the
+# pipeline keeps a stage's input where it chooses between the embedding and a received activation.
+RESIDUAL_AXES = ("batch", "sequence", "embed")
 # ``model.family`` when a config names none (every config and run directory from before families).
 DEFAULT_FAMILY = "llama"
 # The stacked-layers sub-module of every family: parameters under it lead with the ``layers`` axis.

@@ -1,5 +1,8 @@
 """Pipeline schedules side by side: step time, bubble, per-device FLOPs against theory, temp memory.
 
+Each schedule is a table (``meshtrain.parallel.schedules``); the bubble and the peak of in-flight
+chunk activations are read from it (F = 1, B = 2, I = W = 1).
+
     python scripts/bench_pipeline.py [--stages 4] [--microbatches 4 8 16 32] [--steps 3]
         [--out docs/img/pipeline_bench.png]
 
@@ -43,10 +46,10 @@ def main() -> None:
     from meshtrain.trainer import Trainer
     from models.llama import LlamaConfig
 
-    model = LlamaConfig(vocab_size=128, embed_dim=64, num_layers=8, num_heads=4, num_kv_heads=4,
+    model = LlamaConfig(vocab_size=2048, embed_dim=64, num_layers=8, num_heads=4, num_kv_heads=4,
                         head_dim=16, mlp_dim=256, seq_len=64)
     schedules = {"gpipe": (Schedule.GPIPE, 1), "1f1b": (Schedule.ONE_F_ONE_B, 1),
-                 "interleaved": (Schedule.INTERLEAVED, 2)}
+                 "interleaved": (Schedule.INTERLEAVED, 2), "zb_h1": (Schedule.ZB_H1, 1)}
     dataset = make_dataset(DataConfig(), vocab_size=model.vocab_size, seq_len=model.seq_len)
 
     def measure(mesh_shape, pipeline, batch_size):
@@ -69,7 +72,7 @@ def main() -> None:
 
     rows = []
     header = (f"{'M':>3} {'schedule':<12} {'step s':>8} {'vs none':>8} {'bubble':>7} {'GFLOP/dev':>10} "
-              f"{'vs ideal':>8} {'temp MB':>9}")
+              f"{'vs ideal':>8} {'in flight':>9} {'temp MB':>9}")
     print(f"S={args.stages}, {args.rows} sequences x {model.seq_len} tokens per microbatch, "
           f"{model.num_params:,} parameters, {jax.devices()[0].device_kind}")
     print(header)
@@ -78,15 +81,17 @@ def main() -> None:
         none_time, none_temp, none_flops = measure((1, 1, 1, 1), PipelineConfig(), batch_size)
         rows.append((micro, "none", none_time, 1.0, 0.0, none_temp))
         print(f"{micro:>3} {'none':<12} {none_time:>8.3f} {1.0:>8.2f} {0.0:>7.1%} {none_flops / 1e9:>10.3f} "
-              f"{1.0:>8.2f} {none_temp / 1e6:>9.2f}", flush=True)
+              f"{1.0:>8.2f} {'':>9} {none_temp / 1e6:>9.2f}", flush=True)
         for name, (schedule, virtual) in schedules.items():
             pipeline = PipelineConfig(micro, schedule, virtual)
             step_time, temp, flops = measure((1, 1, 1, args.stages), pipeline, batch_size)
-            bubble = pipeline.bubble_fraction(args.stages)
+            table = pipeline.schedule_table(args.stages)
+            bubble = table.bubble()
             ideal = none_flops / args.stages / (1 - bubble)
             rows.append((micro, name, step_time, step_time / none_time, bubble, temp))
             print(f"{micro:>3} {name:<12} {step_time:>8.3f} {step_time / none_time:>8.2f} {bubble:>7.1%} "
-                  f"{flops / 1e9:>10.3f} {flops / ideal:>8.2f} {temp / 1e6:>9.2f}", flush=True)
+                  f"{flops / 1e9:>10.3f} {flops / ideal:>8.2f} {table.peak_in_flight:>9} {temp / 1e6:>9.2f}",
+                  flush=True)
     _plot(rows, args.out, args.stages)
     print(f"plot: {args.out}")
 

@@ -72,7 +72,7 @@ LAYERS_FORWARD = FAMILY.flops_per_token(MODEL) / 3 - HEAD_FORWARD
 # backward repeats them once; the input-gradient half repeats them and the attention dots twice.
 LAYER_WEIGHTS_FORWARD = 2 * sum(math.prod(v.get_value().shape) for path, v in
                                 nnx.to_flat_state(abstract_model(MODEL)[1])
-                                if path[0] == "layers" and len(v.get_value().shape) == 3)
+                                if path[0] == "layers" and len(v.get_value().shape) >= 3)
 ATTENTION_FORWARD = LAYERS_FORWARD - LAYER_WEIGHTS_FORWARD
 
 

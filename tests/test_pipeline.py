@@ -69,6 +69,16 @@ def test_schedule_gradients_equal_the_sequential_model(reference, mesh_shape, sc
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_eight_stages_equal_the_sequential_model(schedule):
+    """S = 8 (16 layers: one per stage, or two chunks of one under interleaving), M = 8."""
+    model = dataclasses.replace(MODEL, num_layers=16)
+    pipeline = dataclasses.replace(SCHEDULES[schedule], microbatches=8)
+    _assert_matches(_loss_and_grads(_trainer((1, 1, 1, 1), model=model)),
+                    _loss_and_grads(_trainer((1, 1, 1, 8), pipeline, model=model)))
+
+
+@pytest.mark.slow
 def test_1f1b_with_gradient_accumulation_and_remat(reference):
     trainer = _trainer((1, 2, 1, 4), SCHEDULES["1f1b"], grad_accum=2,
                        model=dataclasses.replace(EIGHT_LAYERS, remat=RematPolicy.FULL))

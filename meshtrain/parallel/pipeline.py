@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import pathlib
 from typing import Any, Callable
 
@@ -40,11 +39,12 @@ from jax.sharding import Mesh, PartitionSpec
 
 from meshtrain.errors import ConfigError, Infeasible
 from meshtrain.parallel.accumulate import Batch, split_microbatches
+from meshtrain.parallel.backward_split import split_backward
 from meshtrain.parallel.rules import AxisRule, ShardingRules
 from meshtrain.parallel.schedules import (SENDS_GRADIENT, ScheduleTable, Work, gpipe, interleaved_1f1b, one_f_one_b,
                                           zb_h1)
 from meshtrain.precision import cast_floating
-from models.api import AUX_LOSS, Documents, LayerAux
+from models.api import AUX_LOSS, RESIDUAL_AXES, Documents, LayerAux
 
 STAGE = "stage"
 
@@ -288,46 +288,100 @@ def _write(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
     return buffer.at[index].set(jnp.where(slot >= 0, value.astype(buffer.dtype), buffer[index]))
 
 
-def _phases(table: ScheduleTable) -> list[tuple[tuple[tuple[Work, ...], bool], int, int]]:
-    """Runs of consecutive ticks with the same signature: (signature, first tick, end tick)."""
-    runs = []
+Signature = tuple[tuple[Work, ...], bool]
+
+
+def _phases(table: ScheduleTable) -> list[tuple[int, tuple[tuple[Signature, int], ...]]]:
+    """The ticks as loops: runs of consecutive ticks with the same signature, and runs of runs
+    that repeat (interleaved 1F1B alternates S ticks with a head and S without), as
+    ``(repeats, ((signature, ticks), ...))`` in tick order. Each distinct loop body compiles once."""
+    runs: list[list] = []
     for tick in range(len(table.ticks)):
         signature = table.signature(tick)
         if runs and runs[-1][0] == signature:
-            runs[-1][2] = tick + 1
+            runs[-1][1] += 1
         else:
-            runs.append([signature, tick, tick + 1])
-    return [tuple(run) for run in runs]
+            runs.append([signature, 1])
+    runs = [tuple(run) for run in runs]
+    groups, i = [], 0
+    while i < len(runs):
+        best = (1, 1)  # (repeats, period in runs)
+        for period in range(1, 5):
+            block = runs[i:i + period]
+            repeats = 1
+            while runs[i + repeats * period:i + (repeats + 1) * period] == block:
+                repeats += 1
+            if repeats > 1 and repeats * period > best[0] * best[1]:
+                best = (repeats, period)
+        repeats, period = best
+        groups.append((repeats, tuple(runs[i:i + period])))
+        i += repeats * period
+    return groups
 
 
-@dataclasses.dataclass
-class _Residuals:
-    """How a forward's ``jax.vjp`` closure is kept: its leaves that are parameters (the chunk's
-    layers or the rest) are taken from the parameters again; only the others are stashed."""
+@dataclasses.dataclass(frozen=True)
+class _ChunkProgram:
+    """One chunk's forward with its ``jax.vjp`` residuals and its backward, each traced once into a
+    jaxpr that every task evaluates, so the residuals have one structure. Residuals that are the
+    parameters themselves (forwarded inputs of the forward) are taken from the parameters again;
+    only the others are stashed."""
 
-    treedef: Any = None
-    sources: tuple[tuple[str, int], ...] = ()  # per closure leaf: ("stash" | "layers" | "rest", index)
+    forward: Any  # ClosedJaxpr: (layers, rest, x, documents) -> ((y, aux loss), aux, residuals)
+    backward: Any  # ClosedJaxpr: (stash, layers, rest, cotangent) -> (d layers, d x)
+    out_tree: Any
+    stash_positions: tuple[int, ...]  # which residual outputs are stashed
+    stash_shapes: tuple[jax.ShapeDtypeStruct, ...]
 
-    def split(self, closure: Any, layers: Any, rest: nnx.State) -> list[jax.Array]:
-        leaves, treedef = jax.tree.flatten(closure)
-        params = {id(x): ("layers", i) for i, x in enumerate(jax.tree.leaves(layers))}
-        params.update({id(x): ("rest", i) for i, x in enumerate(jax.tree.leaves(rest))})
-        stash, sources = [], []
-        for leaf in leaves:
-            if id(leaf) in params:
-                sources.append(params[id(leaf)])
-            else:
-                sources.append(("stash", len(stash)))
-                stash.append(leaf)
-        if self.treedef is None:
-            self.treedef, self.sources = treedef, tuple(sources)
-        elif tuple(sources) != self.sources or treedef.num_leaves != self.treedef.num_leaves:
-            raise AssertionError("the stage's vjp residuals differ between two traces of the same chunk")
-        return stash
+    @classmethod
+    def trace(cls, stage_forward: Callable, layers: Any, rest: nnx.State, x: jax.Array, documents: Any,
+              train: bool) -> "_ChunkProgram":
+        """``stage_forward(layers, rest, x, documents) -> ((y, aux loss), aux)`` traced on example
+        values (of this trace: they keep its stage-varying types)."""
+        closure_tree = []
 
-    def closure(self, stash: list[jax.Array], layers: Any, rest: nnx.State) -> Callable:
-        pools = {"stash": stash, "layers": jax.tree.leaves(layers), "rest": jax.tree.leaves(rest)}
-        return jax.tree.unflatten(self.treedef, [pools[kind][i] for kind, i in self.sources])
+        def forward(layers, rest, x, documents):
+            if not train:
+                outputs, aux = stage_forward(layers, rest, x, documents)
+                return outputs, aux, []
+            outputs, closure, aux = jax.vjp(lambda p, x: stage_forward(p, rest, x, documents), layers, x,
+                                            has_aux=True)
+            leaves, treedef = jax.tree.flatten(closure)
+            closure_tree.append(treedef)
+            return outputs, aux, leaves
+
+        args = (layers, rest, x, documents)
+        forward_jaxpr, out_shapes = jax.make_jaxpr(forward, return_shape=True)(*args)
+        outputs, aux, residuals = out_shapes
+        out_tree = jax.tree.structure((outputs, aux, residuals))
+        n_params = len(jax.tree.leaves((layers, rest)))
+        param_vars = {var: i for i, var in enumerate(forward_jaxpr.jaxpr.invars[:n_params])}
+        residual_vars = forward_jaxpr.jaxpr.outvars[len(jax.tree.leaves((outputs, aux))):]
+        sources = [param_vars.get(var) for var in residual_vars]
+        stash_positions = tuple(i for i, source in enumerate(sources) if source is None)
+        stash_shapes = tuple(jax.ShapeDtypeStruct(residuals[i].shape, residuals[i].dtype) for i in stash_positions)
+        backward_jaxpr = None
+        if train:
+            def backward(stash, layers, rest, cotangent):
+                params, stash = jax.tree.leaves((layers, rest)), list(stash)
+                leaves = [params[source] if source is not None else stash.pop(0) for source in sources]
+                return jax.tree.unflatten(closure_tree[0], leaves)(cotangent)
+
+            backward_jaxpr = jax.make_jaxpr(backward)(
+                [_stage_varying(jnp.zeros(s.shape, s.dtype)) for s in stash_shapes], layers, rest,
+                jax.tree.map(lambda o: _stage_varying(jnp.zeros(o.shape, o.dtype)), outputs))
+        return cls(forward_jaxpr, backward_jaxpr, out_tree, stash_positions, stash_shapes)
+
+    def run_forward(self, layers, rest, x, documents):
+        """((y, aux loss), aux, the residuals to stash)."""
+        flat = jax.core.eval_jaxpr(self.forward.jaxpr, self.forward.consts, *jax.tree.leaves((layers, rest, x, documents)))
+        outputs, aux, residuals = jax.tree.unflatten(self.out_tree, flat)
+        return outputs, aux, [residuals[i] for i in self.stash_positions]
+
+    def run_backward(self, stash, layers, rest, cotangent):
+        """(d layers, d x) of the stashed forward under ``cotangent`` (d y, d aux loss)."""
+        flat = jax.core.eval_jaxpr(self.backward.jaxpr, self.backward.consts,
+                                   *jax.tree.leaves((list(stash), layers, rest, cotangent)))
+        return jax.tree.unflatten(jax.tree.structure((layers, cotangent[0])), flat)
 
 
 def run_table(table: ScheduleTable, mesh: Mesh, model_of: ModelOf, objective: Objective, shard, compute_dtype,
@@ -357,11 +411,12 @@ def run_table(table: ScheduleTable, mesh: Mesh, model_of: ModelOf, objective: Ob
             x = model_of(_with_layers(rest, layers_c)).embed(mb["inputs"], shard, documents_of(mb))
             return x.astype(CROSSING_DTYPE)
 
-        def stage_forward(layers: Any, x: jax.Array, m: jax.Array) -> tuple[tuple[jax.Array, jax.Array], LayerAux]:
+        def stage_forward(layers: Any, rest: nnx.State, x: jax.Array, documents: Documents | None
+                          ) -> tuple[tuple[jax.Array, jax.Array], LayerAux]:
             """One chunk: ((output, its share of the loss from the layers' aux losses), aux terms)."""
-            y, aux = model_of(_with_layers(rest_c, layers)).run_layers(x.astype(compute_dtype), shard,
-                                                                      documents_of(microbatch(m)))
-            return (y.astype(CROSSING_DTYPE), objective.of_layers(aux)), aux
+            y, aux = model_of(_with_layers(rest, layers)).run_layers(x.astype(compute_dtype), shard, documents)
+            varying = lambda tree: jax.tree.map(_stage_varying, tree)  # what a cotangent must match
+            return varying((y.astype(CROSSING_DTYPE), objective.of_layers(aux))), varying(aux)
 
         def head_loss(rest: nnx.State, y: jax.Array, m: jax.Array) -> jax.Array:
             """The token loss of this stage's share (positions [stage * part, +part)) of microbatch m."""
@@ -369,30 +424,23 @@ def run_table(table: ScheduleTable, mesh: Mesh, model_of: ModelOf, objective: Ob
             logits = model_of(_with_layers(rest, layers_c)).logits(y.astype(compute_dtype), shard)
             return objective.of_logits(logits, mb)
 
-        residuals = _Residuals()
-        x_shape = jax.eval_shape(embed, rest_c, 0)
-
-        def forward_with_closure(v, x, m):
-            layers, x = chunk_layers(v), _stage_varying(x)
-            if not train:
-                return stage_forward(layers, x, m), []
-            outputs, closure, aux = jax.vjp(functools.partial(stage_forward, m=m), layers, x, has_aux=True)
-            return (outputs, aux), residuals.split(closure, layers, rest_c)
-
-        probe = jax.eval_shape(forward_with_closure, 0, jax.ShapeDtypeStruct(x_shape.shape, x_shape.dtype), 0)
-        (_, aux_shapes), stash_shapes = probe
+        x_example = _stage_varying(embed(rest_c, 0))
+        # Example values of the types the tasks pass (a task's microbatch index differs per stage).
+        documents_example = jax.tree.map(_stage_varying, documents_of(microbatch(0)))
+        program = _ChunkProgram.trace(stage_forward, chunk_layers(0), rest_c, x_example, documents_example, train)
+        stash_shapes = program.stash_shapes
+        aux_shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                  jax.tree.unflatten(program.out_tree, program.forward.out_avals)[1])
+        x_shape = jax.ShapeDtypeStruct(x_example.shape, x_example.dtype)
 
         def backward(stash_and_params, cotangent):
-            stash, layers, rest = stash_and_params
-            return residuals.closure(stash, layers, rest)(cotangent)
+            return program.run_backward(*stash_and_params, cotangent)
 
         split = None
         if train and table.splits_backward:
-            from meshtrain.parallel.backward_split import split_backward  # TODO top-level once landed
-            layer_shapes = jax.eval_shape(chunk_layers, 0)
-            cotangent_shapes = (x_shape, jax.ShapeDtypeStruct((), jnp.float32))
-            split = split_backward(backward, (list(stash_shapes), layer_shapes, jax.eval_shape(lambda: rest_c)),
-                                   cotangent_shapes)
+            example_stash = [_stage_varying(jnp.zeros(s.shape, s.dtype)) for s in stash_shapes]
+            cotangent = (x_example, _stage_varying(jnp.zeros((), jnp.float32)))
+            split = split_backward(backward, (example_stash, chunk_layers(0), rest_c), cotangent)
 
         zeros = lambda shapes, lead=(): jax.tree.map(lambda s: _stage_varying(jnp.zeros(lead + s.shape, s.dtype)), shapes)
         carry = dict(inputs=zeros(x_shape, (sizes.inputs,)), gradients=zeros(x_shape, (sizes.gradients,)),
@@ -424,11 +472,12 @@ def run_table(table: ScheduleTable, mesh: Mesh, model_of: ModelOf, objective: Ob
             first = (stage == 0) & (v == 0)
 
             def compute():
-                x = jax.lax.cond(first, lambda: _stage_varying(embed(rest_c, m)),
-                                 lambda: _stage_varying(_read(carry["inputs"], task["F_input"])))
-                return forward_with_closure(v, x, m)
+                # Both branches in the residual stream's sharding (a conditional needs one).
+                x = jax.lax.cond(first, lambda: _stage_varying(shard(embed(rest_c, m), RESIDUAL_AXES)),
+                                 lambda: _stage_varying(shard(_read(carry["inputs"], task["F_input"]), RESIDUAL_AXES)))
+                return program.run_forward(chunk_layers(v), rest_c, x, documents_of(microbatch(m)))
 
-            ((y, aux_loss), aux), stash = _if(stash_slot >= 0, compute)
+            (y, aux_loss), aux, stash = _if(stash_slot >= 0, compute)
             carry["stash"] = [_write(b, stash_slot, s) for b, s in zip(carry["stash"], stash)]
             carry["loss"] += aux_loss
             carry["aux"] = jax.tree.map(jnp.add, carry["aux"], aux)
@@ -454,7 +503,7 @@ def run_table(table: ScheduleTable, mesh: Mesh, model_of: ModelOf, objective: Ob
 
             def compute():
                 stash = [_read(b, stash_slot) for b in carry["stash"]]
-                cotangent = (_read(carry["gradients"], task[f"{w}_gradient"]), jnp.ones((), jnp.float32))
+                cotangent = (_read(carry["gradients"], task[f"{w}_gradient"]), _stage_varying(jnp.ones((), jnp.float32)))
                 if work is Work.BACKWARD:
                     d_layers, dx = backward((stash, chunk_layers(v), rest_c), cotangent)
                     return d_layers, dx, []
@@ -480,7 +529,7 @@ def run_table(table: ScheduleTable, mesh: Mesh, model_of: ModelOf, objective: Ob
             carry["layer_grads"] = add_layer_grads(carry["layer_grads"], v, _if(stash_slot >= 0, compute))
             return carry
 
-        def run_phase(carry, signature, begin, end):
+        def run_ticks(carry, signature, rows):
             works, has_head = signature
 
             def tick(carry, row):
@@ -504,12 +553,27 @@ def run_table(table: ScheduleTable, mesh: Mesh, model_of: ModelOf, objective: Ob
                                                 _shift(sent_backward, stages, -1))
                 return carry, None
 
-            rows = {name: jnp.asarray(values[begin:end]) for name, values in fields.items()}
-            rows["head"] = jnp.asarray(head_microbatch[begin:end])
             return jax.lax.scan(tick, carry, rows)[0]
 
-        for signature, begin, end in phases:
-            carry = run_phase(carry, signature, begin, end)
+        def run_block(carry, block, rows):
+            """The runs of ``block`` one after the other; ``rows`` [block ticks, ...]."""
+            offset = 0
+            for signature, ticks in block:
+                carry = run_ticks(carry, signature, {k: v[offset:offset + ticks] for k, v in rows.items()})
+                offset += ticks
+            return carry
+
+        all_rows = dict(fields, head=head_microbatch)
+        begin = 0
+        for repeats, block in phases:
+            length = sum(ticks for _, ticks in block)
+            rows = {name: jnp.asarray(values[begin:begin + repeats * length]) for name, values in all_rows.items()}
+            begin += repeats * length
+            if repeats == 1:
+                carry = run_block(carry, block, rows)
+            else:
+                rows = {name: values.reshape(repeats, length, *values.shape[1:]) for name, values in rows.items()}
+                carry = jax.lax.scan(lambda c, r, block=block: (run_block(c, block, r), None), carry, rows)[0]
         loss, aux = jax.lax.psum(carry["loss"], STAGE), jax.lax.psum(carry["aux"], STAGE)
         if not train:
             return loss, aux
