@@ -20,8 +20,14 @@
    Mixtral-like width: the GShard one-hot dispatch the family uses (dropless and capacity 1.25)
    against ``jax.lax.ragged_dot`` over the token choices sorted by expert (a grouped GEMM).
 
+7. pipeline: ZB-H1's split backward of a Llama chunk (bf16, embed 2048, 4 layers, seq 2048) on the
+   device: the input- and weight-gradient parts against the whole backward (values, FLOPs that
+   add up exactly) and the three timed; then, in a CPU subprocess of the machine's own jax with 8
+   simulated devices, ZB-H1 and interleaved 1F1B against the sequential model (fp32,
+   ``--pipeline-tol``; not in the dry run, which the test suite's pipeline tests cover).
+
 ``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs everything on the CPU with tiny shapes, in seconds;
-the test suite runs that. Exit status 1 when the loss, checkpoint, packing or MoE check fails. Last line: ``json: {...}``.
+the test suite runs that. Exit status 1 when the loss, checkpoint, packing, MoE or pipeline check fails. Last line: ``json: {...}``.
 """
 
 from __future__ import annotations
@@ -212,6 +218,83 @@ def moe_check(tol: float, dry_run: bool) -> dict:
             "shape": {"rows": rows, "length": length, "embed": width, "expert_mlp": hidden, "experts": 8, "top_k": 2}}
 
 
+PIPELINE_EQUIVALENCE = """
+import dataclasses, math, sys
+import jax, numpy as np
+sys.path.insert(0, "tests")
+from utils import MODEL, OPTIMIZER, TRAIN, loss_grads_and_statistics
+from meshtrain.mesh import MeshConfig, make_mesh
+from meshtrain.parallel.pipeline import PipelineConfig, Schedule
+from meshtrain.parallel.rules import Preset
+from meshtrain.trainer import Trainer
+model = dataclasses.replace(MODEL, num_layers=8)
+def run(shape, pipeline=PipelineConfig()):
+    mesh = make_mesh(MeshConfig(*shape), jax.devices()[: math.prod(shape)])
+    return loss_grads_and_statistics(Trainer(model, TRAIN, OPTIMIZER, Preset.FSDP_TP.rules, mesh, pipeline))[:2]
+ref_loss, ref = run((1, 1, 1, 1))
+worst = 0.0
+for schedule, virtual in ((Schedule.ZB_H1, 1), (Schedule.INTERLEAVED, 2)):
+    loss, grads = run((1, 1, 1, 4), PipelineConfig(4, schedule, virtual))
+    worst = max([worst, abs(loss - ref_loss) / ref_loss] + [float(np.linalg.norm(grads[k] - ref[k]) / np.linalg.norm(ref[k])) for k in ref])
+print(f"worst {worst:.2e}")
+"""
+
+
+def pipeline_check(dry_run: bool, tol: float) -> dict:
+    """The ZB-H1 backward split on the device (values and FLOPs of the two parts against the whole
+    backward of a Llama chunk in bf16, and their times), and, in a CPU subprocess of this machine's
+    jax with 8 simulated devices, ZB-H1 and interleaved 1F1B against the sequential model (fp32)."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from meshtrain.flops import count_flops
+    from meshtrain.parallel.backward_split import split_backward
+    from models.llama import FAMILY, LlamaConfig
+
+    width, layers, length = (64, 2, 64) if dry_run else (2048, 4, 2048)
+    cfg = LlamaConfig(vocab_size=256, embed_dim=width, num_layers=layers, num_heads=max(1, width // 128),
+                      num_kv_heads=max(1, width // 512), head_dim=min(128, width), mlp_dim=4 * width, seq_len=length)
+    graphdef, params = nnx.split(FAMILY.build(cfg))
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    stage = lambda p, x: nnx.merge(graphdef, p).run_layers(x)[0]
+    x = jax.random.normal(jax.random.key(0), (2, length, width), jnp.bfloat16)
+    y, closure = jax.vjp(stage, params, x)
+    residuals, treedef = jax.tree.flatten(closure)
+    backward = lambda res, ct: jax.tree.unflatten(treedef, res)(ct)
+    split = split_backward(backward, residuals, y)
+    whole = jax.jit(backward)(residuals, y)
+    d_x, cut = jax.jit(split.input_grad)(residuals, y)
+    d_params = jax.jit(split.weight_grad)(residuals, cut)
+    diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / (float(jnp.max(jnp.abs(b.astype(jnp.float32)))) + 1e-30))
+               for a, b in zip(jax.tree.leaves((d_params, d_x)), jax.tree.leaves(whole)))
+    flops = [count_flops(f, *args).flops for f, args in ((backward, (residuals, y)), (split.input_grad, (residuals, y)),
+                                                          (split.weight_grad, (residuals, cut)))]
+    times = [_time(jax.jit(backward), residuals, y), _time(jax.jit(split.input_grad), residuals, y),
+             _time(jax.jit(split.weight_grad), residuals, cut)]
+    split_ok = diff <= 2 ** -6 and flops[0] == flops[1] + flops[2]
+    log(f"pipeline: split backward, max rel diff {diff:.2e}, FLOPs whole {flops[0]:.3g} = input {flops[1]:.3g} + "
+        f"weight {flops[2]:.3g}: {'PASS' if split_ok else 'FAIL'}; ms whole {times[0] * 1e3:.2f}, input "
+        f"{times[1] * 1e3:.2f}, weight {times[2] * 1e3:.2f}")
+    worst, equal = None, True  # the dry run leaves the schedules to the test suite (same jax)
+    if not dry_run:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+        proc = subprocess.run([sys.executable, "-c", PIPELINE_EQUIVALENCE], env=env, capture_output=True,
+                              text=True, timeout=400)
+        worst = float(proc.stdout.split("worst")[-1]) if proc.returncode == 0 and "worst" in proc.stdout else float("nan")
+        equal = worst <= tol
+        log(f"pipeline: zb_h1 and interleaved 1F1B vs sequential on jax {jax.__version__} CPU x 8, worst rel "
+            f"{worst:.2e}: {'PASS' if equal else 'FAIL ' + proc.stderr[-500:]}")
+    return {"passed": split_ok and equal, "split_max_rel_diff": diff, "split_flops": flops,
+            "split_ms": [t * 1e3 for t in times], "schedules_worst_rel": worst,
+            "shape": {"embed": width, "layers": layers, "length": length}}
+
+
 def fits(compiled, limit: int | None) -> tuple[bool, int]:
     memory = compiled.memory_analysis()
     need = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
@@ -275,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss-tol", type=float, default=2e-4)
     parser.add_argument("--packing-tol", type=float, default=1e-4)
     parser.add_argument("--moe-tol", type=float, default=1e-4)
+    parser.add_argument("--pipeline-tol", type=float, default=1e-5)
     parser.add_argument("--skip-offload", action="store_true")
     args = parser.parse_args(argv)
     args.dry_overrides = TINY_1B if args.dry_run else []
@@ -327,10 +411,13 @@ def main(argv: list[str] | None = None) -> int:
     phase = time.perf_counter()
     report["moe"] = moe_check(args.moe_tol, args.dry_run)
     report["moe"]["wall_s"] = time.perf_counter() - phase
+    phase = time.perf_counter()
+    report["pipeline"] = pipeline_check(args.dry_run, args.pipeline_tol)
+    report["pipeline"]["wall_s"] = time.perf_counter() - phase
     report["wall_s"] = time.perf_counter() - started
     log(f"gpu_check done in {report['wall_s']:.1f} s")
     print("json: " + json.dumps(report), flush=True)
-    passed = all(report[name]["passed"] for name in ("loss_check", "checkpoint", "packing", "moe"))
+    passed = all(report[name]["passed"] for name in ("loss_check", "checkpoint", "packing", "moe", "pipeline"))
     return 0 if passed else 1
 
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One prepared GPU check for meshtrain: loss of the tiny model on the GPU vs the CPU reference, then
 # TFLOP/s and MFU of a ~1B Llama (bf16, seq 2048, cuDNN attention, recommended XLA flags), then
-# optimizer + activation offload with memory_analysis, a checkpoint round trip, and document-packed
-# logits vs each document alone. Aim: < 8 minutes on one H100/H200.
+# optimizer + activation offload with memory_analysis, a checkpoint round trip, document-packed
+# logits vs each document alone, MoE logits and expert dispatch timings, and ZB-H1's split backward
+# on the device plus the pipeline schedules on the machine's jax (CPU devices). Aim: < 8 minutes on
+# one H100/H200.
 #
 #   scripts/gpu_check.sh              # on the GPU machine (python3 with jax[cuda] installed)
 #   scripts/gpu_check.sh --dry-run    # anywhere: CPU, tiny shapes (also GPU_CHECK_DRY_RUN=1)
