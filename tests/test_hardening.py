@@ -404,7 +404,7 @@ def test_item14_pipeline_verdicts_are_marked_and_verify_overrules(capsys):
     text = planner.format_plan(plan, top=10, show_infeasible=0)
     rows = {line.split()[1]: line for line in text.splitlines() if line.strip()[:1].isdigit()}
     assert rows["(1,4,1,2)"].rstrip().endswith("fits?") and rows["(2,2,2,1)"].rstrip().endswith("fits")
-    assert "fits? = pipeline activation memory is underestimated" in text and "--verify" in text
+    assert "fits? = pipeline temp memory is estimated within" in text and "--verify" in text
     est = next(e for e in plan.estimates if e.layout.stage == 2)
     measured = {"argument": 1e9, "output": 1e9, "temp": 90e9, "seconds": 1.0}  # what XLA could report
     assert planner.verified_verdict(measured, 80e9) == "does not fit: XLA needs 91 GB"
