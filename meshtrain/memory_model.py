@@ -35,6 +35,7 @@ from meshtrain.parallel.layout import ParallelPlan
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.rules import mesh_axes_of
 from meshtrain.parallel.schedules import SENDS_GRADIENT, ScheduleTable, Work
+from meshtrain.parallel.sharding import ring_axis
 from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
 from models.common import RematPolicy
 # Device order, slowest to fastest varying (meshtrain.mesh): an axis is inside one node when it and
@@ -227,7 +228,11 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
     layers_here = model.num_layers // stages if model.num_layers % stages == 0 else model.num_layers
     vocab_local = model.vocab_size / mesh["tensor"]
     a_working = ACTIVATION_COEFFICIENTS.get(layout.remat, 1.0)
-    saved, working = family.activation_bytes(model, mesh["tensor"], layout.remat, compute_bytes, sp)
+    # Ring attention holds the scores of one block of keys at a time (all-gather CP: every key).
+    ring_name = ring_axis(plan.rules)
+    ring_size = mesh[ring_name] if ring_name is not None else 1
+    keys = model.seq_len // ring_size if ring_size > 1 else None
+    saved, working = family.activation_bytes(model, mesh["tensor"], layout.remat, compute_bytes, sp, keys)
     est.activations = round(layers_here * tokens * saved)
     table = _schedule_table(plan)
     if table is not None:

@@ -217,10 +217,12 @@ class ModelFamily:
       axis_roles: the family's logical axes beyond ``FRAMEWORK_AXES`` and the role of each.
       flops_per_token: training (forward + backward) FLOPs per token, for MFU.
       recompute_flops_per_token: extra forward FLOPs per token that a remat policy recomputes.
-      activation_bytes: ``(cfg, tensor, remat, compute_bytes, sequence) -> (saved, working)`` bytes per
-        token and layer on one device: what the backward keeps under ``remat``, and one layer's
-        live set during its backward (for ``meshtrain.plan``). ``sequence``: how many more ways the
-        residual stream's positions are split than the blocks' (sequence parallelism's ``tensor``).
+      activation_bytes: ``(cfg, tensor, remat, compute_bytes, sequence, keys) -> (saved, working)``
+        bytes per token and layer on one device: what the backward keeps under ``remat``, and one
+        layer's live set during its backward (for ``meshtrain.plan``). ``sequence``: how many more
+        ways the residual stream's positions are split than the blocks' (sequence parallelism's
+        ``tensor``); ``keys``: the key positions a query's attention scores span at once (None: the
+        whole sequence; under ring attention one block, ``seq_len / ring size``).
       hf: the Hugging Face adapter, or None when the family has none.
     """
 
@@ -230,7 +232,7 @@ class ModelFamily:
     axis_roles: Mapping[str, AxisRole]
     flops_per_token: Callable[[Any], float]
     recompute_flops_per_token: Callable[[Any, RematPolicy], float]
-    activation_bytes: Callable[[Any, int, RematPolicy, int, int], tuple[float, float]]
+    activation_bytes: Callable[[Any, int, RematPolicy, int, int, int | None], tuple[float, float]]
     hf: HFAdapter | None = None
 
     def __post_init__(self):

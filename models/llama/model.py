@@ -190,20 +190,21 @@ def recompute_flops_per_token(cfg: LlamaConfig, remat: RematPolicy) -> float:
 
 
 def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
-                     sequence: int = 1) -> tuple[float, float]:
+                     sequence: int = 1, keys: int | None = None) -> tuple[float, float]:
     """(saved, working) activation bytes per token and layer on one device.
 
     ``saved``: what the backward pass keeps per layer under ``remat``; ``working``: the live set of
     one layer while its backward runs (its recomputed activations and their gradients). Counts in
     vectors per token: d = embed / sequence (the residual stream, split ``sequence`` ways by sequence
     parallelism), q = heads*head_dim/tensor, k = kv_heads*head_dim/tensor, f = mlp/tensor in the
-    compute dtype, s = heads/tensor * seq_len attention scores in fp32.
+    compute dtype, s = heads/tensor * keys attention scores in fp32 (``keys``: the key positions a
+    query's scores span at once: the whole sequence, or one ring attention block).
     """
     d = cfg.embed_dim / sequence
     q = cfg.num_heads * cfg.head_dim / tensor
     k = cfg.num_kv_heads * cfg.head_dim / tensor
     f = cfg.mlp_dim / tensor
-    s = cfg.num_heads / tensor * cfg.seq_len * 4  # fp32 scores
+    s = cfg.num_heads / tensor * (keys or cfg.seq_len) * 4  # fp32 scores
     c = compute_bytes
     everything = (8 * d + 3 * q + 3 * k + 4 * f) * c + 2 * s
     # The backward of the MLP holds the gradients of gate, up, silu and hidden besides them.

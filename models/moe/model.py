@@ -187,10 +187,10 @@ def recompute_flops_per_token(cfg: MoEConfig, remat: RematPolicy) -> float:
 
 
 def activation_bytes(cfg: MoEConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
-                     sequence: int = 1) -> tuple[float, float]:
+                     sequence: int = 1, keys: int | None = None) -> tuple[float, float]:
     """(saved, working) activation bytes per token and layer on one device (``ModelFamily``).
 
-    Attention as Llama's. The sparse block, per token, in units of: ``E * C`` (one row of the one-hot
+    Attention as Llama's (``keys`` too). The sparse block, per token, in units of: ``E * C`` (one row of the one-hot
     dispatch or combine tensor [batch, groups, group, experts, C], compute dtype); ``X * d`` and
     ``X * f``, with ``X = E * C / group`` expert slots per token: the token's share of an expert
     buffer [experts, batch, groups, C, embed] (the same in the batch-split and the expert-split
@@ -210,7 +210,7 @@ def activation_bytes(cfg: MoEConfig, tensor: int, remat: RematPolicy, compute_by
     slot_d = per_token / group * cfg.embed_dim  # X * d
     slot_f = per_token / group * cfg.expert_mlp_dim / tensor  # X * f
     g = cfg.shared_mlp_dim / tensor
-    s = cfg.num_heads / tensor * cfg.seq_len * 4
+    s = cfg.num_heads / tensor * (keys or cfg.seq_len) * 4
     c = compute_bytes
     router = (cfg.top_k + 3) * cfg.num_experts * 4
     attention = (6 * d + 3 * q + 3 * k) * c + 2 * s
