@@ -391,8 +391,8 @@ def run_table(table: ScheduleTable, mesh: Mesh, model_of: ModelOf, objective: Ob
     stages, chunks, micro = table.stages, table.chunks, table.microbatches
     fields, sizes = table.buffers()
     phases = _phases(table)
-    head_microbatch = np.array([table.head_microbatch(t) if table.head_microbatch(t) is not None else -1
-                                for t in range(len(table.ticks))], np.int32)
+    heads = [table.head_microbatch(t) for t in range(len(table.ticks))]
+    head_microbatch = np.array([-1 if m is None else m for m in heads], np.int32)
 
     def schedule(params: nnx.State, microbatches: Batch):
         stage = jax.lax.axis_index(STAGE)
@@ -448,12 +448,10 @@ def run_table(table: ScheduleTable, mesh: Mesh, model_of: ModelOf, objective: Ob
                      cut=zeros(list(split.cut_shapes) if split else [], (sizes.cut,)),
                      loss=_stage_varying(jnp.zeros((), jnp.float32)), aux=zeros(aux_shapes))
         if train:
-            zeros_f32 = lambda tree: jax.tree.map(lambda x: _stage_varying(jnp.zeros(x.shape, jnp.float32)), tree)
-            carry.update(layer_grads=zeros_f32(layers_c), rest_grads=zeros_f32(rest_c))
+            fp32 = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), tree)
+            carry.update(layer_grads=zeros(fp32(layers_c)), rest_grads=zeros(fp32(rest_c)))
 
         def add_layer_grads(grads, v, d_layers):
-            if chunks == 1:
-                return jax.tree.map(lambda g, d: g + d.astype(jnp.float32), grads, d_layers)
             return jax.tree.map(lambda g, d: jax.lax.dynamic_update_slice_in_dim(
                 g, jax.lax.dynamic_slice_in_dim(g, v * per_chunk, per_chunk) + d.astype(jnp.float32),
                 v * per_chunk, 0), grads, d_layers)

@@ -87,13 +87,10 @@ class OpCosts:
 
 @dataclasses.dataclass(frozen=True)
 class Buffers:
-    """Per-stage buffer slots the executor allocates, from the table's lifetimes.
-
-    For every (tick, stage) and each field below, an index into the buffer (-1: none):
+    """How many slots each per-stage buffer of the executor has (the table's peak of live entries):
     ``inputs`` (activations received, awaiting their forward), ``gradients`` (cotangents received
     or made by the head, awaiting their backward), ``stash`` (what a forward keeps for its
-    backward), ``cut`` (what an input-gradient half keeps for its weight-gradient half).
-    """
+    backward), ``cut`` (what an input-gradient half keeps for its weight-gradient half)."""
 
     inputs: int
     gradients: int
