@@ -33,6 +33,7 @@ from flax import nnx
 from meshtrain.mesh import MESH_AXES
 from meshtrain.parallel.layout import ParallelPlan
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.ring_attention import sub_block_length
 from meshtrain.parallel.rules import mesh_axes_of
 from meshtrain.parallel.schedules import SENDS_GRADIENT, ScheduleTable, Work
 from meshtrain.parallel.sharding import ring_axis
@@ -228,10 +229,14 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
     layers_here = model.num_layers // stages if model.num_layers % stages == 0 else model.num_layers
     vocab_local = model.vocab_size / mesh["tensor"]
     a_working = ACTIVATION_COEFFICIENTS.get(layout.remat, 1.0)
-    # Ring attention holds the scores of one block of keys at a time (all-gather CP: every key).
+    # Ring attention holds one [block, block] tile of scores at a time: per query of the rank's
+    # seq_len / CP, block^2 / (seq_len / CP) keys (all-gather CP: every key).
     ring_name = ring_axis(plan.rules)
     ring_size = mesh[ring_name] if ring_name is not None else 1
-    keys = model.seq_len // ring_size if ring_size > 1 else None
+    keys = None
+    if ring_size > 1:
+        rank_positions = model.seq_len // ring_size
+        keys = sub_block_length(rank_positions, plan.rules.ring_block) ** 2 / rank_positions
     saved, working = family.activation_bytes(model, mesh["tensor"], layout.remat, compute_bytes, sp, keys)
     est.activations = round(layers_here * tokens * saved)
     table = _schedule_table(plan)

@@ -221,8 +221,9 @@ class ModelFamily:
         bytes per token and layer on one device: what the backward keeps under ``remat``, and one
         layer's live set during its backward (for ``meshtrain.plan``). ``sequence``: how many more
         ways the residual stream's positions are split than the blocks' (sequence parallelism's
-        ``tensor``); ``keys``: the key positions a query's attention scores span at once (None: the
-        whole sequence; under ring attention one block, ``seq_len / ring size``).
+        ``tensor``); ``keys``: the key positions a query's attention scores span at once, on average
+        (None: the whole sequence; under ring attention one ``[block, block]`` tile's over the rank's
+        positions, ``block^2 / (seq_len / ring size)``).
       hf: the Hugging Face adapter, or None when the family has none.
     """
 
@@ -232,7 +233,7 @@ class ModelFamily:
     axis_roles: Mapping[str, AxisRole]
     flops_per_token: Callable[[Any], float]
     recompute_flops_per_token: Callable[[Any, RematPolicy], float]
-    activation_bytes: Callable[[Any, int, RematPolicy, int, int, int | None], tuple[float, float]]
+    activation_bytes: Callable[[Any, int, RematPolicy, int, int, float | None], tuple[float, float]]
     hf: HFAdapter | None = None
 
     def __post_init__(self):

@@ -28,9 +28,10 @@ class InvalidField(ValueError):
         self.field, self.message = field, message
 
 
-def matmul(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def matmul(equation: str, x: jax.Array, w: jax.Array, result_dtype: jnp.dtype | None = None) -> jax.Array:
     """``jnp.einsum(equation, x, w)`` (two operands, no index repeated in one) summed in fp32 and
-    returned in ``x``'s dtype, in the forward and in both backward matmuls.
+    returned in ``result_dtype`` (default: ``x``'s dtype), in the forward and in both backward
+    matmuls (whose results take the operands' dtypes).
 
     With bf16 operands this is the mixed-precision matmul the hardware runs natively (bf16 products,
     fp32 sums: tensor cores, AMX). A plain bf16 einsum asks XLA for a bf16 result, which XLA:CPU
@@ -38,13 +39,15 @@ def matmul(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     an fp32 cotangent, with the same effect; here one 2048x1024x1024 bf16 matmul ran 4.3x faster
     summed in fp32 than as a plain bf16 einsum (docs/benchmarks.md). The output is tagged
     ``CHECKPOINT_DOT`` when the einsum has no batch indices, so that ``RematPolicy.DOTS`` keeps it
-    as it keeps a plain matmul's output. fp32 operands: a plain einsum.
+    as it keeps a plain matmul's output. ``result_dtype=float32`` keeps the fp32 sums (e.g. logits
+    for a fp32 loss) instead of rounding them to bf16 and converting back. fp32 operands: a plain
+    einsum.
     """
     if x.dtype == jnp.float32 and w.dtype == jnp.float32:
         return jnp.einsum(equation, x, w)
     inputs, out = equation.replace(" ", "").split("->")
     lhs, rhs = inputs.split(",")
-    y = _mixed_precision_einsum(lhs, rhs, out, x, w)
+    y = _mixed_precision_einsum(lhs, rhs, out, jnp.dtype(result_dtype or x.dtype), x, w)
     return checkpoint_name(y, CHECKPOINT_DOT) if not set(lhs) & set(rhs) & set(out) else y
 
 
@@ -56,16 +59,16 @@ def _fp32_sum(lhs: str, rhs: str, out: str, a: jax.Array, b: jax.Array, dtype) -
     return jnp.einsum(f"{lhs},{rhs}->{out}", a, b, preferred_element_type=jnp.float32).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _mixed_precision_einsum(lhs: str, rhs: str, out: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    return _fp32_sum(lhs, rhs, out, x, w, x.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _mixed_precision_einsum(lhs: str, rhs: str, out: str, result_dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+    return _fp32_sum(lhs, rhs, out, x, w, result_dtype)
 
 
-def _mixed_precision_forward(lhs, rhs, out, x, w):
-    return _fp32_sum(lhs, rhs, out, x, w, x.dtype), (x, w)
+def _mixed_precision_forward(lhs, rhs, out, result_dtype, x, w):
+    return _fp32_sum(lhs, rhs, out, x, w, result_dtype), (x, w)
 
 
-def _mixed_precision_backward(lhs, rhs, out, residuals, grad):
+def _mixed_precision_backward(lhs, rhs, out, result_dtype, residuals, grad):
     x, w = residuals
     return (_fp32_sum(out, rhs, lhs, grad.astype(x.dtype), w, x.dtype),
             _fp32_sum(lhs, out, rhs, x, grad.astype(x.dtype), w.dtype))

@@ -4,7 +4,7 @@
         [--attention auto|xla|cudnn] [--json FILE] [section.field=value ...]
     python scripts/bench.py --sweep layouts --host-devices 8 [--out docs/img/layout_bench.png]
     python scripts/bench.py --sweep depth --host-devices 8
-    python scripts/bench.py --sweep context --host-devices 8 [--seqs 1024 2048 4096] [--out PNG]
+    python scripts/bench.py --sweep context --host-devices 8 [--seqs 1024 ... 32768] [--host-budget GB] [--out PNG]
     python scripts/bench.py --sweep experts --host-devices 8 --config configs/moe_tiny.yaml [--out PNG]
     python scripts/bench.py --vs-maxtext [--shape issue|large] [--steps 20] [--rounds 2]
 
@@ -312,8 +312,19 @@ CONTEXT_MODEL = ["model.num_layers=2", "model.num_heads=8", "model.num_kv_heads=
                  "train.precision=fp32", "model.remat=full", "model.attention=xla"]
 
 
-def sweep_context(config: str, overrides: list[str], seqs: list[int], steps: int, out: str | None) -> list[dict]:
-    """Per-device memory and tokens/s of each long-sequence scheme at each sequence length."""
+def host_bytes_needed(memory: dict, devices: int) -> int:
+    """This host's memory for one step of a compiled program on ``devices`` simulated devices:
+    arguments + outputs - aliased + temporaries, per device (``memory_of``), times the devices."""
+    per_device = (memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"]
+                  + memory["temp_bytes"])
+    return per_device * devices
+
+
+def sweep_context(config: str, overrides: list[str], seqs: list[int], steps: int, out: str | None,
+                  host_budget_gb: float) -> list[dict]:
+    """Per-device memory and tokens/s of each long-sequence scheme at each sequence length. A scheme
+    whose compiled step needs more than ``host_budget_gb`` of this host's memory (all simulated
+    devices together) is compiled and its memory reported, but not run (``tokens_per_sec`` None)."""
     from meshtrain.config import load_config
 
     rows = []
@@ -321,12 +332,20 @@ def sweep_context(config: str, overrides: list[str], seqs: list[int], steps: int
         for name, mesh, preset in CONTEXT_LAYOUTS:
             cfg = load_config(config, [*CONTEXT_MODEL, *overrides, f"model.seq_len={seq}",
                                        *_layout_overrides(mesh, preset)])
-            result = run(cfg, steps=steps)
-            rows.append({"layout": name, "seq_len": seq, **result})
-            mem = result["memory_per_device"]
-            print(f"seq {seq:>6}  {name:<20} temp {mem['temp_bytes'] / 1e6:8.1f} MB  args "
-                  f"{mem['argument_bytes'] / 1e6:6.2f} MB  {result['tokens_per_sec']:9,.0f} tokens/s  "
-                  f"{json.dumps(result['collectives'])}", flush=True)
+            prepared = prepare(cfg)
+            memory = memory_of(prepared[1])
+            needed = host_bytes_needed(memory, prepared[0].mesh.devices.size)
+            if needed <= host_budget_gb * 1e9:
+                result = run(cfg, steps=steps, prepared=prepared)
+                speed = f"{result['tokens_per_sec']:9,.0f} tokens/s"
+            else:
+                result = {"memory_per_device": memory, "compile_s": prepared[2], "tokens_per_sec": None,
+                          "collectives": collective_counts(prepared[1].as_text())}
+                speed = f"not run: needs {needed / 1e9:.1f} GB of this host (--host-budget {host_budget_gb:g})"
+            rows.append({"layout": name, "seq_len": seq, "host_bytes_needed": needed, **result})
+            print(f"seq {seq:>6}  {name:<22} temp {memory['temp_bytes'] / 1e6:9.1f} MB  args "
+                  f"{memory['argument_bytes'] / 1e6:6.2f} MB  {speed}  {json.dumps(result['collectives'])}", flush=True)
+            del prepared
     return _plotted(rows, out, _plot_context)
 
 
@@ -341,9 +360,11 @@ def _plot_context(rows, path) -> None:
         mine = [row for row in rows if row["layout"] == name]
         seqs = [row["seq_len"] for row in mine]
         mem_ax.plot(seqs, [row["memory_per_device"]["temp_bytes"] / 1e6 for row in mine], marker="o", label=name)
-        speed_ax.plot(seqs, [row["tokens_per_sec"] for row in mine], marker="o", label=name)
+        ran = [row for row in mine if row["tokens_per_sec"] is not None]
+        speed_ax.plot([row["seq_len"] for row in ran], [row["tokens_per_sec"] for row in ran], marker="o", label=name)
     mem_ax.set_ylabel("temporaries per device, MB (memory_analysis)")
-    speed_ax.set_ylabel("tokens/s (8 simulated CPU devices, 2 cores)")
+    mem_ax.set_yscale("log")
+    speed_ax.set_ylabel("tokens/s (8 simulated CPU devices, 2 cores; run where it fits the host)")
     for ax in (mem_ax, speed_ax):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length")
@@ -482,8 +503,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="model.attention: jax.nn.dot_product_attention's implementation (cudnn: GPU only)")
     parser.add_argument("--sweep", choices=("layouts", "depth", "context", "experts"),
                         help="run a sweep instead of one config")
-    parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096],
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768],
                         help="sequence lengths of --sweep context")
+    parser.add_argument("--host-budget", type=float, default=12.0, metavar="GB",
+                        help="--sweep context: run a scheme only if its step needs at most this much host memory")
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 32], help="layer counts of --sweep depth")
     parser.add_argument("--out", help="--sweep layouts / context / experts: PNG plot path")
     parser.add_argument("--json", dest="json_path", help="also write the result(s) as JSON to this file")
@@ -520,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.sweep == "depth":
         results = sweep_depth(args.config, args.overrides, args.depths)
     elif args.sweep == "context":
-        results = sweep_context(args.config, args.overrides, args.seqs, args.steps, args.out)
+        results = sweep_context(args.config, args.overrides, args.seqs, args.steps, args.out, args.host_budget)
     elif args.sweep == "experts":
         results = sweep_experts(args.config, args.overrides, args.steps, args.out)
     else:

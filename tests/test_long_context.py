@@ -5,6 +5,7 @@ falls with the split."""
 
 import dataclasses
 import math
+import re
 
 import jax
 import numpy as np
@@ -42,6 +43,8 @@ RING_TP = dataclasses.replace(Preset.FSDP_TP_CP.rules.overridden({"kv_length": A
                               name="ring_tp")
 # Ring attention without the load-balancing permutation.
 RING_IN_ORDER = dataclasses.replace(Preset.FSDP_CP_RING.rules, balance_ring=False, name="ring_in_order")
+# Ring attention visiting each step's 16 keys in sub-blocks of 4 (sharding.ring_block).
+RING_SUB_BLOCKS = dataclasses.replace(Preset.FSDP_CP_RING.rules, ring_block=4, name="ring_sub_blocks")
 LAYOUTS = [
     ((1, 1, 2, 1), Preset.FSDP_TP_SP), ((1, 1, 4, 1), Preset.FSDP_TP_SP), ((2, 1, 4, 1), Preset.FSDP_TP_SP),
     ((1, 2, 2, 1), Preset.FSDP_TP_SP),
@@ -49,6 +52,7 @@ LAYOUTS = [
     ((2, 4, 1, 1), Preset.FSDP_CP), ((1, 2, 4, 1), Preset.FSDP_TP_CP), ((1, 4, 2, 1), Preset.FSDP_TP_CP),
     ((1, 2, 1, 1), Preset.FSDP_CP_RING), ((1, 4, 1, 1), Preset.FSDP_CP_RING), ((1, 8, 1, 1), Preset.FSDP_CP_RING),
     ((2, 4, 1, 1), Preset.FSDP_CP_RING), ((1, 4, 2, 1), RING_TP), ((1, 4, 1, 1), RING_IN_ORDER),
+    ((1, 2, 1, 1), RING_SUB_BLOCKS),
 ]
 
 
@@ -80,6 +84,21 @@ def test_rules_split_the_sequence_where_each_scheme_says():
     assert cp.param_spec(("embed", "mlp")) == jax.sharding.PartitionSpec("fsdp", None)  # parameters stay FSDP
 
 
+def _activation_all_reduces(hlo_text: str, shape: tuple[int, ...]) -> dict[str, list[tuple[int, ...]]]:
+    """The optimized HLO's all-reduces of an f32 ``shape`` -> the output shapes of their users."""
+    lines = hlo_text.splitlines()
+    dims = ",".join(map(str, shape))
+    found = {}
+    for line in lines:
+        match = re.match(rf"\s*(%[\w.\-]+) = f32\[{dims}\]\S* all-reduce\(", line)
+        if match:
+            name = match.group(1)
+            users = [re.match(r"\s*%[\w.\-]+ = \w+\[([\d,]*)\]", other) for other in lines
+                     if re.search(re.escape(name) + r"[,)]", other) and not other.strip().startswith(name + " ")]
+            found[name] = [tuple(int(d) for d in user.group(1).split(",")) for user in users if user and user.group(1)]
+    return found
+
+
 def _compiled(trainer):
     return trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
 
@@ -91,8 +110,15 @@ def test_compiled_collectives_and_activation_memory():
     sp = _compiled(_trainer((1, 1, 4, 1), Preset.FSDP_TP_SP, long, batch_size=4))
     tp_counts, sp_counts = collective_counts(tp.as_text()), collective_counts(sp.as_text())
     # SP gathers the sequence before the column-parallel matmuls and scatters it after the row-parallel
-    # ones (XLA:CPU lowers a reduce-scatter to all-reduce + dynamic-slice): more all-gathers than TP.
+    # ones: more all-gathers than TP, and each all-reduce of a [rows, positions, embed] output is a
+    # reduce-scatter (XLA:CPU lowers it to all-reduce + dynamic-slice: the result is consumed 1/T of
+    # the positions at a time), where TP's are consumed whole.
     assert sp_counts["all-gather"] > tp_counts["all-gather"]
+    rows, embed = 4, long.embed_dim
+    tp_reduced = _activation_all_reduces(tp.as_text(), (rows, 256, embed))
+    sp_reduced = _activation_all_reduces(sp.as_text(), (rows, 256, embed))
+    assert tp_reduced and not any((rows, 64, embed) in users for users in tp_reduced.values()), tp_reduced
+    assert sp_reduced and all((rows, 64, embed) in users for users in sp_reduced.values()), sp_reduced
     assert sp.memory_analysis().temp_size_in_bytes < tp.memory_analysis().temp_size_in_bytes
     temps = {}
     for cp in (1, 2, 4, 8):

@@ -74,3 +74,30 @@ def test_fp16_on_cpu_is_a_clear_config_error():
     with pytest.raises(ConfigError, match="fp16 needs a GPU") as err:
         _with(make_trainer((1, 1, 1, 1)), precision=Precision.FP16)
     assert err.value.field == "train.precision"
+
+
+def test_bf16_logits_keep_the_heads_fp32_sums():
+    """Under bf16 compute the head multiplies bf16 operands and returns its fp32 sums as the logits
+    (no round trip through bf16 before the fp32 loss): the jaxpr's last matmul asks for an fp32
+    result and nothing converts it, and the values equal an fp32 matmul of the bf16 operands."""
+    from meshtrain.precision import cast_floating
+    from models.api import family_of
+    from utils import MODEL
+
+    model = family_of(MODEL).build(MODEL)
+    graphdef, params = nnx.split(model)
+    bf16_model = nnx.merge(graphdef, cast_floating(params, jnp.bfloat16))
+    x = jax.random.normal(jax.random.key(1), (2, MODEL.seq_len, MODEL.embed_dim)).astype(jnp.bfloat16)
+    logits = bf16_model.logits(x)
+    assert logits.dtype == jnp.float32
+    jaxpr = jax.make_jaxpr(bf16_model.logits)(x).jaxpr
+    dots = [eqn for eqn in jaxpr.eqns if "custom_vjp" in eqn.primitive.name]
+    head = dots[-1]
+    assert head.outvars[0].aval.dtype == jnp.float32 and head.outvars[0].aval.shape[-1] == MODEL.vocab_size
+    converts = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "convert_element_type"
+                and eqn.invars[0] is head.outvars[0]]
+    assert not converts
+    normed = bf16_model.final_norm(x)
+    head_weight = bf16_model.embedding[...].T if bf16_model.head is None else bf16_model.head[...]
+    expected = jnp.einsum("btd,dv->btv", normed.astype(jnp.float32), head_weight.astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=1e-5, atol=1e-5)

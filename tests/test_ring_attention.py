@@ -1,7 +1,8 @@
 """Ring attention (meshtrain/parallel/ring_attention.py) equals full causal attention: forward and
 backward against ``jax.nn.dot_product_attention`` on the whole sequence (fp32, abs 2e-5 / grads rel
 L2 1e-5), with grouped-query heads and document segments, on rings of 2, 4 and 8 devices, in sequence
-order and in the balanced order (undone before comparing)."""
+order and in the balanced order (undone before comparing), and with each ring step's keys visited in
+sub-blocks of queries and keys (``block``)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from meshtrain.parallel.ring_attention import balanced_order, ring_attention
+from meshtrain.parallel.ring_attention import balanced_order, ring_attention, sub_block_length
 
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM = 2, 32, 4, 2, 8
 
@@ -36,14 +37,18 @@ def _reference(q, k, v, segments):
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=segments is None, implementation="xla")
 
 
-CASES = [(ring, segments, balanced) for ring in (2, 4, 8) for segments in (False, True) for balanced in (False, True)]
-FAST = {(4, True, True), (8, False, False)}
+# (ring, segments, balanced, block): block 0 = a rank's whole block per step; 5 of a rank's 16
+# positions = sub-blocks of 4, 4 of 8 = sub-blocks of 4 (query x key pairs skip on their own).
+CASES = [(ring, segments, balanced, 0) for ring in (2, 4, 8) for segments in (False, True)
+         for balanced in (False, True)] + [(2, True, True, 5), (4, False, False, 4), (4, True, True, 4)]
+FAST = {(4, True, True, 0), (8, False, False, 0), (2, True, True, 5), (4, False, False, 4)}
 
 
-@pytest.mark.parametrize("ring,with_segments,balanced", [
+@pytest.mark.parametrize("ring,with_segments,balanced,block", [
     case if case in FAST else pytest.param(*case, marks=pytest.mark.slow) for case in CASES],
-    ids=[f"ring{r}-{'segments' if s else 'causal'}-{'balanced' if b else 'in_order'}" for r, s, b in CASES])
-def test_ring_attention_equals_full_attention(ring, with_segments, balanced):
+    ids=[f"ring{r}-{'segments' if s else 'causal'}-{'balanced' if b else 'in_order'}" + (f"-block{kb}" if kb else "")
+         for r, s, b, kb in CASES])
+def test_ring_attention_equals_full_attention(ring, with_segments, balanced, block):
     mesh = Mesh(np.array(jax.devices()[:ring]), ("fsdp",))
     q, k, v = _inputs()
     segments = _segments() if with_segments else None
@@ -53,7 +58,8 @@ def test_ring_attention_equals_full_attention(ring, with_segments, balanced):
 
     def ring_fn(q, k, v):  # permuted in, run, permuted back: comparable with full attention
         permuted = ring_attention(q[:, order], k[:, order], v[:, order], positions,
-                                  None if segments is None else segments[:, order], mesh=mesh, axis="fsdp")
+                                  None if segments is None else segments[:, order], mesh=mesh, axis="fsdp",
+                                  block=block)
         return permuted[:, undo]
 
     ring_fn = jax.jit(ring_fn)
@@ -67,6 +73,11 @@ def test_ring_attention_equals_full_attention(ring, with_segments, balanced):
     for name, mine, theirs in zip("qkv", ring_grads, full_grads):
         error = float(jnp.linalg.norm(mine - theirs) / jnp.linalg.norm(theirs))
         assert error <= 1e-5, (name, error)
+
+
+def test_sub_block_length_is_the_largest_divisor_not_above_the_request():
+    assert [sub_block_length(16, b) for b in (0, 1, 5, 8, 15, 16, 40)] == [16, 1, 4, 8, 8, 16, 16]
+    assert sub_block_length(96, 64) == 48
 
 
 def test_balanced_order_gives_each_rank_an_early_and_a_late_chunk():
@@ -86,3 +97,23 @@ def test_ring_skips_blocks_after_the_queries_and_moves_keys_by_collective_permut
     text = compiled.as_text()
     assert "collective-permute" in text and " all-gather(" not in text and "all-gather-start" not in text
     assert "conditional" in text  # the causal skip
+
+
+def test_sub_blocks_hold_a_fraction_of_the_score_memory():
+    """A step's score block is [block, block] instead of [queries, keys] of the rank: the
+    compiled forward and backward's temporaries (memory_analysis) fall accordingly."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    length = 4096  # 1,024 keys per rank
+    q = jax.ShapeDtypeStruct((1, length, 2, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, length, 1, 16), jnp.float32)
+    positions = jnp.arange(length, dtype=jnp.int32)[None]
+
+    def temp_bytes(block):
+        loss = lambda q, k, v: jnp.sum(ring_attention(q, k, v, positions, None, mesh=mesh, axis="fsdp",
+                                                      block=block))
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    whole, sub_blocks = temp_bytes(0), temp_bytes(128)
+    score_block = 2 * 1024 * 1024 * 4  # one rank's [heads, queries, keys] fp32 scores
+    assert whole > score_block and sub_blocks < whole / 3, (whole, sub_blocks)

@@ -85,6 +85,7 @@ class ShardingRules:
     table: Mapping[str, AxisRule]
     roles: Mapping[AxisRole, AxisRule] = dataclasses.field(default_factory=dict)
     balance_ring: bool = True  # under ring attention, permute the sequence so ranks share the work
+    ring_block: int = 512  # under ring attention, queries and keys per score block within a ring step
 
     def __post_init__(self):
         missing = [axis for axis in FRAMEWORK_AXES if axis not in self.table]
@@ -221,20 +222,28 @@ class ShardingConfig:
     ``balance_ring``: under ring attention (keys split like queries), the trainer permutes each
     batch's positions once so that rank i holds sequence chunks i and 2N-1-i of 2N (causal load
     balancing; ``meshtrain.parallel.ring_attention.balanced_order``). No effect elsewhere.
+
+    ``ring_block``: under ring attention, the queries and keys of one score block within a ring step
+    (the largest divisor of ``seq_len / ring`` not above it; 0: a rank's whole block at once), so a
+    step holds ``[ring_block, ring_block]`` scores instead of ``[seq_len / ring, seq_len / ring]``.
     """
 
     preset: Preset = Preset.FSDP_TP
     rules: dict[str, AxisRule] = dataclasses.field(default_factory=dict)
     replicated_warning_bytes: int = 1 << 20
     balance_ring: bool = True
+    ring_block: int = 512
 
     def __post_init__(self):
         if self.replicated_warning_bytes < 0:
             raise ConfigError("replicated_warning_bytes", f"must be >= 0, got {self.replicated_warning_bytes}")
+        if self.ring_block < 0:
+            raise ConfigError("ring_block", f"must be >= 0 (0: a rank's whole block), got {self.ring_block}")
         try:
             self.resolve()
         except ConfigError as err:
             raise ConfigError(err.field.removeprefix("sharding."), err.message) from None
 
     def resolve(self) -> ShardingRules:
-        return dataclasses.replace(self.preset.rules.overridden(self.rules), balance_ring=self.balance_ring)
+        return dataclasses.replace(self.preset.rules.overridden(self.rules), balance_ring=self.balance_ring,
+                                   ring_block=self.ring_block)

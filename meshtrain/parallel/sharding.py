@@ -73,7 +73,8 @@ class ActivationLayout:
                segments: jax.Array | None, implementation: str | None) -> jax.Array:
         if self.ring is None:
             return full_attention(q, k, v, positions, segments, implementation)
-        return ring_attention(q, k, v, positions, segments, mesh=self.mesh, axis=self.ring)
+        return ring_attention(q, k, v, positions, segments, mesh=self.mesh, axis=self.ring,
+                              block=self.rules.ring_block)
 
 
 def activation_sharding(rules: ShardingRules, mesh: Mesh) -> ActivationSharding:

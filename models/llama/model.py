@@ -190,7 +190,7 @@ def recompute_flops_per_token(cfg: LlamaConfig, remat: RematPolicy) -> float:
 
 
 def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
-                     sequence: int = 1, keys: int | None = None) -> tuple[float, float]:
+                     sequence: int = 1, keys: float | None = None) -> tuple[float, float]:
     """(saved, working) activation bytes per token and layer on one device.
 
     ``saved``: what the backward pass keeps per layer under ``remat``; ``working``: the live set of
@@ -198,7 +198,8 @@ def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_
     vectors per token: d = embed / sequence (the residual stream, split ``sequence`` ways by sequence
     parallelism), q = heads*head_dim/tensor, k = kv_heads*head_dim/tensor, f = mlp/tensor in the
     compute dtype, s = heads/tensor * keys attention scores in fp32 (``keys``: the key positions a
-    query's scores span at once: the whole sequence, or one ring attention block).
+    query's scores span at once, on average: the whole sequence, or under ring attention one tile's
+    block^2 over the rank's positions).
     """
     d = cfg.embed_dim / sequence
     q = cfg.num_heads * cfg.head_dim / tensor
@@ -374,7 +375,7 @@ class KVCache:
 
 
 class Llama(nnx.Module):
-    """Token ids [batch, length] -> logits [batch, length, vocab] (in the parameters' dtype).
+    """Token ids [batch, length] -> logits [batch, length, vocab] (fp32: the head's sums are kept).
 
     ``layer_class(cfg, rngs)`` builds each layer: ``layer(x, rotary, positions, segments, shard) ->
     (x, statistics)`` and ``layer.cached(...)`` as ``DecoderLayer``'s (a subclass may swap it).
@@ -433,10 +434,12 @@ class Llama(nnx.Module):
         return jax.lax.scan(cfg.remat.wrap(run_layer, cfg.remat_names), x, layer_state)
 
     def logits(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
-        """x: [batch, length, embed] -> logits [batch, length, vocab]."""
+        """x: [batch, length, embed] -> logits [batch, length, vocab] in fp32 (the head's fp32 sums,
+        not rounded to the compute dtype: the loss takes them in fp32)."""
         head = self.embedding[...].T if self.head is None else self.head[...]
         x = shard(x, ("batch", "length", "embed"))  # whole positions: the vocabulary may split over tensor
-        return shard(matmul("btd,dv->btv", self.final_norm(x), head), ("batch", "length", "vocab"))
+        logits = matmul("btd,dv->btv", self.final_norm(x), head, result_dtype=jnp.float32)
+        return shard(logits, ("batch", "length", "vocab"))
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
         """An empty cache for ``batch`` sequences of up to ``max_len`` positions."""

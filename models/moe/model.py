@@ -187,7 +187,7 @@ def recompute_flops_per_token(cfg: MoEConfig, remat: RematPolicy) -> float:
 
 
 def activation_bytes(cfg: MoEConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
-                     sequence: int = 1, keys: int | None = None) -> tuple[float, float]:
+                     sequence: int = 1, keys: float | None = None) -> tuple[float, float]:
     """(saved, working) activation bytes per token and layer on one device (``ModelFamily``).
 
     Attention as Llama's (``keys`` too). The sparse block, per token, in units of: ``E * C`` (one row of the one-hot
