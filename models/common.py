@@ -99,10 +99,14 @@ def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
 
 class ActivationSharding(Protocol):
     """What the framework hands a model for its layout: constraints on activations (identity
-    off-mesh) and the causal self-attention its rules imply (``full_attention``, or ring attention
-    where the rules keep the keys split along the sequence)."""
+    off-mesh), the lookup of token embeddings, and the causal self-attention its rules imply
+    (``full_attention``, or ring attention where the rules keep the keys split along the sequence)."""
 
     def __call__(self, x: jax.Array, axes: LogicalAxes) -> jax.Array: ...
+
+    def lookup(self, table: jax.Array, ids: jax.Array, axes: LogicalAxes) -> jax.Array:
+        """``table[ids]``: rows of a [rows, width] table (a ``(vocab, embed)`` parameter) for int ids
+        [batch, length], as [batch, length, width] laid out by logical ``axes``."""
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                segments: jax.Array | None, implementation: str | None) -> jax.Array:
@@ -116,6 +120,10 @@ class Unconstrained:
     def __call__(self, x: jax.Array, axes: LogicalAxes) -> jax.Array:
         del axes
         return x
+
+    def lookup(self, table: jax.Array, ids: jax.Array, axes: LogicalAxes) -> jax.Array:
+        del axes
+        return jnp.take(table, ids, axis=0)
 
     attend = staticmethod(full_attention)
 

@@ -26,8 +26,13 @@
    simulated devices, ZB-H1 and interleaved 1F1B against the sequential model (fp32,
    ``--pipeline-tol``; not in the dry run, which the test suite's pipeline tests cover).
 
+8. ring tiles: ring attention's [block, block] tiles (online softmax, causal skip per tile) on one
+   device at seq 8192 against ``jax.nn.dot_product_attention`` on the whole sequence (forward and
+   gradients, fp32, ``--ring-tol``), then both forward + backward timed in bf16 (cuDNN's full
+   attention on a GPU).
+
 ``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs everything on the CPU with tiny shapes, in seconds;
-the test suite runs that. Exit status 1 when the loss, checkpoint, packing, MoE or pipeline check fails. Last line: ``json: {...}``.
+the test suite runs that. Exit status 1 when the loss, checkpoint, packing, MoE, pipeline or ring check fails. Last line: ``json: {...}``.
 """
 
 from __future__ import annotations
@@ -142,6 +147,46 @@ def packing_check(load_config, tol: float) -> dict:
     ok = diff <= tol
     log(f"packing: max |packed - alone| over 3 documents = {diff:.2e} (tolerance {tol:.0e}): {'PASS' if ok else 'FAIL'}")
     return {"max_abs_diff": diff, "tolerance": tol, "passed": ok}
+
+
+def ring_tiles_check(dry_run: bool, tol: float) -> dict:
+    """Ring attention's [block, block] tiles on one device (a ring of one: the tiled online softmax
+    with the causal skip per tile) against ``jax.nn.dot_product_attention`` on the whole sequence:
+    forward and backward values (fp32, highest precision), then the forward + backward of both timed
+    in bf16 (full attention by cuDNN where the platform has it)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from meshtrain.parallel.ring_attention import ring_attention
+
+    length, heads, kv_heads, head_dim, block = (256, 4, 2, 16, 64) if dry_run else (8192, 16, 8, 128, 512)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (1, length, heads, head_dim))
+    k, v = (jax.random.normal(key, (1, length, kv_heads, head_dim)) for key in keys[1:3])
+    cotangent = jax.random.normal(keys[3], q.shape)
+    positions = jnp.arange(length, dtype=jnp.int32)[None]
+    tiled = lambda q, k, v: ring_attention(q, k, v, positions, None, mesh=mesh, axis="fsdp", block=block)
+    implementation = "cudnn" if jax.devices()[0].platform == "gpu" else "xla"
+    full = lambda impl: (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl))
+    grads = lambda fn: jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent), argnums=(0, 1, 2)))
+    with jax.default_matmul_precision("highest"):
+        out, ref = jax.jit(tiled)(q, k, v), jax.jit(full("xla"))(q, k, v)
+        _, mine = grads(tiled)(q, k, v)
+        _, theirs = grads(full("xla"))(q, k, v)
+    forward_error = float(jnp.abs(out - ref).max())
+    grad_errors = [float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(mine, theirs)]
+    ok = forward_error <= tol and max(grad_errors) <= tol
+    as_bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    cotangent = cotangent.astype(jnp.bfloat16)
+    tiled_s, full_s = _time(grads(tiled), *as_bf16), _time(grads(full(implementation)), *as_bf16)
+    log(f"ring tiles: seq {length}, block {block}: max |out - full| {forward_error:.2e}, grads rel L2 "
+        f"{max(grad_errors):.2e} (tolerance {tol:.0e}): {'PASS' if ok else 'FAIL'}; bf16 forward + backward "
+        f"{tiled_s * 1e3:.1f} ms tiled vs {full_s * 1e3:.1f} ms full ({implementation})")
+    return {"seq_len": length, "block": block, "forward_max_abs": forward_error, "grads_rel_l2": grad_errors,
+            "tolerance": tol, "passed": ok, "tiled_s": tiled_s, "full_s": full_s, "full_implementation": implementation}
 
 
 def _time(fn, *args, repeats: int = 5) -> float:
@@ -359,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--packing-tol", type=float, default=1e-4)
     parser.add_argument("--moe-tol", type=float, default=1e-4)
     parser.add_argument("--pipeline-tol", type=float, default=1e-5)
+    parser.add_argument("--ring-tol", type=float, default=2e-5)
     parser.add_argument("--skip-offload", action="store_true")
     args = parser.parse_args(argv)
     args.dry_overrides = TINY_1B if args.dry_run else []
@@ -414,10 +460,14 @@ def main(argv: list[str] | None = None) -> int:
     phase = time.perf_counter()
     report["pipeline"] = pipeline_check(args.dry_run, args.pipeline_tol)
     report["pipeline"]["wall_s"] = time.perf_counter() - phase
+    phase = time.perf_counter()
+    report["ring_tiles"] = ring_tiles_check(args.dry_run, args.ring_tol)
+    report["ring_tiles"]["wall_s"] = time.perf_counter() - phase
     report["wall_s"] = time.perf_counter() - started
     log(f"gpu_check done in {report['wall_s']:.1f} s")
     print("json: " + json.dumps(report), flush=True)
-    passed = all(report[name]["passed"] for name in ("loss_check", "checkpoint", "packing", "moe", "pipeline"))
+    passed = all(report[name]["passed"] for name in ("loss_check", "checkpoint", "packing", "moe", "pipeline",
+                                                     "ring_tiles"))
     return 0 if passed else 1
 
 

@@ -79,6 +79,7 @@ def test_gpu_check_dry_run():
     assert report["throughput"]["tokens_per_sec"] > 0 and "mfu" in report["throughput"]
     assert "host_temp_bytes" in report["offload"]["memory_per_device"]
     assert report["checkpoint"]["passed"] and report["checkpoint"]["bit_equal"]
+    assert report["ring_tiles"]["passed"] and report["ring_tiles"]["grads_rel_l2"][0] < 2e-5
     assert "TFLOP/s" in proc.stdout and "MFU" in proc.stdout
 
 

@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -68,6 +69,18 @@ class ActivationLayout:
         traced_mesh = jax.sharding.get_abstract_mesh()
         target = self.mesh if traced_mesh.empty else traced_mesh
         return jax.lax.with_sharding_constraint(x, NamedSharding(target, self.rules.activation_spec(axes)))
+
+    def lookup(self, table: jax.Array, ids: jax.Array, axes: LogicalAxes) -> jax.Array:
+        """``table[ids]`` [batch, length, width] laid out by ``axes``. The table stays as its
+        parameter rules split it: each device looks up the ids in its own slice and the partial
+        rows are reduced and resharded ([batch, length, width] bytes), instead of gathering the whole
+        [vocab, embed] table every step. Inside a pipeline stage (a manual ``stage`` axis) XLA's
+        partitioner aborts on that gather when fsdp and tensor both split the table (jax 0.10.2), so
+        there the table is first laid out by the activation rules (``vocab`` over tensor, the width
+        gathered)."""
+        if not jax.sharding.get_abstract_mesh().empty:
+            table = self(table, ("vocab", "embed"))
+        return self(jnp.take(table, ids, axis=0), axes)
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                segments: jax.Array | None, implementation: str | None) -> jax.Array:

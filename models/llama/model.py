@@ -406,8 +406,7 @@ class Llama(nnx.Module):
         """tokens: [batch, length] -> x: [batch, length, embed] (``documents`` unused: positions
         enter through the rotary embeddings)."""
         del documents
-        table = shard(self.embedding[...], ("vocab", "embed"))
-        return shard(jnp.take(table, tokens, axis=0), RESIDUAL_AXES)
+        return shard.lookup(self.embedding[...], tokens, RESIDUAL_AXES)
 
     def run_layers(self, x: jax.Array, shard: ActivationSharding = unconstrained,
                    documents: Documents | None = None) -> tuple[jax.Array, LayerAux]:
