@@ -4,9 +4,9 @@
         [--attention auto|xla|cudnn] [--json FILE] [section.field=value ...]
     python scripts/bench.py --sweep layouts --host-devices 8 [--out docs/img/layout_bench.png]
     python scripts/bench.py --sweep depth --host-devices 8
-    python scripts/bench.py --sweep context --host-devices 8 [--seqs 1024 ... 32768] [--host-budget GB] [--out PNG]
+    python scripts/bench.py --sweep context --host-devices 8 [--seqs 1024 ... 32768] [--schemes ring] [--host-budget GB] [--out PNG]
     python scripts/bench.py --sweep experts --host-devices 8 --config configs/moe_tiny.yaml [--out PNG]
-    python scripts/bench.py --vs-maxtext [--shape issue|large] [--steps 20] [--rounds 2]
+    python scripts/bench.py --vs-maxtext [--shape issue|large] [--steps 20] [--rounds 2] [--dtype float32]
 
 Batches are random tokens of the config's shape (no data file is read). After one warm-up step,
 ``--steps`` steps are timed one by one (each waits for its result); the median is reported.
@@ -321,15 +321,18 @@ def host_bytes_needed(memory: dict, devices: int) -> int:
 
 
 def sweep_context(config: str, overrides: list[str], seqs: list[int], steps: int, out: str | None,
-                  host_budget_gb: float) -> list[dict]:
+                  host_budget_gb: float, only: str | None = None) -> list[dict]:
     """Per-device memory and tokens/s of each long-sequence scheme at each sequence length. A scheme
     whose compiled step needs more than ``host_budget_gb`` of this host's memory (all simulated
-    devices together) is compiled and its memory reported, but not run (``tokens_per_sec`` None)."""
+    devices together) is compiled and its memory reported, but not run (``tokens_per_sec`` None).
+    ``only``: the schemes whose name contains it (e.g. ``ring``)."""
     from meshtrain.config import load_config
 
     rows = []
     for seq in seqs:
         for name, mesh, preset in CONTEXT_LAYOUTS:
+            if only and only not in name:
+                continue
             cfg = load_config(config, [*CONTEXT_MODEL, *overrides, f"model.seq_len={seq}",
                                        *_layout_overrides(mesh, preset)])
             prepared = prepare(cfg)
@@ -364,7 +367,8 @@ def _plot_context(rows, path) -> None:
         speed_ax.plot([row["seq_len"] for row in ran], [row["tokens_per_sec"] for row in ran], marker="o", label=name)
     mem_ax.set_ylabel("temporaries per device, MB (memory_analysis)")
     mem_ax.set_yscale("log")
-    speed_ax.set_ylabel("tokens/s (8 simulated CPU devices, 2 cores; run where it fits the host)")
+    speed_ax.set_ylabel("tokens/s (8 simulated CPU devices, 2 cores)")
+    speed_ax.set_title("run where the step fits --host-budget", fontsize=9)
     for ax in (mem_ax, speed_ax):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length")
@@ -417,14 +421,16 @@ def _runs_summary(runs: list[dict]) -> dict:
             "run_medians_s": medians, "spread": max(medians) / min(medians) - 1}
 
 
-def vs_maxtext(config: str, overrides: list[str], shape_name: str, steps: int, rounds: int = 2) -> dict:
-    """meshtrain and MaxText (``bench_maxtext``) on one shape, ``rounds`` times each in ABBA order."""
+def vs_maxtext(config: str, overrides: list[str], shape_name: str, steps: int, rounds: int = 2,
+               dtype: str = "bfloat16") -> dict:
+    """meshtrain and MaxText (``bench_maxtext``) on one shape in compute ``dtype``, ``rounds`` times
+    each in ABBA order."""
     import bench_maxtext
     import jax
 
     from meshtrain.config import load_config
 
-    shape = bench_maxtext.SHAPES[shape_name]
+    shape = dataclasses.replace(bench_maxtext.SHAPES[shape_name], dtype=dtype)
     cfg = load_config(config, [*maxtext_overrides(shape), *overrides])
     prepared = prepare(cfg)
     runs = {"meshtrain": [], "maxtext": []}
@@ -499,12 +505,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(bench_maxtext.SHAPES), default="issue",
                         help="--vs-maxtext: issue #13's 20.6M Llama, or 8 layers of embed 512 (bench_maxtext.SHAPES)")
     parser.add_argument("--rounds", type=int, default=2, help="--vs-maxtext: runs of each framework")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="--vs-maxtext: compute dtype of both (master weights fp32 in both)")
     parser.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
                         help="model.attention: jax.nn.dot_product_attention's implementation (cudnn: GPU only)")
     parser.add_argument("--sweep", choices=("layouts", "depth", "context", "experts"),
                         help="run a sweep instead of one config")
     parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768],
                         help="sequence lengths of --sweep context")
+    parser.add_argument("--schemes", metavar="TEXT", help="--sweep context: only the schemes whose name contains TEXT")
     parser.add_argument("--host-budget", type=float, default=12.0, metavar="GB",
                         help="--sweep context: run a scheme only if its step needs at most this much host memory")
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 32], help="layer counts of --sweep depth")
@@ -536,14 +545,16 @@ def main(argv: list[str] | None = None) -> int:
     header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "jax": jax.__version__, "command": " ".join(["python scripts/bench.py", *(argv or sys.argv[1:])])}
     if args.vs_maxtext:
-        results = {**header, **vs_maxtext(args.config, args.overrides, args.shape, args.steps, args.rounds)}
+        results = {**header, **vs_maxtext(args.config, args.overrides, args.shape, args.steps, args.rounds,
+                                          args.dtype)}
         print_result(results)
     elif args.sweep == "layouts":
         results = sweep_layouts(args.config, args.overrides, args.steps, args.out)
     elif args.sweep == "depth":
         results = sweep_depth(args.config, args.overrides, args.depths)
     elif args.sweep == "context":
-        results = sweep_context(args.config, args.overrides, args.seqs, args.steps, args.out, args.host_budget)
+        results = sweep_context(args.config, args.overrides, args.seqs, args.steps, args.out, args.host_budget,
+                                args.schemes)
     elif args.sweep == "experts":
         results = sweep_experts(args.config, args.overrides, args.steps, args.out)
     else:
