@@ -71,16 +71,29 @@ class ActivationLayout:
         return jax.lax.with_sharding_constraint(x, NamedSharding(target, self.rules.activation_spec(axes)))
 
     def lookup(self, table: jax.Array, ids: jax.Array, axes: LogicalAxes) -> jax.Array:
-        """``table[ids]`` [batch, length, width] laid out by ``axes``. The table stays as its
-        parameter rules split it: each device looks up the ids in its own slice and the partial
-        rows are reduced and resharded ([batch, length, width] bytes), instead of gathering the whole
-        [vocab, embed] table every step. Inside a pipeline stage (a manual ``stage`` axis) XLA's
-        partitioner aborts on that gather when fsdp and tensor both split the table (jax 0.10.2), so
-        there the table is first laid out by the activation rules (``vocab`` over tensor, the width
-        gathered)."""
+        """``table[ids]`` [batch, length, width] laid out by ``axes``.
+
+        The table stays as its parameter rules split it (``vocab`` over V, the width over W): the
+        ids are gathered over W (they keep any other split), every device looks them up in its
+        own ``[vocab / V, width / W]`` slice (rows of other slices masked to zero), and the rows
+        are summed over V and resharded to ``axes``: ``[batch, length, width]`` bytes move instead
+        of the whole table every step, and its gradient's scatter-add stays local. Inside a
+        pipeline stage (a manual ``stage`` axis) XLA's partitioner aborts on that gather when fsdp
+        and tensor both split the table (jax 0.10.2), so there the table is first laid out by the
+        activation rules (``vocab`` over tensor, the width gathered)."""
         if not jax.sharding.get_abstract_mesh().empty:
-            table = self(table, ("vocab", "embed"))
-        return self(jnp.take(table, ids, axis=0), axes)
+            return self(jnp.take(self(table, ("vocab", "embed")), ids, axis=0), axes)
+        table_spec = self.rules.param_spec(("vocab", "embed"))
+        width = set(mesh_axes_of(table_spec[1]))
+
+        def without_width(entry):
+            kept = tuple(axis for axis in mesh_axes_of(entry) if axis not in width)
+            return kept[0] if len(kept) == 1 else (kept or None)
+
+        ids_spec = PartitionSpec(*map(without_width, self.rules.activation_spec(("batch", "length"))))
+        constrain = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        rows = jnp.take(constrain(table, table_spec), constrain(ids, ids_spec), axis=0)
+        return self(constrain(rows, PartitionSpec(*ids_spec, table_spec[1])), axes)
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                segments: jax.Array | None, implementation: str | None) -> jax.Array:
