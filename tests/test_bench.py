@@ -72,7 +72,7 @@ def test_gpu_check_dry_run():
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([str(ROOT / "scripts/gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240, check=False)
+                          capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("json: "))
     assert report["dry_run"] and report["loss_check"]["passed"]
