@@ -193,8 +193,8 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
     p_local = g_local = o_local = 0.0
     layer_full = 0.0  # one layer's ZeRO-sharded weights as gathered for compute
     largest = 0.0
-    compute_total = 0.0  # parameter elements per device in the compute layout (no ZeRO split)
     zero_sharded_total = 0.0  # of which the parameters the ZeRO axis shards (gathered, reduce-scattered)
+    zero_sharded_local = 0.0  # the same parameters' elements as stored on the device (their shards)
     fsdp_reduced = data_reduced = 0.0  # gradient elements per device reduced over fsdp / over data
     # The state's specs (the ZeRO stage applied; experts keep their expert-parallel split) and the
     # compute layout of every parameter: the rules' split less the ZeRO axis (what ZeRO-0 stores).
@@ -205,12 +205,13 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
         size = math.prod(variable.shape)
         sharded, p, g, o, c = (size / math.prod(plan.ways(specs[path].get_value())) for specs in flat)
         compute_axes = {axis for entry in flat[-1][path].get_value() for axis in mesh_axes_of(entry)}
-        p_local, g_local, o_local, compute_total = p_local + p, g_local + g, o_local + o, compute_total + c
+        p_local, g_local, o_local = p_local + p, g_local + g, o_local + o
         largest = max(largest, o)
         fsdp_reduced += c if ZERO_AXIS not in compute_axes else 0.0
         data_reduced += g if "data" not in compute_axes else 0.0
         if sharded < c:
             zero_sharded_total += c
+            zero_sharded_local += p
             if path[0] == "layers":
                 layer_full += c / (variable.shape[0] / (stages if stages > 1 else 1))
     est.params = round(FP32 * p_local)
@@ -248,16 +249,20 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
         est.activations += round((buffers.inputs + buffers.gradients + 2) * tokens / micro * model.embed_dim * FP32)
     est.batch = BATCH_BYTES_PER_TOKEN * rows * grad_accum * model.seq_len  # token arrays: whole rows
     working_tokens = tokens / micro
-    copy = compute_bytes * p_local if compute_bytes != FP32 else 0.0
-    gathered = 2 * layer_full * compute_bytes if (zero >= 3 and mesh["fsdp"] > 1) else 0.0
+    # Below fp32 compute, the parameters used where they are stored get a compute-dtype copy; those
+    # ZeRO-3 gathers are gathered in fp32 and cast after the gather (XLA moves the cast), so two
+    # layers' gathered weights are held in fp32 and in the compute dtype.
+    low_precision = compute_bytes != FP32
+    gathering = zero >= 3 and mesh["fsdp"] > 1
+    copy = compute_bytes * (p_local - (zero_sharded_local if gathering else 0.0)) if low_precision else 0.0
+    gathered = 2 * layer_full * (FP32 + (compute_bytes if low_precision else 0)) if gathering else 0.0
     layer_phase = a_working * working_tokens * working
     loss_phase = working_tokens * vocab_local * (compute_bytes + LOGITS_FP32_COPIES * FP32)
     est.temporaries = round(copy + gathered + max(layer_phase, loss_phase)
                             + working_tokens * model.embed_dim * FP32)
     if grad_accum > 1:
-        # The scan carries the accumulator (in the gradients' layout) besides the one microbatch's
-        # gradients, which are materialised before the ZeRO reduce-scatter (in the compute layout).
-        est.temporaries += round(FP32 * compute_total)
+        # The scan carries the fp32 accumulator, in the gradients' layout.
+        est.temporaries += round(FP32 * g_local)
 
     # Roofline step time.
     global_tokens = batch_size * model.seq_len
@@ -279,7 +284,7 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
         f = mesh["fsdp"]
         nbytes = 0.0
         if zero >= 3:
-            nbytes += 2 * grad_accum * ring(f) * zero_sharded_total * compute_bytes  # gathers, fwd and bwd
+            nbytes += 2 * grad_accum * ring(f) * zero_sharded_total * FP32  # gathers (fp32, see above), fwd and bwd
         nbytes += grad_accum * (1 if zero >= 2 else 2) * ring(f) * fsdp_reduced * FP32  # RS or AR
         if 1 <= zero <= 2:
             nbytes += ring(f) * zero_sharded_total * FP32  # all-gather of the updated parameters
