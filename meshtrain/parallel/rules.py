@@ -76,6 +76,15 @@ def mesh_axes_of(axes: MeshAxes) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def drop_axes(spec: PartitionSpec, axes: set[str] | frozenset[str]) -> PartitionSpec:
+    """``spec`` with the mesh axes ``axes`` removed from every dimension."""
+    def entry_without(entry):
+        kept = tuple(a for a in mesh_axes_of(entry) if a not in axes)
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    return PartitionSpec(*(entry_without(e) for e in spec))
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
     """A named, validated table ``logical axis -> AxisRule`` covering every framework axis, and the

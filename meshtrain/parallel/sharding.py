@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
+from meshtrain.parallel.rules import ShardingRules, drop_axes, mesh_axes_of
 from meshtrain.parallel.ring_attention import ring_attention
 from models.common import ActivationSharding, LogicalAxes, full_attention, logical_axes_of
 
@@ -84,13 +84,7 @@ class ActivationLayout:
         if not jax.sharding.get_abstract_mesh().empty:
             return self(jnp.take(self(table, ("vocab", "embed")), ids, axis=0), axes)
         table_spec = self.rules.param_spec(("vocab", "embed"))
-        width = set(mesh_axes_of(table_spec[1]))
-
-        def without_width(entry):
-            kept = tuple(axis for axis in mesh_axes_of(entry) if axis not in width)
-            return kept[0] if len(kept) == 1 else (kept or None)
-
-        ids_spec = PartitionSpec(*map(without_width, self.rules.activation_spec(("batch", "length"))))
+        ids_spec = drop_axes(self.rules.activation_spec(("batch", "length")), set(mesh_axes_of(table_spec[1])))
         constrain = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
         rows = jnp.take(constrain(table, table_spec), constrain(ids, ids_spec), axis=0)
         return self(constrain(rows, PartitionSpec(*ids_spec, table_spec[1])), axes)

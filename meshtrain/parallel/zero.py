@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.rules import mesh_axes_of
+from meshtrain.parallel.rules import drop_axes
 from models.common import logical_axes_of
 
 ZERO_AXIS = "fsdp"
@@ -63,22 +63,13 @@ class StateLayout:
     optimizer: nnx.State
 
 
-def drop_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
-    """``spec`` with mesh axis ``axis`` removed from every dimension."""
-    def entry_without(entry):
-        kept = tuple(a for a in mesh_axes_of(entry) if a != axis)
-        return kept[0] if len(kept) == 1 else (kept or None)
-
-    return PartitionSpec(*(entry_without(e) for e in spec))
-
-
 def zero_layout(stage: ZeroStage, sharded: nnx.State, keep: Collection[str] = ()) -> StateLayout:
     """The specs of each part of the state under ``stage``, from the rules' sharded specs (a State
     of PartitionSpecs whose variables carry their logical axes). Dimensions of the logical axes in
     ``keep`` keep their ``fsdp`` split in every part."""
     def unsharded(variable: nnx.Variable) -> nnx.Variable:
         spec, axes = variable.get_value(), logical_axes_of(variable)
-        entries = [entry if logical in keep else drop_axis(PartitionSpec(entry), ZERO_AXIS)[0]
+        entries = [entry if logical in keep else drop_axes(PartitionSpec(entry), {ZERO_AXIS})[0]
                    for entry, logical in zip(spec, axes)]
         return variable.replace(PartitionSpec(*entries))
 
