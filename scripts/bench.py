@@ -6,7 +6,7 @@
     python scripts/bench.py --sweep depth --host-devices 8
     python scripts/bench.py --sweep context --host-devices 8 [--seqs 1024 ... 32768] [--schemes ring] [--host-budget GB] [--out PNG]
     python scripts/bench.py --sweep experts --host-devices 8 --config configs/moe_tiny.yaml [--out PNG]
-    python scripts/bench.py --vs-maxtext [--shape issue|large] [--steps 20] [--rounds 2] [--dtype float32]
+    python scripts/bench.py --vs-maxtext [--shape issue|large] [--steps 20] [--rounds 2] [--dtype bfloat16 float32] [--vs-baseline]
 
 Batches are random tokens of the config's shape (no data file is read). After one warm-up step,
 ``--steps`` steps are timed one by one (each waits for its result); the median is reported.
@@ -21,6 +21,9 @@ both, and ``overhead_ratio`` = median meshtrain / median baseline is printed.
 ``scripts/install_maxtext.sh``) and meshtrain on one ``--shape`` (model, global batch, mesh fsdp x tensor,
 bf16 compute, full remat), ``--rounds`` runs of ``--steps`` steps each, alternating which goes first
 (ABBA): each run's median, each framework's pooled median and spread, and ratio = meshtrain / MaxText.
+``--vs-baseline`` adds the hand-written step to meshtrain's runs (interleaved with it) and prints its
+median and ``overhead_ratio``; ``--dtype bfloat16 float32`` runs the whole comparison in each compute
+dtype in turn and prints each one's bf16-over-fp32 speedup (fp32 median / bf16 median).
 Without MaxText installed it prints one line and exits 0.
 
 ``--sweep experts`` runs a mixture-of-experts config (a family with expert axes) under expert
@@ -214,6 +217,8 @@ def run(cfg, *, steps: int = 10, vs_baseline: bool = False, devices=None, prepar
         result["baseline"] = {"compile_s": base["compile_s"], "step_time_s_median": base_median,
                               "loss_first": base["first_loss"], "memory_per_device": base["memory"],
                               "collectives": base["collectives"]}
+        if keep_times:
+            result["baseline"]["step_times_s"] = base["times"]
         result["overhead_ratio"] = median / base_median
     return result
 
@@ -422,9 +427,10 @@ def _runs_summary(runs: list[dict]) -> dict:
 
 
 def vs_maxtext(config: str, overrides: list[str], shape_name: str, steps: int, rounds: int = 2,
-               dtype: str = "bfloat16") -> dict:
+               dtype: str = "bfloat16", vs_baseline: bool = False) -> dict:
     """meshtrain and MaxText (``bench_maxtext``) on one shape in compute ``dtype``, ``rounds`` times
-    each in ABBA order."""
+    each in ABBA order (``vs_baseline``: meshtrain's runs also time the hand-written step,
+    interleaved with meshtrain's)."""
     import bench_maxtext
     import jax
 
@@ -438,7 +444,7 @@ def vs_maxtext(config: str, overrides: list[str], shape_name: str, steps: int, r
     for i in range(rounds):
         for name in ("meshtrain", "maxtext") if i % 2 == 0 else ("maxtext", "meshtrain"):
             if name == "meshtrain":
-                result = run(cfg, steps=steps, prepared=prepared, keep_times=True)
+                result = run(cfg, steps=steps, prepared=prepared, keep_times=True, vs_baseline=vs_baseline)
             else:
                 result = bench_maxtext.run_maxtext(shape, steps=steps)
             runs[name].append(result)
@@ -458,12 +464,27 @@ def vs_maxtext(config: str, overrides: list[str], shape_name: str, steps: int, r
                     "loss_first": runs["maxtext"][0]["loss_first"]},
         "ratio": mesh["step_time_s_median"] / theirs["step_time_s_median"], "round_ratios": rounds_ratio,
     }
+    if vs_baseline:
+        base_times = [t for r in runs["meshtrain"] for t in r["baseline"]["step_times_s"]]
+        summary["baseline"] = {"step_time_s_median": statistics.median(base_times),
+                               "run_medians_s": [r["baseline"]["step_time_s_median"] for r in runs["meshtrain"]]}
+        summary["overhead_ratio"] = mesh["step_time_s_median"] / summary["baseline"]["step_time_s_median"]
     for name, part in (("meshtrain", mesh), ("maxtext", theirs)):
         print(f"{name}: median {part['step_time_s_median']:.3f} s per step (mean {part['step_time_s_mean']:.3f} s); "
               f"runs {', '.join(f'{m:.3f}' for m in part['run_medians_s'])} s (spread {part['spread']:.1%})")
     print(f"ratio meshtrain/maxtext: {summary['ratio']:.3f} (rounds {', '.join(f'{r:.3f}' for r in rounds_ratio)})",
           flush=True)
+    if vs_baseline:
+        print(f"baseline: median {summary['baseline']['step_time_s_median']:.3f} s per step; "
+              f"overhead_ratio meshtrain/baseline: {summary['overhead_ratio']:.3f}", flush=True)
     return summary
+
+
+def precision_speedups(by_dtype: dict[str, dict]) -> dict[str, float]:
+    """Per framework (and the baseline where timed): fp32 median step / bf16 median step."""
+    fp32, bf16 = by_dtype["float32"], by_dtype["bfloat16"]
+    names = [name for name in ("meshtrain", "maxtext", "baseline") if name in fp32 and name in bf16]
+    return {name: fp32[name]["step_time_s_median"] / bf16[name]["step_time_s_median"] for name in names}
 
 
 def _plot_layouts(rows, path) -> None:
@@ -505,8 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(bench_maxtext.SHAPES), default="issue",
                         help="--vs-maxtext: issue #13's 20.6M Llama, or 8 layers of embed 512 (bench_maxtext.SHAPES)")
     parser.add_argument("--rounds", type=int, default=2, help="--vs-maxtext: runs of each framework")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                        help="--vs-maxtext: compute dtype of both (master weights fp32 in both)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), nargs="+", default=["bfloat16"],
+                        help="--vs-maxtext: compute dtype(s) of both (master weights fp32 in both); both "
+                             "dtypes: each is run in turn and the bf16-over-fp32 speedups are printed")
     parser.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
                         help="model.attention: jax.nn.dot_product_attention's implementation (cudnn: GPU only)")
     parser.add_argument("--sweep", choices=("layouts", "depth", "context", "experts"),
@@ -545,8 +567,16 @@ def main(argv: list[str] | None = None) -> int:
     header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "jax": jax.__version__, "command": " ".join(["python scripts/bench.py", *(argv or sys.argv[1:])])}
     if args.vs_maxtext:
-        results = {**header, **vs_maxtext(args.config, args.overrides, args.shape, args.steps, args.rounds,
-                                          args.dtype)}
+        by_dtype = {}
+        for dtype in dict.fromkeys(args.dtype):
+            print(f"dtype: {dtype}", flush=True)
+            by_dtype[dtype] = vs_maxtext(args.config, args.overrides, args.shape, args.steps, args.rounds, dtype,
+                                         args.vs_baseline)
+        results = {**header, **by_dtype[args.dtype[0]]} if len(by_dtype) == 1 else {**header, "by_dtype": by_dtype}
+        if len(by_dtype) == 2:
+            results["bf16_over_fp32"] = precision_speedups(by_dtype)
+            print("bf16 over fp32 (fp32 median / bf16 median): " + ", ".join(
+                f"{name} {x:.2f}x" for name, x in results["bf16_over_fp32"].items()), flush=True)
         print_result(results)
     elif args.sweep == "layouts":
         results = sweep_layouts(args.config, args.overrides, args.steps, args.out)

@@ -153,3 +153,43 @@ def test_maxtext_log_and_args():
     args = bench_maxtext.maxtext_args(bench_maxtext.SHAPES["issue"], 23, "/tmp/out")
     assert {"base_emb_dim=256", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "per_device_batch_size=1",
             "remat_policy=full", "steps=23", "attention=dot_product"} <= set(args)
+
+
+@pytest.mark.slow
+def test_vs_maxtext_both_dtypes_with_the_baseline(monkeypatch, capsys, tmp_path):
+    """``--vs-maxtext --dtype bfloat16 float32 --vs-baseline``: meshtrain and the hand-written step are
+    really timed on a small shape in each dtype, MaxText's runner is replaced by a stand-in that
+    takes 0.3 s per step in fp32 and 0.1 s in bf16; the ratios and speedups are computed from those."""
+    import bench_maxtext
+
+    shape = bench_maxtext.Shape(embed=32, layers=1, mlp=64, heads=2, head_dim=16, vocab=256, seq=32)
+    calls = []
+
+    def fake_maxtext(run_shape, steps):
+        calls.append(run_shape.dtype)
+        per_step = {"float32": 0.3, "bfloat16": 0.1}[run_shape.dtype]
+        return {"step_time_s_median": per_step, "step_time_s_min": per_step, "step_times_s": [per_step] * steps,
+                "warmup_steps": 3, "jax": "stand-in", "loss_first": 5.5}
+
+    monkeypatch.setitem(bench_maxtext.SHAPES, "unit", shape)
+    monkeypatch.setattr(bench_maxtext, "installation", lambda: "stand-in")
+    monkeypatch.setattr(bench_maxtext, "run_maxtext", fake_maxtext)
+    out_path = tmp_path / "result.json"
+    assert bench.main(["--vs-maxtext", "--shape", "unit", "--steps", "2", "--rounds", "2", "--dtype", "bfloat16",
+                       "float32", "--vs-baseline", "--json", str(out_path)]) == 0
+    assert calls == ["bfloat16"] * 2 + ["float32"] * 2
+    results = json.loads(out_path.read_text())["results"]
+    for dtype, maxtext_step in (("bfloat16", 0.1), ("float32", 0.3)):
+        part = results["by_dtype"][dtype]
+        assert part["order"] == ["meshtrain", "maxtext", "maxtext", "meshtrain"]
+        assert part["maxtext"]["step_time_s_median"] == maxtext_step
+        assert part["ratio"] == pytest.approx(part["meshtrain"]["step_time_s_median"] / maxtext_step)
+        assert len(part["baseline"]["run_medians_s"]) == 2
+        assert part["overhead_ratio"] == pytest.approx(
+            part["meshtrain"]["step_time_s_median"] / part["baseline"]["step_time_s_median"])
+    speedups = results["bf16_over_fp32"]
+    assert speedups["maxtext"] == pytest.approx(3.0)
+    fp32, bf16 = results["by_dtype"]["float32"], results["by_dtype"]["bfloat16"]
+    assert speedups["meshtrain"] == pytest.approx(fp32["meshtrain"]["step_time_s_median"]
+                                                  / bf16["meshtrain"]["step_time_s_median"])
+    assert "bf16 over fp32 (fp32 median / bf16 median): meshtrain" in capsys.readouterr().out
