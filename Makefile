@@ -27,7 +27,7 @@ moe: $(STAMP)
 # prepared directory (documents, 10% held out) -> training with evaluation (configs/stdlib_docs.yaml).
 stdlib: $(STAMP)
 	$(VENV)/bin/python scripts/stdlib_docstrings.py --out data/stdlib_docstrings.jsonl
-	$(VENV)/bin/python -m meshtrain.data train-tokenizer --input data/stdlib_docstrings.jsonl --vocab-size 2048 --out data/stdlib_tokenizer
+	$(VENV)/bin/python -m meshtrain.data train-tokenizer --input data/stdlib_docstrings.jsonl --vocab-size 2048 --out data/stdlib_tokenizer --overwrite
 	$(VENV)/bin/python -m meshtrain.data prepare --tokenizer data/stdlib_tokenizer --input data/stdlib_docstrings.jsonl --out data/stdlib_docs --val-fraction 0.1 --overwrite
 	$(VENV)/bin/python -m meshtrain.train --config configs/stdlib_docs.yaml --host-devices 8 run.dir=runs/stdlib_docs-$$(date +%Y%m%d-%H%M%S)
 

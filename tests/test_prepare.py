@@ -318,3 +318,8 @@ def test_train_tokenizer_is_deterministic_and_round_trips(corpus, tmp_path):
         train_bpe(["text"], 256, tmp_path / "small")
     with pytest.raises(ConfigError, match="--out: .* already has a tokenizer.json"):
         train_bpe(["text"], 300, tmp_path / "one")
+    assert paths[0].read_bytes() == paths[1].read_bytes()  # the refused run left it as it was
+    replaced = train_bpe(["other text " * 50], 300, tmp_path / "one", overwrite=True)
+    assert replaced == paths[0] and replaced.read_bytes() != paths[1].read_bytes()
+    assert load_tokenizer(str(tmp_path / "one"), "test").get_vocab_size() <= 300
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["tokenizer.json"]  # no partial file left

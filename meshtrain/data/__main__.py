@@ -12,6 +12,7 @@ Options::
             [--val-fraction F | --val-input GLOB ...] [--text-field text] [--eos TOKEN]
             [--shard-tokens N] [--overwrite] [--no-progress]
     train-tokenizer --input GLOB [--input GLOB ...] --vocab-size N --out DIR [--text-field text]
+            [--overwrite]
 
 Globs are quoted so that the shell leaves them alone (``--input 'data/**/*.jsonl'``). Bad input
 prints one ``error: field: what is wrong`` line and exits 2.
@@ -42,11 +43,11 @@ def _parse_args(argv: list[str] | None):
     preparer.add_argument("--eos", help="end-of-document token (default: the first of the usual ones)")
     preparer.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
                           help=f"a shard closes once it holds N tokens (default {DEFAULT_SHARD_TOKENS})")
-    preparer.add_argument("--overwrite", action="store_true", help="replace an already prepared --out")
     preparer.add_argument("--no-progress", action="store_true", help="no progress bar")
     trainer = commands.add_parser("train-tokenizer", help="text -> byte-level BPE tokenizer.json")
     trainer.add_argument("--vocab-size", type=int, required=True, metavar="N")
-    for command in (preparer, trainer):
+    for command, replaced in ((preparer, "an already prepared --out"), (trainer, "--out's tokenizer.json")):
+        command.add_argument("--overwrite", action="store_true", help=f"replace {replaced}")
         command.add_argument("--input", action="append", required=True, metavar="GLOB",
                              help="text or .jsonl files (repeatable; ** is recursive)")
         command.add_argument("--out", required=True, help="directory to write")
@@ -75,7 +76,7 @@ def _data(argv: list[str] | None) -> None:
         console = Console(stderr=True, soft_wrap=True, highlight=False)
         reader = DocumentReader(input_files(args.input, "--input"), args.text_field, "--input",
                                 lambda line: console.print(line, markup=False))
-        print(train_bpe((text for text, _ in reader), args.vocab_size, args.out))
+        print(train_bpe((text for text, _ in reader), args.vocab_size, args.out, overwrite=args.overwrite))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ one), finding its end-of-document token, and training a byte-level BPE on local 
 from __future__ import annotations
 
 import hashlib
+import os
 import pathlib
 from typing import Iterable
 
@@ -65,16 +66,18 @@ def end_of_document_id(tokenizer: Tokenizer, eos: str | None, field: str) -> tup
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | pathlib.Path, *, min_frequency: int = 2,
-              progress: bool = False) -> pathlib.Path:
+              progress: bool = False, overwrite: bool = False) -> pathlib.Path:
     """Trains a byte-level BPE (every byte in its alphabet, ``<|endoftext|>`` its one special token)
     on ``texts`` and saves it as ``out_dir/tokenizer.json``, which it returns. The same texts give
-    the same file."""
+    the same file. An existing ``tokenizer.json`` is an error unless ``overwrite``; then it is
+    replaced only once the new one is written whole."""
     if vocab_size < BYTE_ALPHABET_SIZE + 1:
         raise ConfigError("--vocab-size", f"must be at least {BYTE_ALPHABET_SIZE + 1} (the {BYTE_ALPHABET_SIZE} "
                           f"bytes and {TRAINED_EOS_TOKEN}), got {vocab_size}")
     out = pathlib.Path(out_dir)
-    if (out / TOKENIZER_FILE).exists():
-        raise ConfigError("--out", f"{out} already has a {TOKENIZER_FILE}; remove it or choose another directory")
+    if (out / TOKENIZER_FILE).exists() and not overwrite:
+        raise ConfigError("--out", f"{out} already has a {TOKENIZER_FILE}; remove it, choose another directory "
+                          "or pass --overwrite")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -83,5 +86,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | pathlib.Path
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out / TOKENIZER_FILE))
+    partial = out / f".{TOKENIZER_FILE}.partial"
+    tokenizer.save(str(partial))
+    os.replace(partial, out / TOKENIZER_FILE)
     return out / TOKENIZER_FILE
