@@ -249,9 +249,9 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
         est.activations += round((buffers.inputs + buffers.gradients + 2) * tokens / micro * model.embed_dim * FP32)
     est.batch = BATCH_BYTES_PER_TOKEN * rows * grad_accum * model.seq_len  # token arrays: whole rows
     working_tokens = tokens / micro
-    # Below fp32 compute, the parameters used where they are stored get a compute-dtype copy; those
-    # ZeRO-3 gathers are gathered in fp32 and cast after the gather (XLA moves the cast), so two
-    # layers' gathered weights are held in fp32 and in the compute dtype.
+    # Below fp32 compute, parameters used where they are stored get a compute-dtype copy; parameters
+    # ZeRO-3 gathers are gathered in fp32 and cast after the gather (XLA:CPU runs bf16 all-gathers in
+    # f32), so two layers' gathered weights are held in fp32 and in the compute dtype.
     low_precision = compute_bytes != FP32
     gathering = zero >= 3 and mesh["fsdp"] > 1
     copy = compute_bytes * (p_local - (zero_sharded_local if gathering else 0.0)) if low_precision else 0.0

@@ -248,7 +248,7 @@ def test_rerun_after_sigkill_writes_the_same_bytes(corpus, tmp_path, capsys):
     reference_files = _files(tmp_path / "reference")
     # mid-way through writing a shard's .tmp; after the first shard and its offsets are committed;
     # after index.json but before the marker is removed
-    for target, after in [("_SplitWriter._write", "9"), ("_write_file", "1"), ("_write_file", INDEX_FILE)]:
+    for target, after in [("_SplitWriter._write", "9"), ("write_file", "1"), ("write_file", INDEX_FILE)]:
         out = tmp_path / f"killed-{target}-{after}"
         killed = subprocess.run([sys.executable, "-c", _KILLED_RUN, target, after, corpus["inputs"][0],
                                  corpus["tokenizer"], str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)

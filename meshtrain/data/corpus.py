@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
 
+from meshtrain.data.files import commit_file, write_file
 from meshtrain.data.tokenizer import (TOKENIZER_FILE, end_of_document_id, file_sha256, load_tokenizer,
                                       tokenizer_file)
 from meshtrain.errors import ConfigError
@@ -158,20 +159,6 @@ class DocumentReader:
 
 # ---- writing a prepared directory ----
 
-def _commit(stream: BinaryIO, path: pathlib.Path) -> None:
-    """Flushes, fsyncs and closes ``stream`` (open on ``path.tmp``), then renames it to ``path``."""
-    stream.flush()
-    os.fsync(stream.fileno())
-    stream.close()
-    os.replace(stream.name, path)
-
-
-def _write_file(path: pathlib.Path, data: bytes) -> None:
-    stream = open(f"{path}.tmp", "wb")
-    stream.write(data)
-    _commit(stream, path)
-
-
 def _fsync_dir(path: pathlib.Path) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
@@ -227,11 +214,11 @@ class _SplitWriter:
 
     def _close_shard(self) -> None:
         name = self._name()
-        _commit(self._stream, self.out / f"{name}.bin")
+        commit_file(self._stream, self.out / f"{name}.bin")
         self._stream = None
         offsets = io.BytesIO()
         np.save(offsets, np.asarray(self._starts, np.int64))
-        _write_file(self.out / f"{name}.docs.npy", offsets.getvalue())
+        write_file(self.out / f"{name}.docs.npy", offsets.getvalue())
         self.shards.append({"file": f"{name}.bin", "tokens": self._starts[-1], "documents": len(self._starts) - 1,
                             "sha256": self._hash.hexdigest()})
         self._starts, self._hash = [0], hashlib.sha256()
@@ -405,13 +392,13 @@ def prepare(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fractio
         raise ConfigError("--val-fraction", f"{val_fraction} of {writers[TRAIN].documents} documents rounds "
                           "down to no val document; raise it or use --val-input")
 
-    _write_file(out_dir / TOKENIZER_FILE, tokenizer_file(tokenizer_path).read_bytes())
+    write_file(out_dir / TOKENIZER_FILE, tokenizer_file(tokenizer_path).read_bytes())
     index = {"format": FORMAT, "dtype": dtype.name,
              "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(out_dir / TOKENIZER_FILE),
                            "vocab_size": vocab_size, "eos": eos_token, "eos_id": eos_id},
              "splits": {split: writer.record() for split, writer in writers.items()}}
     _fsync_dir(out_dir)
-    _write_file(out_dir / INDEX_FILE, (json.dumps(index, indent=1) + "\n").encode())
+    write_file(out_dir / INDEX_FILE, (json.dumps(index, indent=1) + "\n").encode())
     (out_dir / INCOMPLETE_MARKER).unlink()
     _fsync_dir(out_dir)
     return PrepareReport(PreparedCorpus.open(str(out_dir), field="--out"), encoder.seconds)

@@ -4,12 +4,12 @@ one), finding its end-of-document token, and training a byte-level BPE on local 
 from __future__ import annotations
 
 import hashlib
-import os
 import pathlib
 from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from meshtrain.data.files import write_file
 from meshtrain.errors import ConfigError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -86,7 +86,5 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | pathlib.Path
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer)
     out.mkdir(parents=True, exist_ok=True)
-    partial = out / f".{TOKENIZER_FILE}.partial"
-    tokenizer.save(str(partial))
-    os.replace(partial, out / TOKENIZER_FILE)
+    write_file(out / TOKENIZER_FILE, tokenizer.to_str(pretty=True).encode())
     return out / TOKENIZER_FILE
