@@ -16,21 +16,25 @@ Where the four numbers come from, first match wins for each:
 With none of them (no flags, no variables, not inside a multi-task SLURM/MPI job) the run is one
 process and nothing is initialised. A SLURM step with one task is one process too.
 
-Failure: every process sends heartbeats to the coordinator service (on process 0). A process that
-misses them for ``heartbeat_timeout_s`` seconds is declared dead and the coordinator makes every
-other process exit with an error that names the lost task (``/job:jax_worker/replica:0/task:<id>``
-is process ``<id>``); when the coordinator itself dies the others notice within the same timeout.
-A collective that is waiting on a dead peer also fails as soon as its connection drops.
+Failure: every process beats in the coordination service's key-value store (:class:`PeerWatch`). A
+process whose beats stop for ``heartbeat_timeout_s`` (killed, hung, host gone) is lost, and so is the
+coordinator when a process cannot reach it that long: every other process prints one line naming
+them and exits 1, whether it waits in a collective or not (a collective waiting on a killed peer
+often never fails). JAX's own heartbeats (at twice the timeout) are the backstop: when they fire, JAX
+aborts the process with a multi-line fatal log.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import os
 import re
 import socket
 import sys
 import threading
+import time
 
 import jax
 
@@ -149,7 +153,7 @@ def plan(cfg: DistributedConfig, environ=None) -> Launch:
                           "under SLURM / Open MPI, whose variables JAX reads")
     kwargs = {"coordinator_address": coordinator, "num_processes": num_processes, "process_id": process_id,
               "initialization_timeout": cfg.initialization_timeout_s,
-              "heartbeat_timeout_seconds": cfg.heartbeat_timeout_s,
+              "heartbeat_timeout_seconds": JAX_HEARTBEAT_FACTOR * cfg.heartbeat_timeout_s,
               "shutdown_timeout_seconds": cfg.shutdown_timeout_s}
     if local_ids is not None:
         kwargs["local_device_ids"] = list(local_ids)
@@ -201,7 +205,7 @@ def initialize(cfg: DistributedConfig | None = None, environ=None) -> Launch:
                           "meshtrain.distributed.initialize must run before any JAX computation")
     try:
         jax.distributed.initialize(**launch.kwargs)
-        _install_failure_hook(cfg.heartbeat_timeout_s)
+        _install_failure_hook(_watch_peers(cfg.heartbeat_timeout_s))
     except Exception as err:  # the runtime raises XlaRuntimeError / ValueError with long texts
         address = launch.kwargs.get("coordinator_address") or "the detected coordinator"
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -210,60 +214,124 @@ def initialize(cfg: DistributedConfig | None = None, environ=None) -> Launch:
     return launch
 
 
-def lost_processes(timeout_s: float) -> list[int] | None:
-    """The processes the coordination service no longer counts as alive (None: could not ask).
+def _stop_line(kind: str, lost: list[int] | None) -> str:
+    """The one line a process of a multi-process run prints before it exits on a failure."""
+    me, count = jax.process_index(), jax.process_count()
+    if lost is None:
+        who = "the coordinator (process 0) is unreachable"
+    elif lost:
+        who = f"lost process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} of {count}"
+    else:
+        who = f"all {count} processes are still alive, so the error is this process's own"
+    return (f"error: process {me}/{count} stops after {kind} ({who}); a multi-process run cannot continue "
+            "without all of its processes: resume it from its last checkpoint")
 
-    Asking waits for every live process to ask too, or for the dead to be declared dead (one
-    heartbeat timeout), so it runs in a thread bounded by ``timeout_s``.
+
+# JAX's own heartbeat timeout, as a multiple of ``heartbeat_timeout_s``: the peer watch (below) must
+# see a lost process first, because when JAX's coordination service declares one dead it aborts every
+# other process with a multi-line fatal log.
+JAX_HEARTBEAT_FACTOR = 2
+ALIVE_PREFIX = "meshtrain/alive/"
+DONE = "done"
+
+
+class PeerWatch:
+    """Every process writes a beat counter under ``meshtrain/alive/<rank>`` in the coordination
+    service's key-value store every ``timeout_s / 10`` and reads everyone's. A peer whose counter has
+    not moved for ``timeout_s`` is lost (killed, hung, or its host gone), and so is the coordinator
+    when this process cannot reach it for that long: this process prints one line naming them and
+    exits 1, whether its main thread waits in a collective that never fails or not. A process that
+    ends normally writes ``done`` (``stop``), so the others do not count its exit as a loss.
+
+    Two daemon threads: one talks to the service (its calls may block while the coordinator is
+    gone), one judges from what the first saw.
     """
+
+    def __init__(self, client, me: int, count: int, timeout_s: float):
+        self.client, self.me, self.count, self.timeout_s = client, me, count, timeout_s
+        self.interval_s = max(timeout_s / 10, 0.05)
+        start = time.monotonic()
+        self.reached = start  # the last time a round trip to the service succeeded
+        self.seen = {peer: (None, start) for peer in range(count) if peer != me}  # peer -> (value, when it changed)
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._beat, daemon=True, name="meshtrain-peer-beat"),
+                        threading.Thread(target=self._judge, daemon=True, name="meshtrain-peer-judge")]
+
+    def start(self) -> PeerWatch:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def _beat(self) -> None:
+        beats = 0
+        while not self.stopping.is_set():
+            beats += 1
+            try:
+                self.client.key_value_set(f"{ALIVE_PREFIX}{self.me}", str(beats), allow_overwrite=True)
+                values = dict(self.client.key_value_dir_get(ALIVE_PREFIX))
+            except Exception:  # noqa: BLE001 - the service is unreachable; the judge counts how long
+                self.stopping.wait(self.interval_s)
+                continue
+            now = time.monotonic()
+            self.reached = now
+            for peer, (value, _) in self.seen.items():
+                latest = values.get(f"{ALIVE_PREFIX}{peer}")
+                if latest is not None and latest != value:
+                    self.seen[peer] = (latest, now)
+            self.stopping.wait(self.interval_s)
+
+    def lost(self, now: float) -> list[int] | None:
+        """The peers silent for ``timeout_s`` at ``now`` (None: the service itself was unreachable)."""
+        if now - self.reached > self.timeout_s:
+            return None
+        return [peer for peer, (value, when) in self.seen.items() if value != DONE and now - when > self.timeout_s]
+
+    def _judge(self) -> None:
+        while not self.stopping.wait(self.interval_s):
+            lost = self.lost(time.monotonic())
+            if lost is None or lost:
+                kind = "its peers stopped answering" if lost else "the coordination service stopped answering"
+                print(_stop_line(kind, lost), file=sys.stderr, flush=True)
+                os._exit(1)
+
+    def wait_for_loss(self) -> None:
+        """Wait one timeout (and two beats) for a loss to show: the judge exits the process if one does."""
+        self.stopping.wait(self.timeout_s + 2 * self.interval_s)
+
+    def stop(self) -> None:
+        """This process ends normally: stop judging and tell the others."""
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(self.interval_s * 4)
+        with contextlib.suppress(Exception):  # leaving anyway; JAX's shutdown reports an unreachable service
+            self.client.key_value_set(f"{ALIVE_PREFIX}{self.me}", DONE, allow_overwrite=True)
+
+
+def _watch_peers(timeout_s: float) -> PeerWatch:
+    """Start the :class:`PeerWatch` of this process, stopped at exit before JAX's own shutdown
+    (``atexit`` runs the later registration first)."""
     from jax._src import distributed as jax_distributed
-    client, count = jax_distributed.global_state.client, jax.process_count()
-    if client is None:
-        return None
-    answer: list = []
-
-    def ask():
-        try:
-            answer.append(client.get_live_nodes(list(range(count))))
-        except Exception:  # the coordinator itself is gone
-            answer.append(None)
-
-    thread = threading.Thread(target=ask, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if not answer or answer[0] is None:
-        return None
-    return sorted(set(range(count)) - set(answer[0]))
+    watch = PeerWatch(jax_distributed.global_state.client, jax.process_index(), jax.process_count(),
+                      timeout_s).start()
+    atexit.register(watch.stop)
+    return watch
 
 
-# How long a failing process waits for the coordination service to say who is gone.
-LOST_QUERY_LIMIT_S = 15
-
-
-def _install_failure_hook(heartbeat_timeout_s: int) -> None:
+def _install_failure_hook(watch: PeerWatch) -> None:
     """An uncaught error in a multi-process run (typically a collective failing because a peer's
-    connection dropped) is reported in one line with the processes that were lost (the traceback only
-    when every process is alive, so that the error is this process's own), and this process exits at
-    once with status 1 instead of waiting at JAX's shutdown barrier for the dead peer."""
+    connection dropped) waits for ``watch`` to judge: if a peer is lost, the watch prints its one line
+    and exits; if every process is still alive after one timeout, the error is this process's own, so
+    its traceback is printed with the line. Either way the exit is at once with status 1 instead of
+    waiting at JAX's shutdown barrier for a dead peer."""
     previous = sys.excepthook
 
     def hook(kind, value, traceback):
         if issubclass(kind, KeyboardInterrupt):
             previous(kind, value, traceback)
             os._exit(130)
-        me, count = jax.process_index(), jax.process_count()
-        lost = lost_processes(min(heartbeat_timeout_s + 10, LOST_QUERY_LIMIT_S))
-        if lost == []:  # everyone is alive: the error is this process's own, and its traceback matters
-            previous(kind, value, traceback)
-        if lost is None:
-            who = "the coordinator (process 0) is unreachable, or the lost process is not known yet"
-        elif lost:
-            who = f"lost process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} of {count}"
-        else:
-            who = f"all {count} processes are still alive, so the error is this process's own"
-        print(f"error: process {me}/{count} stops after {kind.__name__} ({who}); a multi-process run "
-              "cannot continue without all of its processes: resume it from its last checkpoint",
-              file=sys.stderr, flush=True)
+        watch.wait_for_loss()  # does not return when a peer is lost
+        previous(kind, value, traceback)
+        print(_stop_line(kind.__name__, []), file=sys.stderr, flush=True)
         os._exit(1)
 
     sys.excepthook = hook
