@@ -262,22 +262,24 @@ class PeerWatch:
             thread.start()
         return self
 
+    def beat(self, count: int, now: float) -> None:
+        """Write this process's ``count``-th beat and note, at ``now``, which peers' beats moved."""
+        try:
+            self.client.key_value_set(f"{ALIVE_PREFIX}{self.me}", str(count), allow_overwrite=True)
+            values = dict(self.client.key_value_dir_get(ALIVE_PREFIX))
+        except Exception:  # noqa: BLE001 - the service is unreachable; the judge counts how long
+            return
+        self.reached = now
+        for peer, (value, _) in self.seen.items():
+            latest = values.get(f"{ALIVE_PREFIX}{peer}")
+            if latest is not None and latest != value:
+                self.seen[peer] = (latest, now)
+
     def _beat(self) -> None:
-        beats = 0
+        count = 0
         while not self.stopping.is_set():
-            beats += 1
-            try:
-                self.client.key_value_set(f"{ALIVE_PREFIX}{self.me}", str(beats), allow_overwrite=True)
-                values = dict(self.client.key_value_dir_get(ALIVE_PREFIX))
-            except Exception:  # noqa: BLE001 - the service is unreachable; the judge counts how long
-                self.stopping.wait(self.interval_s)
-                continue
-            now = time.monotonic()
-            self.reached = now
-            for peer, (value, _) in self.seen.items():
-                latest = values.get(f"{ALIVE_PREFIX}{peer}")
-                if latest is not None and latest != value:
-                    self.seen[peer] = (latest, now)
+            count += 1
+            self.beat(count, time.monotonic())
             self.stopping.wait(self.interval_s)
 
     def lost(self, now: float) -> list[int] | None:

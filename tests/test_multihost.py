@@ -152,3 +152,39 @@ def test_launch_plans():
 def test_launcher_rejects_indivisible_devices():
     result = subprocess.run([LAUNCH, "3", "--host-devices", "8"], env=_env(), capture_output=True, text=True)
     assert result.returncode == 2 and "cannot be divided among 3 processes" in result.stderr
+
+
+class _Store:
+    """The coordination service's key-value store, as the peer watch uses it."""
+
+    def __init__(self):
+        self.values, self.reachable = {}, True
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        if not self.reachable:
+            raise RuntimeError("UNAVAILABLE")
+        self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+        if not self.reachable:
+            raise RuntimeError("UNAVAILABLE")
+        return [(key, value) for key, value in self.values.items() if key.startswith(prefix)]
+
+
+def test_the_peer_watch_counts_a_silent_peer_lost_but_not_a_finished_one():
+    store = _Store()
+    watch = distributed.PeerWatch(store, me=0, count=3, timeout_s=10)
+    start = watch.reached
+    store.values[distributed.ALIVE_PREFIX + "1"] = "1"  # peer 1 beats once; peer 2 never does
+    watch.beat(1, start + 1)
+    assert store.values[distributed.ALIVE_PREFIX + "0"] == "1"
+    assert watch.lost(start + 9) == [] and watch.lost(start + 10.5) == [2]
+    store.values[distributed.ALIVE_PREFIX + "2"] = distributed.DONE  # peer 2 ended normally
+    watch.beat(2, start + 10.6)
+    assert watch.lost(start + 10.9) == [] and watch.lost(start + 11.5) == [1]  # peer 1: silent since + 1
+    store.values[distributed.ALIVE_PREFIX + "1"] = "2"
+    watch.beat(3, start + 12)
+    assert watch.lost(start + 21) == []
+    store.reachable = False  # the coordinator is gone: no round trip since + 12
+    watch.beat(4, start + 13)
+    assert watch.lost(start + 21.5) == [] and watch.lost(start + 22.5) is None
