@@ -248,7 +248,7 @@ class PeerWatch:
     """
 
     def __init__(self, client, me: int, count: int, timeout_s: float):
-        self.client, self.me, self.count, self.timeout_s = client, me, count, timeout_s
+        self.client, self.me, self.timeout_s = client, me, timeout_s
         self.interval_s = max(timeout_s / 10, 0.05)
         start = time.monotonic()
         self.reached = start  # the last time a round trip to the service succeeded
