@@ -48,10 +48,12 @@ class LossScale:
     growth_interval: int = struct.field(pytree_node=False, default=1000)
 
     def scale_loss(self, loss: jax.Array) -> jax.Array:
-        return loss * self.scale
+        """``loss`` times the scale; unchanged for a fixed scale, which is always 1."""
+        return loss * self.scale if self.dynamic else loss
 
     def unscale(self, grads):
-        return jax.tree.map(lambda g: g / self.scale, grads)
+        """``grads`` over the scale; unchanged for a fixed scale (no pass over the gradients)."""
+        return jax.tree.map(lambda g: g / self.scale, grads) if self.dynamic else grads
 
     def adjust(self, grads_finite: jax.Array) -> "LossScale":
         """The scale for the next step given whether this step's gradients were finite."""
