@@ -14,8 +14,13 @@ Batches are random tokens of the config's shape (no data file is read). After on
 ``--vs-baseline`` builds, in the same process and on the same mesh, a minimal hand-written train step
 of the same model: plain ``jax.jit`` of value_and_grad + the same optax AdamW over the same parameter
 pytree, with the same parameter, optimizer-state, batch and activation shardings, the same loss and the
-same compute dtype. Its steps are interleaved with meshtrain's (ABBA order), so machine noise hits
-both, and ``overhead_ratio`` = median meshtrain / median baseline is printed.
+same compute dtype. A second hand-written step, ``baseline_guarded``, adds what meshtrain's step does
+beyond that: the gradient and update norms, and the update kept only where loss and both norms are
+finite. Their steps are interleaved with meshtrain's (order reversed every step), so machine noise
+hits all three; printed: ``overhead_ratio`` = median meshtrain / median baseline,
+``guarded_overhead_ratio`` = median meshtrain / median baseline_guarded (the trainer against a
+hand-written step of the same work) and ``guard_ratio`` = median baseline_guarded / median baseline
+(what the non-finite guard costs by itself).
 
 ``--vs-maxtext`` times MaxText (``scripts/bench_maxtext.py``, in its own venv made by
 ``scripts/install_maxtext.sh``) and meshtrain on one ``--shape`` (model, global batch, mesh fsdp x tensor,
@@ -39,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -88,8 +94,10 @@ def memory_of(compiled) -> dict[str, int | None]:
             for name in names}
 
 
-def baseline_step(trainer):
-    """The hand-written reference: jit(value_and_grad + optax update) with the trainer's shardings."""
+def baseline_step(trainer, guarded: bool = False):
+    """The hand-written reference: jit(value_and_grad + optax update) with the trainer's shardings;
+    ``guarded``: the update is kept only where the loss, the gradient norm and the update norm are
+    finite (else params and optimizer state stay as they were)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -115,8 +123,14 @@ def baseline_step(trainer):
 
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if not guarded:
+            return new_params, new_opt_state, loss
+        finite = (jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+                  & jnp.isfinite(optax.tree.norm(updates)))
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        return keep(new_params, params), keep(new_opt_state, opt_state), loss
 
     replicated = trainer.metrics_sharding
     shardings = (trainer.param_shardings, trainer.optimizer_compute_shardings)
@@ -163,34 +177,35 @@ def run(cfg, *, steps: int = 10, vs_baseline: bool = False, devices=None, prepar
     state, metrics = compiled(state, batch)  # warm-up
     first_loss = float(metrics["loss"])
 
-    base = None
+    baselines = {}  # name -> {"compiled", "params", "opt_state", "times", ...}
     if vs_baseline:
-        base_step = baseline_step(trainer)
-        fresh = trainer.init_state(seed=cfg.train.seed)
-        params, opt_state = fresh.params, jax.device_put(fresh.opt_state, trainer.optimizer_compute_shardings)
-        start = time.perf_counter()
-        base_compiled = base_step.lower(params, opt_state, batch).compile()
-        base = {"compile_s": time.perf_counter() - start, "times": [], "memory": memory_of(base_compiled),
-                "collectives": collective_counts(base_compiled.as_text())}
-        params, opt_state, base_loss = base_compiled(params, opt_state, batch)  # warm-up
-        base["first_loss"] = float(base_loss)
+        for name, guarded in (("baseline", False), ("baseline_guarded", True)):
+            fresh = trainer.init_state(seed=cfg.train.seed)
+            params = fresh.params
+            opt_state = jax.device_put(fresh.opt_state, trainer.optimizer_compute_shardings)
+            start = time.perf_counter()
+            base_compiled = baseline_step(trainer, guarded).lower(params, opt_state, batch).compile()
+            base = {"compile_s": time.perf_counter() - start, "times": [], "memory": memory_of(base_compiled),
+                    "collectives": collective_counts(base_compiled.as_text()), "compiled": base_compiled}
+            base["params"], base["opt_state"], base_loss = base_compiled(params, opt_state, batch)  # warm-up
+            base["first_loss"] = float(base_loss)
+            baselines[name] = base
 
+    def ours():
+        nonlocal state, metrics
+        elapsed, (state, metrics) = _timed(lambda: compiled(state, batch))
+        times.append(elapsed)
+
+    def theirs(base):
+        elapsed, (base["params"], base["opt_state"], _) = _timed(
+            lambda: base["compiled"](base["params"], base["opt_state"], batch))
+        base["times"].append(elapsed)
+
+    contenders = [ours, *(functools.partial(theirs, base) for base in baselines.values())]
     times = []
     for i in range(steps):
-        def ours():
-            nonlocal state, metrics
-            elapsed, (state, metrics) = _timed(lambda: compiled(state, batch))
-            times.append(elapsed)
-
-        def theirs():
-            nonlocal params, opt_state
-            elapsed, (params, opt_state, _) = _timed(lambda: base_compiled(params, opt_state, batch))
-            base["times"].append(elapsed)
-
-        order = (ours, theirs) if i % 2 == 0 else (theirs, ours)
-        for fn in order:
-            if fn is ours or base is not None:
-                fn()
+        for fn in contenders if i % 2 == 0 else contenders[::-1]:
+            fn()
 
     num_devices = mesh.devices.size
     tokens = cfg.train.batch_size * cfg.model.seq_len
@@ -212,15 +227,21 @@ def run(cfg, *, steps: int = 10, vs_baseline: bool = False, devices=None, prepar
     }
     if keep_times:
         result["step_times_s"] = times
-    if base is not None:
-        base_median = statistics.median(base["times"])
-        result["baseline"] = {"compile_s": base["compile_s"], "step_time_s_median": base_median,
-                              "loss_first": base["first_loss"], "memory_per_device": base["memory"],
-                              "collectives": base["collectives"]}
+    for name, base in baselines.items():
+        result[name] = {"compile_s": base["compile_s"], "step_time_s_median": statistics.median(base["times"]),
+                        "loss_first": base["first_loss"], "memory_per_device": base["memory"],
+                        "collectives": base["collectives"]}
         if keep_times:
-            result["baseline"]["step_times_s"] = base["times"]
-        result["overhead_ratio"] = median / base_median
+            result[name]["step_times_s"] = base["times"]
+    if baselines:
+        result.update(_baseline_ratios(median, result["baseline"]["step_time_s_median"],
+                                       result["baseline_guarded"]["step_time_s_median"]))
     return result
+
+
+def _baseline_ratios(ours: float, plain: float, guarded: float) -> dict[str, float]:
+    """Medians' ratios: meshtrain over the plain and the guarded baseline, guarded over plain."""
+    return {"overhead_ratio": ours / plain, "guarded_overhead_ratio": ours / guarded, "guard_ratio": guarded / plain}
 
 
 def print_result(result: dict, out=None) -> None:
@@ -465,18 +486,22 @@ def vs_maxtext(config: str, overrides: list[str], shape_name: str, steps: int, r
         "ratio": mesh["step_time_s_median"] / theirs["step_time_s_median"], "round_ratios": rounds_ratio,
     }
     if vs_baseline:
-        base_times = [t for r in runs["meshtrain"] for t in r["baseline"]["step_times_s"]]
-        summary["baseline"] = {"step_time_s_median": statistics.median(base_times),
-                               "run_medians_s": [r["baseline"]["step_time_s_median"] for r in runs["meshtrain"]]}
-        summary["overhead_ratio"] = mesh["step_time_s_median"] / summary["baseline"]["step_time_s_median"]
+        for name in ("baseline", "baseline_guarded"):
+            base_times = [t for r in runs["meshtrain"] for t in r[name]["step_times_s"]]
+            summary[name] = {"step_time_s_median": statistics.median(base_times),
+                             "run_medians_s": [r[name]["step_time_s_median"] for r in runs["meshtrain"]]}
+        summary.update(_baseline_ratios(mesh["step_time_s_median"], summary["baseline"]["step_time_s_median"],
+                                        summary["baseline_guarded"]["step_time_s_median"]))
     for name, part in (("meshtrain", mesh), ("maxtext", theirs)):
         print(f"{name}: median {part['step_time_s_median']:.3f} s per step (mean {part['step_time_s_mean']:.3f} s); "
               f"runs {', '.join(f'{m:.3f}' for m in part['run_medians_s'])} s (spread {part['spread']:.1%})")
     print(f"ratio meshtrain/maxtext: {summary['ratio']:.3f} (rounds {', '.join(f'{r:.3f}' for r in rounds_ratio)})",
           flush=True)
     if vs_baseline:
-        print(f"baseline: median {summary['baseline']['step_time_s_median']:.3f} s per step; "
-              f"overhead_ratio meshtrain/baseline: {summary['overhead_ratio']:.3f}", flush=True)
+        print(f"baseline: median {summary['baseline']['step_time_s_median']:.3f} s per step, guarded "
+              f"{summary['baseline_guarded']['step_time_s_median']:.3f} s; overhead_ratio meshtrain/baseline: "
+              f"{summary['overhead_ratio']:.3f}, meshtrain/guarded: {summary['guarded_overhead_ratio']:.3f}, "
+              f"guard_ratio guarded/baseline: {summary['guard_ratio']:.3f}", flush=True)
     return summary
 
 

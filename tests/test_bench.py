@@ -19,7 +19,8 @@ import bench
 from meshtrain import xla_flags
 
 FIELDS = ("step_time_s_median", "tokens_per_sec", "tflops_per_device", "mfu", "compile_s",
-          "memory_per_device", "collectives", "overhead_ratio", "baseline")
+          "memory_per_device", "collectives", "overhead_ratio", "guarded_overhead_ratio", "guard_ratio",
+          "baseline", "baseline_guarded")
 
 
 @pytest.mark.slow
@@ -35,7 +36,44 @@ def test_bench_vs_baseline_prints_fields(capsys):
     assert result["memory_per_device"]["argument_bytes"] > 0
     # Same init, same batch, same loss: the baseline's first step computes the same loss.
     assert result["baseline"]["loss_first"] == pytest.approx(result["loss_first"], rel=1e-5)
+    assert result["baseline_guarded"]["loss_first"] == pytest.approx(result["loss_first"], rel=1e-5)
+    assert result["guard_ratio"] == pytest.approx(result["baseline_guarded"]["step_time_s_median"]
+                                                  / result["baseline"]["step_time_s_median"])
     assert result["collectives"]["all-gather"] > 0  # FSDP gathers parameters
+
+
+@pytest.mark.slow
+def test_guarded_baseline_keeps_the_state_of_a_non_finite_step():
+    """A NaN in one embedding entry makes the loss NaN: the guarded baseline returns params and
+    optimizer state unchanged, the plain one applies the NaN update."""
+    import jax
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from utils import make_trainer
+
+    trainer = make_trainer((2, 2, 2, 1))
+    state = trainer.init_state(seed=0)
+    poisoned_one = [False]
+
+    def poison(path, x):
+        if not poisoned_one[0] and "embed" in jax.tree_util.keystr(path) and x.ndim == 2:
+            poisoned_one[0] = True
+            return x.at[0, 0].set(np.nan)
+        return x
+
+    params = jax.tree_util.tree_map_with_path(poison, state.params)
+    assert poisoned_one[0]
+    opt_state = jax.device_put(state.opt_state, trainer.optimizer_compute_shardings)
+    batch = bench.random_batch(trainer)
+    before = [np.asarray(x) for x in jax.tree.leaves((params, opt_state))]
+    copies = lambda tree: jax.tree.map(lambda x: x.copy(), tree)  # the steps donate their inputs
+    kept = bench.baseline_step(trainer, guarded=True)(copies(params), copies(opt_state), batch)
+    applied = bench.baseline_step(trainer)(copies(params), copies(opt_state), batch)
+    assert np.isnan(float(kept[2])) and np.isnan(float(applied[2]))
+    for old, new in zip(before, jax.tree.leaves(kept[:2])):
+        np.testing.assert_array_equal(np.asarray(new), old)
+    assert all(np.isnan(np.asarray(x)).all() for x in jax.tree.leaves(applied[0]))
 
 
 @pytest.mark.slow
@@ -184,9 +222,11 @@ def test_vs_maxtext_both_dtypes_with_the_baseline(monkeypatch, capsys, tmp_path)
         assert part["order"] == ["meshtrain", "maxtext", "maxtext", "meshtrain"]
         assert part["maxtext"]["step_time_s_median"] == maxtext_step
         assert part["ratio"] == pytest.approx(part["meshtrain"]["step_time_s_median"] / maxtext_step)
-        assert len(part["baseline"]["run_medians_s"]) == 2
+        assert len(part["baseline"]["run_medians_s"]) == len(part["baseline_guarded"]["run_medians_s"]) == 2
         assert part["overhead_ratio"] == pytest.approx(
             part["meshtrain"]["step_time_s_median"] / part["baseline"]["step_time_s_median"])
+        assert part["guarded_overhead_ratio"] == pytest.approx(
+            part["meshtrain"]["step_time_s_median"] / part["baseline_guarded"]["step_time_s_median"])
     speedups = results["bf16_over_fp32"]
     assert speedups["maxtext"] == pytest.approx(3.0)
     fp32, bf16 = results["by_dtype"]["float32"], results["by_dtype"]["bfloat16"]
