@@ -155,7 +155,7 @@ def test_model_attention_picks_the_dot_product_attention_implementation():
     for kernel in (AttentionKernel.AUTO, AttentionKernel.XLA):
         logits[kernel] = Llama(LlamaConfig(attention=kernel), rngs=nnx.Rngs(0))(tokens)
     assert jnp.array_equal(logits[AttentionKernel.AUTO], logits[AttentionKernel.XLA])
-    with pytest.raises(Exception):  # no cuDNN on CPU
+    with pytest.raises(RuntimeError, match="cuDNN"):  # no cuDNN on CPU
         jax.block_until_ready(Llama(LlamaConfig(attention=AttentionKernel.CUDNN), rngs=nnx.Rngs(0))(tokens))
 
 
