@@ -36,7 +36,8 @@ MESH_B = ["mesh.data=2", "mesh.fsdp=4", "mesh.tensor=1", "mesh.stage=1"]  # + dc
 
 def _env() -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("JAX_", "XLA_"))}
-    return {**env, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu"}
+    # Of the session's XLA flags only the compile-speed one (tests/conftest.py).
+    return {**env, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
 def _launch(run_dir, *extra, steps=STEPS, timeout=150) -> subprocess.CompletedProcess:
