@@ -36,7 +36,7 @@ stdlib: $(STAMP)
 # 574 tests in 27 min 47 s on 2 workers against 40 min 40 s in one process; after the pipeline
 # matrix was cut to 16 schedule x mesh pairs, 563 in 25 min 8 s on 2 workers. 2026-12-03, with the
 # tests compiling at LLVM optimization level 0 (tests/conftest.py): 563 in 13 min 42 s, the fast
-# tier's 417 in 3 min 26 s (7 min 16 s before), both on 2 workers.
+# tier's 417 in 3 min 8-26 s (7 min 16 s before), both on 2 workers; then 564 in 13 min 13 s.
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n auto --maxprocesses 4
 
