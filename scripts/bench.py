@@ -26,8 +26,8 @@ hand-written step of the same work) and ``guard_ratio`` = median baseline_guarde
 ``scripts/install_maxtext.sh``) and meshtrain on one ``--shape`` (model, global batch, mesh fsdp x tensor,
 bf16 compute, full remat), ``--rounds`` runs of ``--steps`` steps each, alternating which goes first
 (ABBA): each run's median, each framework's pooled median and spread, and ratio = meshtrain / MaxText.
-``--vs-baseline`` adds the hand-written step to meshtrain's runs (interleaved with it) and prints its
-median and ``overhead_ratio``; ``--dtype bfloat16 float32`` runs the whole comparison in each compute
+``--vs-baseline`` adds both hand-written steps to meshtrain's runs (interleaved with it) and prints
+their medians and the three ratios; ``--dtype bfloat16 float32`` runs the whole comparison in each compute
 dtype in turn and prints each one's bf16-over-fp32 speedup (fp32 median / bf16 median).
 Without MaxText installed it prints one line and exits 0.
 

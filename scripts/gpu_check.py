@@ -31,6 +31,11 @@
    gradients, fp32, ``--ring-tol``), then both forward + backward timed in bf16 (cuDNN's full
    attention on a GPU).
 
+9. overhead: issue 13's 20.6M Llama (bf16, full remat, batch 8 x 256, XLA attention) on one device:
+   meshtrain's step interleaved with the hand-written one and with the hand-written one plus the same
+   non-finite guard (``bench.py --vs-baseline``): ``overhead_ratio``, ``guarded_overhead_ratio`` and
+   ``guard_ratio`` (what the guard costs on this device).
+
 ``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs everything on the CPU with tiny shapes, in seconds;
 the test suite runs that. Exit status 1 when the loss, checkpoint, packing, MoE, pipeline or ring check fails. Last line: ``json: {...}``.
 """
@@ -393,6 +398,27 @@ def offload(load_config, bench, args, batch: int) -> dict:
     return result
 
 
+def overhead_check(load_config, bench, args) -> dict:
+    """Step 9: meshtrain against the plain and the guarded hand-written step on one device."""
+    import dataclasses
+
+    import bench_maxtext
+    import jax
+
+    shape = dataclasses.replace(bench_maxtext.SHAPES["issue"], fsdp=1, tensor=1)
+    cfg = load_config("configs/tiny.yaml", [*bench.maxtext_overrides(shape), *args.dry_overrides])
+    result = bench.run(cfg, steps=2 if args.dry_run else 30, vs_baseline=True, devices=jax.devices()[:1])
+    keys = ("overhead_ratio", "guarded_overhead_ratio", "guard_ratio")
+    log(f"overhead: meshtrain {result['step_time_s_median'] * 1e3:.2f} ms, baseline "
+        f"{result['baseline']['step_time_s_median'] * 1e3:.2f} ms, guarded "
+        f"{result['baseline_guarded']['step_time_s_median'] * 1e3:.2f} ms; "
+        + ", ".join(f"{key} {result[key]:.3f}" for key in keys))
+    return {"step_time_s_median": result["step_time_s_median"],
+            "baseline_s": result["baseline"]["step_time_s_median"],
+            "baseline_guarded_s": result["baseline_guarded"]["step_time_s_median"],
+            **{key: result[key] for key in keys}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY_RUN") == "1",
@@ -463,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     phase = time.perf_counter()
     report["ring_tiles"] = ring_tiles_check(args.dry_run, args.ring_tol)
     report["ring_tiles"]["wall_s"] = time.perf_counter() - phase
+    phase = time.perf_counter()
+    report["overhead"] = overhead_check(load_config, bench, args)
+    report["overhead"]["wall_s"] = time.perf_counter() - phase
     report["wall_s"] = time.perf_counter() - started
     log(f"gpu_check done in {report['wall_s']:.1f} s")
     print("json: " + json.dumps(report), flush=True)

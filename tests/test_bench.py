@@ -118,6 +118,8 @@ def test_gpu_check_dry_run():
     assert "host_temp_bytes" in report["offload"]["memory_per_device"]
     assert report["checkpoint"]["passed"] and report["checkpoint"]["bit_equal"]
     assert report["ring_tiles"]["passed"] and report["ring_tiles"]["grads_rel_l2"][0] < 2e-5
+    overhead = report["overhead"]
+    assert overhead["guard_ratio"] == pytest.approx(overhead["baseline_guarded_s"] / overhead["baseline_s"])
     assert "TFLOP/s" in proc.stdout and "MFU" in proc.stdout
 
 
