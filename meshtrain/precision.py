@@ -51,9 +51,10 @@ class LossScale:
         """``loss`` times the scale; unchanged for a fixed scale, which is always 1."""
         return loss * self.scale if self.dynamic else loss
 
-    def unscale(self, grads):
-        """``grads`` over the scale; unchanged for a fixed scale (no pass over the gradients)."""
-        return jax.tree.map(lambda g: g / self.scale, grads) if self.dynamic else grads
+    def unscale(self, tree):
+        """``tree`` (a scaled loss, or its gradients) over the scale; unchanged for a fixed scale (no
+        pass over the gradients)."""
+        return jax.tree.map(lambda x: x / self.scale, tree) if self.dynamic else tree
 
     def adjust(self, grads_finite: jax.Array) -> "LossScale":
         """The scale for the next step given whether this step's gradients were finite."""

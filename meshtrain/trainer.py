@@ -201,7 +201,7 @@ class Trainer:
             value_and_grad, state.params, split_microbatches(batch, self.train_cfg.grad_accum),
             constrain_grads)
         statistics = {name: value / rows for name, value in aux.items() if name != AUX_LOSS}
-        return (scaled_loss / state.loss_scale.scale, state.loss_scale.unscale(scaled_grads),
+        return (state.loss_scale.unscale(scaled_loss), state.loss_scale.unscale(scaled_grads),
                 target_count, statistics)
 
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:

@@ -15,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench
+from compile_flags import FAST_COMPILE_XLA_FLAG
 
 from meshtrain import xla_flags
 
@@ -108,7 +109,7 @@ def test_collective_counts():
 @pytest.mark.slow
 def test_gpu_check_dry_run():
     # Only the suite's compile-speed flag (tests/conftest.py), no simulated devices: one CPU device.
-    env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": FAST_COMPILE_XLA_FLAG}
     proc = subprocess.run([str(ROOT / "scripts/gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -25,6 +25,7 @@ import pytest
 from meshtrain import distributed
 from meshtrain.errors import ConfigError
 from meshtrain.train import train
+from compile_flags import FAST_COMPILE_XLA_FLAG
 from test_checkpoint import REPO, TINY, config, losses, overrides
 
 LAUNCH = str(REPO / "scripts" / "launch_local.sh")
@@ -37,7 +38,7 @@ MESH_B = ["mesh.data=2", "mesh.fsdp=4", "mesh.tensor=1", "mesh.stage=1"]  # + dc
 def _env() -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("JAX_", "XLA_"))}
     # Of the session's XLA flags only the compile-speed one (tests/conftest.py).
-    return {**env, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    return {**env, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE_XLA_FLAG}
 
 
 def _launch(run_dir, *extra, steps=STEPS, timeout=150) -> subprocess.CompletedProcess:
