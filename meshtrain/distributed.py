@@ -20,7 +20,7 @@ Failure: every process beats in the coordination service's key-value store (:cla
 process whose beats stop for ``heartbeat_timeout_s`` (killed, hung, host gone) is lost, and so is the
 coordinator when a process cannot reach it that long: every other process prints one line naming
 them and exits 1, whether it waits in a collective or not (a collective waiting on a killed peer
-often never fails). JAX's own heartbeats (at twice the timeout) are the backstop: when they fire, JAX
+often never fails). JAX's own heartbeats (at three times the timeout) are the backstop: when they fire, JAX
 aborts the process with a multi-line fatal log.
 """
 
@@ -229,8 +229,11 @@ def _stop_line(kind: str, lost: list[int] | None) -> str:
 
 # JAX's own heartbeat timeout, as a multiple of ``heartbeat_timeout_s``: the peer watch (below) must
 # see a lost process first, because when JAX's coordination service declares one dead it aborts every
-# other process with a multi-line fatal log.
-JAX_HEARTBEAT_FACTOR = 2
+# other process with a multi-line fatal log. A process sends JAX's heartbeats every half of JAX's
+# timeout, so JAX can declare a stopped one dead as early as half its timeout after it stopped; the
+# watch takes up to its timeout plus two beats (1.2x). At 2x JAX won that race (a SIGSTOPped peer:
+# JAX's abort 11.1 s after the stop, timeout 10 s, 2026-12-03); 3x leaves it 1.5x against 1.2x.
+JAX_HEARTBEAT_FACTOR = 3
 ALIVE_PREFIX = "meshtrain/alive/"
 DONE = "done"
 
