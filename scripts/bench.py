@@ -20,7 +20,11 @@ finite. Their steps are interleaved with meshtrain's (order reversed every step)
 hits all three; printed: ``overhead_ratio`` = median meshtrain / median baseline,
 ``guarded_overhead_ratio`` = median meshtrain / median baseline_guarded (the trainer against a
 hand-written step of the same work) and ``guard_ratio`` = median baseline_guarded / median baseline
-(what the non-finite guard costs by itself).
+(what the non-finite guard costs by itself). Each of the three also reports ``bytes_accessed``, XLA's
+``cost_analysis()`` count of the bytes its compiled step reads and writes per device: a scan's body
+is counted once, so the figure is not the step's traffic, but the layers' scan is the same in all
+three and the optimizer update runs outside any loop, so differences between them are the extra
+passes over parameter-sized buffers (``guard_bytes`` = guarded - plain baseline), free of timing noise.
 
 ``--vs-maxtext`` times MaxText (``scripts/bench_maxtext.py``, in its own venv made by
 ``scripts/install_maxtext.sh``) and meshtrain on one ``--shape`` (model, global batch, mesh fsdp x tensor,
@@ -186,6 +190,7 @@ def run(cfg, *, steps: int = 10, vs_baseline: bool = False, devices=None, prepar
             start = time.perf_counter()
             base_compiled = baseline_step(trainer, guarded).lower(params, opt_state, batch).compile()
             base = {"compile_s": time.perf_counter() - start, "times": [], "memory": memory_of(base_compiled),
+                    "bytes_accessed": bytes_accessed(base_compiled),
                     "collectives": collective_counts(base_compiled.as_text()), "compiled": base_compiled}
             base["params"], base["opt_state"], base_loss = base_compiled(params, opt_state, batch)  # warm-up
             base["first_loss"] = float(base_loss)
@@ -223,20 +228,31 @@ def run(cfg, *, steps: int = 10, vs_baseline: bool = False, devices=None, prepar
         "compile_s": compile_s, "step_time_s_median": median, "step_time_s_min": min(times),
         "tokens_per_sec": tokens / median, "tflops_per_device": tflops, "mfu": mfu(tflops, peak),
         "loss_first": first_loss, "loss_last": float(metrics["loss"]),
-        "memory_per_device": memory_of(compiled), "collectives": collective_counts(compiled.as_text()),
+        "memory_per_device": memory_of(compiled), "bytes_accessed": bytes_accessed(compiled),
+        "collectives": collective_counts(compiled.as_text()),
     }
     if keep_times:
         result["step_times_s"] = times
     for name, base in baselines.items():
         result[name] = {"compile_s": base["compile_s"], "step_time_s_median": statistics.median(base["times"]),
                         "loss_first": base["first_loss"], "memory_per_device": base["memory"],
+                        "bytes_accessed": base["bytes_accessed"],
                         "collectives": base["collectives"]}
         if keep_times:
             result[name]["step_times_s"] = base["times"]
     if baselines:
         result.update(_baseline_ratios(median, result["baseline"]["step_time_s_median"],
                                        result["baseline_guarded"]["step_time_s_median"]))
+        plain_bytes, guarded_bytes = (result[name]["bytes_accessed"] for name in ("baseline", "baseline_guarded"))
+        result["guard_bytes"] = None if None in (plain_bytes, guarded_bytes) else guarded_bytes - plain_bytes
     return result
+
+
+def bytes_accessed(compiled) -> float | None:
+    """XLA's ``cost_analysis()`` bytes read and written per device (loop bodies counted once)."""
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    return None if not analysis or "bytes accessed" not in analysis else float(analysis["bytes accessed"])
 
 
 def _baseline_ratios(ours: float, plain: float, guarded: float) -> dict[str, float]:

@@ -34,7 +34,8 @@
 9. overhead: issue 13's 20.6M Llama (bf16, full remat, batch 8 x 256, XLA attention) on one device:
    meshtrain's step interleaved with the hand-written one and with the hand-written one plus the same
    non-finite guard (``bench.py --vs-baseline``): ``overhead_ratio``, ``guarded_overhead_ratio`` and
-   ``guard_ratio`` (what the guard costs on this device).
+   ``guard_ratio`` (what the guard costs on this device), and each step's bytes accessed per device
+   (XLA's cost analysis: ``guard_bytes`` is the guard's extra traffic as this compiler fuses it).
 
 ``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs everything on the CPU with tiny shapes, in seconds;
 the test suite runs that. Exit status 1 when the loss, checkpoint, packing, MoE, pipeline or ring check fails. Last line: ``json: {...}``.
@@ -412,10 +413,14 @@ def overhead_check(load_config, bench, args) -> dict:
     log(f"overhead: meshtrain {result['step_time_s_median'] * 1e3:.2f} ms, baseline "
         f"{result['baseline']['step_time_s_median'] * 1e3:.2f} ms, guarded "
         f"{result['baseline_guarded']['step_time_s_median'] * 1e3:.2f} ms; "
-        + ", ".join(f"{key} {result[key]:.3f}" for key in keys))
+        + ", ".join(f"{key} {result[key]:.3f}" for key in keys)
+        + (f"; guard adds {result['guard_bytes'] / 1e6:.1f} MB accessed" if result["guard_bytes"] is not None else ""))
     return {"step_time_s_median": result["step_time_s_median"],
             "baseline_s": result["baseline"]["step_time_s_median"],
             "baseline_guarded_s": result["baseline_guarded"]["step_time_s_median"],
+            "bytes_accessed": result["bytes_accessed"], "guard_bytes": result["guard_bytes"],
+            "baseline_bytes_accessed": result["baseline"]["bytes_accessed"],
+            "baseline_guarded_bytes_accessed": result["baseline_guarded"]["bytes_accessed"],
             **{key: result[key] for key in keys}}
 
 

@@ -21,7 +21,7 @@ from meshtrain import xla_flags
 
 FIELDS = ("step_time_s_median", "tokens_per_sec", "tflops_per_device", "mfu", "compile_s",
           "memory_per_device", "collectives", "overhead_ratio", "guarded_overhead_ratio", "guard_ratio",
-          "baseline", "baseline_guarded")
+          "baseline", "baseline_guarded", "bytes_accessed", "guard_bytes")
 
 
 @pytest.mark.slow
@@ -41,6 +41,11 @@ def test_bench_vs_baseline_prints_fields(capsys):
     assert result["guard_ratio"] == pytest.approx(result["baseline_guarded"]["step_time_s_median"]
                                                   / result["baseline"]["step_time_s_median"])
     assert result["collectives"]["all-gather"] > 0  # FSDP gathers parameters
+    # The guard's passes show in XLA's byte count, and meshtrain's step moves what the guarded
+    # hand-written one moves (the scalar metrics aside): the trainer adds no pass of its own.
+    plain, guarded = result["baseline"]["bytes_accessed"], result["baseline_guarded"]["bytes_accessed"]
+    assert result["guard_bytes"] == guarded - plain > 0
+    assert result["bytes_accessed"] == pytest.approx(guarded, rel=1e-3)
 
 
 @pytest.mark.slow
@@ -121,6 +126,7 @@ def test_gpu_check_dry_run():
     assert report["ring_tiles"]["passed"] and report["ring_tiles"]["grads_rel_l2"][0] < 2e-5
     overhead = report["overhead"]
     assert overhead["guard_ratio"] == pytest.approx(overhead["baseline_guarded_s"] / overhead["baseline_s"])
+    assert overhead["guard_bytes"] == overhead["baseline_guarded_bytes_accessed"] - overhead["baseline_bytes_accessed"] > 0
     assert "TFLOP/s" in proc.stdout and "MFU" in proc.stdout
 
 
