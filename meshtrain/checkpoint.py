@@ -188,8 +188,7 @@ class _QuietOrbax(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        read_only = (message.startswith("Given directory is read only")
-                     or message.startswith("CheckpointManagerOptions.read_only=True"))
+        read_only = message.startswith(("Given directory is read only", "CheckpointManagerOptions.read_only=True"))
         failed_write = ("orbax" in record.pathname and record.levelno >= logging.ERROR
                         and "raised an exception" in message)
         return not (read_only or failed_write)
@@ -276,7 +275,7 @@ class RunCheckpoints:
             yield
         except SaveFailed:
             raise
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - whatever orbax or the filesystem raised becomes SaveFailed
             complete = [s for s in self.steps() if s != step]
             raise SaveFailed("checkpoint", f"cannot write a checkpoint in {self.root} ({_write_problem(err)}); "
                              f"the complete checkpoints there are intact ({complete or 'none'}); free space "
@@ -504,7 +503,7 @@ def check_params(path: str, abstract_params: nnx.State, shardings: nnx.State, *,
     with ocp.StandardCheckpointer() as checkpointer:
         try:
             saved = flat_shapes(checkpointer.metadata(root / PARAMS_DIR).item_metadata)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - any unreadable directory is one ConfigError
             raise ConfigError(field, f"cannot read {root / PARAMS_DIR}: {_one_line(err)}") from None
     check_compatible(saved, flat_shapes(target), field=field, where=f"exported parameters {path}",
                      differences=config_differences({"model": meta.get("model", {})},
@@ -517,5 +516,5 @@ def load_params(path: str, target: dict, *, field: str = "checkpoint.init_from")
     with ocp.StandardCheckpointer() as checkpointer:
         try:
             return checkpointer.restore(pathlib.Path(path).absolute() / PARAMS_DIR, target)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - the same
             raise ConfigError(field, f"cannot read {pathlib.Path(path) / PARAMS_DIR}: {_one_line(err)}") from None

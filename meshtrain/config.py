@@ -293,9 +293,9 @@ def _invalid_enum(cls: type, raw: dict) -> tuple[str, str] | None:
     hints = typing.get_type_hints(cls)
     for key, value in raw.items():
         field_type = hints[key]
-        if isinstance(field_type, type) and issubclass(field_type, enum.Enum):
-            if value not in [member.value for member in field_type]:
-                return key, f"{_shown(value)} is not valid; use {_type_name(field_type)}"
+        if (isinstance(field_type, type) and issubclass(field_type, enum.Enum)
+                and value not in [member.value for member in field_type]):
+            return key, f"{_shown(value)} is not valid; use {_type_name(field_type)}"
     return None
 
 

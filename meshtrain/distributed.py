@@ -206,7 +206,7 @@ def initialize(cfg: DistributedConfig | None = None, environ=None) -> Launch:
     try:
         jax.distributed.initialize(**launch.kwargs)
         _install_failure_hook(_watch_peers(cfg.heartbeat_timeout_s))
-    except Exception as err:  # the runtime raises XlaRuntimeError / ValueError with long texts
+    except Exception as err:  # noqa: BLE001 - the runtime raises XlaRuntimeError / ValueError with long texts
         address = launch.kwargs.get("coordinator_address") or "the detected coordinator"
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError("distributed", f"could not join the run through {address} "

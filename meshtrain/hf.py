@@ -146,10 +146,10 @@ class SafetensorsFiles:
         for name in files:
             try:
                 self._handles[name] = safe_open(str(self.root / name), framework="numpy")
-            except Exception as err:  # missing or corrupt shard
+            except Exception as err:  # noqa: BLE001 - missing or corrupt shard
                 raise ConfigError(field, f"cannot open {self.root / name}: {err}") from None
-        self.file_of = dict(weight_map) if weight_map is not None else {
-            key: SINGLE_FILE for key in self._handles[SINGLE_FILE].keys()}
+        self.file_of = (dict(weight_map) if weight_map is not None
+                        else dict.fromkeys(self._handles[SINGLE_FILE].keys(), SINGLE_FILE))
         for name, file_name in self.file_of.items():
             if name not in set(self._handles[file_name].keys()):
                 raise ConfigError(field, f"{INDEX_FILE} says tensor {name} is in {file_name}, which does not "

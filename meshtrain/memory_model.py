@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 from flax import nnx
 

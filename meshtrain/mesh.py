@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -77,7 +77,8 @@ class MeshConfig:
         if math.prod(sizes.values()) != num_devices:
             shape = "*".join(f"{axis}={size}" for axis, size in sizes.items())
             raise ConfigError("mesh", f"{shape} = {math.prod(sizes.values())} devices, but "
-                              f"{num_devices} {'is' if num_devices == 1 else 'are'} available; make the product {num_devices} "
+                              f"{num_devices} {'is' if num_devices == 1 else 'are'} available; make the product "
+                              f"{num_devices} "
                               "or set one axis to -1")
         return sizes
 

@@ -303,7 +303,8 @@ class MetricsLogger:
             if key in metrics and ("loss" in metrics or metrics[key] is not None)
         }
         if self._progress is not None and "loss" not in metrics:  # an evaluation: a line above the bar
-            self._progress.console.print("  ".join([f"step {step}"] + [f"{label} {text}" for label, text in shown.values()]))
+            parts = [f"step {step}"] + [f"{label} {text}" for label, text in shown.values()]
+            self._progress.console.print("  ".join(parts))
         elif self._progress is not None:
             self._progress.update(
                 self._task,

@@ -29,7 +29,7 @@ class Precision(str, enum.Enum):
         return self is Precision.FP16
 
 
-def initial_loss_scale(dynamic: bool) -> "LossScale":
+def initial_loss_scale(dynamic: bool) -> LossScale:
     """A dynamic scale starting at 2**15, or a fixed scale of 1 (a no-op)."""
     return LossScale(scale=jnp.float32(2.0**15 if dynamic else 1.0), good_steps=jnp.int32(0),
                      dynamic=dynamic)
@@ -56,7 +56,7 @@ class LossScale:
         pass over the gradients)."""
         return jax.tree.map(lambda x: x / self.scale, tree) if self.dynamic else tree
 
-    def adjust(self, grads_finite: jax.Array) -> "LossScale":
+    def adjust(self, grads_finite: jax.Array) -> LossScale:
         """The scale for the next step given whether this step's gradients were finite."""
         if not self.dynamic:
             return self

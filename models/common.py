@@ -1,8 +1,8 @@
 """Building blocks shared by the model zoo: logical-axis parameters, activation constraints, remat.
 
 Models name only logical axes (the framework's ``batch, length, embed, vocab, layers`` and their
-family's own, declared in its ``models.api.ModelFamily``). The framework decides what those names mean on a mesh and hands the model an
-``ActivationSharding`` callable; a model never sees a mesh axis.
+family's own, declared in its ``models.api.ModelFamily``). The framework decides what those names
+mean on a mesh and hands the model an ``ActivationSharding`` callable; a model never sees a mesh axis.
 """
 
 from __future__ import annotations

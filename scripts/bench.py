@@ -4,9 +4,11 @@
         [--attention auto|xla|cudnn] [--json FILE] [section.field=value ...]
     python scripts/bench.py --sweep layouts --host-devices 8 [--out docs/img/layout_bench.png]
     python scripts/bench.py --sweep depth --host-devices 8
-    python scripts/bench.py --sweep context --host-devices 8 [--seqs 1024 ... 32768] [--schemes ring] [--host-budget GB] [--out PNG]
+    python scripts/bench.py --sweep context --host-devices 8 [--seqs 1024 ... 32768] [--schemes ring]
+        [--host-budget GB] [--out PNG]
     python scripts/bench.py --sweep experts --host-devices 8 --config configs/moe_tiny.yaml [--out PNG]
-    python scripts/bench.py --vs-maxtext [--shape issue|large] [--steps 20] [--rounds 2] [--dtype bfloat16 float32] [--vs-baseline]
+    python scripts/bench.py --vs-maxtext [--shape issue|large] [--steps 20] [--rounds 2]
+        [--dtype bfloat16 float32] [--vs-baseline]
 
 Batches are random tokens of the config's shape (no data file is read). After one warm-up step,
 ``--steps`` steps are timed one by one (each waits for its result); the median is reported.

@@ -38,7 +38,8 @@
    (XLA's cost analysis: ``guard_bytes`` is the guard's extra traffic as this compiler fuses it).
 
 ``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs everything on the CPU with tiny shapes, in seconds;
-the test suite runs that. Exit status 1 when the loss, checkpoint, packing, MoE, pipeline or ring check fails. Last line: ``json: {...}``.
+the test suite runs that. Exit status 1 when the loss, checkpoint, packing, MoE, pipeline or ring
+check fails. Last line: ``json: {...}``.
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ def packing_check(load_config, tol: float) -> dict:
     expected = np.concatenate([alone[i, :n] for i, n in enumerate(lengths)])
     diff = float(np.abs(packed - expected).max())
     ok = diff <= tol
-    log(f"packing: max |packed - alone| over 3 documents = {diff:.2e} (tolerance {tol:.0e}): {'PASS' if ok else 'FAIL'}")
+    log(f"packing: max |packed - alone| over 3 documents = {diff:.2e} (tolerance {tol:.0e}): "
+        f"{'PASS' if ok else 'FAIL'}")
     return {"max_abs_diff": diff, "tolerance": tol, "passed": ok}
 
 
@@ -237,14 +239,15 @@ def moe_check(tol: float, dry_run: bool) -> dict:
 
     # The experts alone at a Mixtral-like width (one layer, bf16), forward + backward.
     width, hidden, rows, length = (64, 96, 2, 64) if dry_run else (4096, 14336, 4, 2048)
-    wide = dataclasses.replace(cfg, embed_dim=width, expert_mlp_dim=hidden, seq_len=length, group_size=0 if dry_run else 1024)
+    wide = dataclasses.replace(cfg, embed_dim=width, expert_mlp_dim=hidden, seq_len=length,
+                               group_size=0 if dry_run else 1024)
     x = jax.random.normal(jax.random.key(0), (rows, length, width), jnp.bfloat16)
     timings = {}
     for name, layer_cfg in (("gshard_dropless", wide), ("gshard_capacity_1.25", dataclasses.replace(
             wide, dispatch=Dispatch.CAPACITY, capacity_factor=1.25))):
         layer_def, layer_params = nnx.split(SparseMoE(layer_cfg, nnx.Rngs(0)))
         layer_params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), layer_params)
-        loss = lambda p, x: jnp.sum(nnx.merge(layer_def, p)(x, unconstrained)[0].astype(jnp.float32))
+        loss = lambda p, x: jnp.sum(nnx.merge(layer_def, p)(x, unconstrained)[0].astype(jnp.float32))  # noqa: B023
         timings[name] = _time(jax.jit(jax.grad(loss, argnums=(0, 1))), layer_params, x)
 
     def ragged(p, x):
@@ -265,7 +268,8 @@ def moe_check(tol: float, dry_run: bool) -> dict:
     dense = {name: getattr(layer, name)[...].astype(jnp.bfloat16) for name in ("router", "gate", "up", "down")}
     timings["ragged_dot_dropless"] = _time(jax.jit(jax.grad(ragged, argnums=(0, 1))), dense, x)
     log("moe experts fwd+bwd (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in timings.items()))
-    return {"max_abs_diff": diff, "tolerance": tol, "passed": ok, "experts_ms": {k: v * 1e3 for k, v in timings.items()},
+    return {"max_abs_diff": diff, "tolerance": tol, "passed": ok,
+            "experts_ms": {k: v * 1e3 for k, v in timings.items()},
             "shape": {"rows": rows, "length": length, "embed": width, "expert_mlp": hidden, "experts": 8, "top_k": 2}}
 
 
@@ -286,7 +290,8 @@ ref_loss, ref = run((1, 1, 1, 1))
 worst = 0.0
 for schedule, virtual in ((Schedule.ZB_H1, 1), (Schedule.INTERLEAVED, 2)):
     loss, grads = run((1, 1, 1, 4), PipelineConfig(4, schedule, virtual))
-    worst = max([worst, abs(loss - ref_loss) / ref_loss] + [float(np.linalg.norm(grads[k] - ref[k]) / np.linalg.norm(ref[k])) for k in ref])
+    worst = max([worst, abs(loss - ref_loss) / ref_loss]
+                + [float(np.linalg.norm(grads[k] - ref[k]) / np.linalg.norm(ref[k])) for k in ref])
 print(f"worst {worst:.2e}")
 """
 
@@ -295,13 +300,11 @@ def pipeline_check(dry_run: bool, tol: float) -> dict:
     """The ZB-H1 backward split on the device (values and FLOPs of the two parts against the whole
     backward of a Llama chunk in bf16, and their times), and, in a CPU subprocess of this machine's
     jax with 8 simulated devices, ZB-H1 and interleaved 1F1B against the sequential model (fp32)."""
-    import dataclasses
     import subprocess
     import sys
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from meshtrain.flops import count_flops
@@ -322,7 +325,8 @@ def pipeline_check(dry_run: bool, tol: float) -> dict:
     whole = jax.jit(backward)(residuals, y)
     d_x, cut = jax.jit(split.input_grad)(residuals, y)
     d_params = jax.jit(split.weight_grad)(residuals, cut)
-    diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / (float(jnp.max(jnp.abs(b.astype(jnp.float32)))) + 1e-30))
+    diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                     / (float(jnp.max(jnp.abs(b.astype(jnp.float32)))) + 1e-30))
                for a, b in zip(jax.tree.leaves((d_params, d_x)), jax.tree.leaves(whole)))
     flops = [count_flops(f, *args).flops for f, args in ((backward, (residuals, y)), (split.input_grad, (residuals, y)),
                                                           (split.weight_grad, (residuals, cut)))]
@@ -337,7 +341,8 @@ def pipeline_check(dry_run: bool, tol: float) -> dict:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
         proc = subprocess.run([sys.executable, "-c", PIPELINE_EQUIVALENCE], env=env, capture_output=True,
                               text=True, timeout=400)
-        worst = float(proc.stdout.split("worst")[-1]) if proc.returncode == 0 and "worst" in proc.stdout else float("nan")
+        ran = proc.returncode == 0 and "worst" in proc.stdout
+        worst = float(proc.stdout.split("worst")[-1]) if ran else float("nan")
         equal = worst <= tol
         log(f"pipeline: zb_h1 and interleaved 1F1B vs sequential on jax {jax.__version__} CPU x 8, worst rel "
             f"{worst:.2e}: {'PASS' if equal else 'FAIL ' + proc.stderr[-500:]}")

@@ -114,7 +114,7 @@ def interrupted(tmp_path_factory):
 
 @pytest.mark.slow
 def test_exact_resume_is_bit_identical(reference, interrupted):
-    run_dir, first, first_records, second = interrupted
+    run_dir, _, first_records, second = interrupted
     assert [r["step"] for r in first_records] == list(range(1, HALF + 1))
     assert second["resumed_from"] == HALF and not second["preempted"]
     assert [r["step"] for r in records(run_dir)] == list(range(1, STEPS + 1))  # appended, no gap
@@ -289,7 +289,8 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("extra, field, hints", BAD_INPUTS, ids=[b[1] + "-" + b[0][0].split("=")[1] for b in BAD_INPUTS])
+@pytest.mark.parametrize("extra, field, hints", BAD_INPUTS,
+                         ids=[b[1] + "-" + b[0][0].split("=")[1] for b in BAD_INPUTS])
 def test_bad_input(tmp_path, capsys, no_compile, extra, field, hints):
     rc = main(["--config", TINY, *overrides(tmp_path, *extra)])
     _one_line_error(rc, capsys.readouterr().err, field, *hints)

@@ -89,7 +89,7 @@ def test_sigterm_saves_and_resumes(reference, tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(lambda: _count_records(run_dir) >= 3, proc, "three logged steps")
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
+    _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
     last = stderr.strip().splitlines()[-1]
     match = re.fullmatch(r"preempted at step (\d+) \(saved to (\S+)\); resume with: (.+)", last)

@@ -187,7 +187,8 @@ def test_profile_steps_writes_a_trace_of_those_steps(tmp_path, capsys):
     assert f"profile of steps 2-3 written to {tmp_path / 'profile'}" in capsys.readouterr().err
     (xplane,) = (tmp_path / "profile").rglob("*.xplane.pb")
     (perfetto,) = (tmp_path / "profile").rglob("perfetto_trace.json.gz")
-    events = json.load(gzip.open(perfetto))["traceEvents"]
+    with gzip.open(perfetto) as stream:
+        events = json.load(stream)["traceEvents"]
     assert any("jit_step" in str(event.get("name")) for event in events) and xplane.stat().st_size > 0
 
 

@@ -18,8 +18,8 @@ from meshtrain.data.corpus import PreparedCorpus
 from meshtrain.errors import ConfigError
 from meshtrain.train import main as train_main
 
-WORDS = ("the a mesh device shard gradient layer token model batch loss step data pipeline stage "
-         "attention vocabulary parameter optimizer window document").split()
+WORDS = ["the", "a", "mesh", "device", "shard", "gradient", "layer", "token", "model", "batch", "loss", "step",
+         "data", "pipeline", "stage", "attention", "vocabulary", "parameter", "optimizer", "window", "document"]
 MODEL = ["model.vocab_size=384", "model.embed_dim=32", "model.num_layers=2", "model.num_heads=4",
          "model.num_kv_heads=2", "model.head_dim=8", "model.mlp_dim=64", "model.seq_len=32"]
 
@@ -126,7 +126,7 @@ def test_mixture_proportions_and_determinism(corpus):
 
 
 def test_one_line_errors_for_bad_corpus_input(corpus, tmp_path):
-    tok, prepared, other, text = corpus
+    _, prepared, _, text = corpus
 
     def field_of(cfg, vocab_size=384):
         with pytest.raises(ConfigError) as info:
@@ -140,7 +140,8 @@ def test_one_line_errors_for_bad_corpus_input(corpus, tmp_path):
     field, message = field_of(DataConfig(source=tokens, path=str(prepared), tokenizer=str(tmp_path / "tok2")))
     assert field == "data.tokenizer" and "another tokenizer" in message
     assert field_of(DataConfig(source=tokens, path=str(text)))[0] == "data.path"  # not a prepared dir
-    assert field_of(DataConfig(source=tokens, path=str(prepared), tokenizer=str(tmp_path / "nope")))[0] == "data.tokenizer"
+    missing_tokenizer = DataConfig(source=tokens, path=str(prepared), tokenizer=str(tmp_path / "nope"))
+    assert field_of(missing_tokenizer)[0] == "data.tokenizer"
     np.save(tmp_path / "ids.npy", np.arange(100))
     assert field_of(DataConfig(source=tokens, path=str(tmp_path / "ids.npy"), packing=Packing.DOCUMENTS))[0] \
         == "data.packing"

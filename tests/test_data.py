@@ -151,7 +151,7 @@ def test_errors(tmp_path, token_file):
 
     missing = DataConfig(source=DataSource.TOKENS, path=str(tmp_path / "x.bin"))
     assert field_of(missing) == "data.path"
-    with pytest.raises(ConfigError, match="token id 499 .* model.vocab_size 300"):
+    with pytest.raises(ConfigError, match=r"token id 499 .* model.vocab_size 300"):
         make_dataset(DataConfig(source=DataSource.TOKENS, path=npy_path), vocab_size=300, seq_len=8)
     assert field_of(DataConfig(source=DataSource.TOKENS, path=npy_path), seq_len=1000) == "data.path"
     (tmp_path / "t.txt").write_bytes(b"hello world, hello")

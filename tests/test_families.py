@@ -68,7 +68,7 @@ def test_the_model_section_is_typed_by_its_family():
     saved = to_dict(cfg)["model"]
     assert (saved["family"], saved["plugin"]) == ("toy_gpt", "toy_family")
     assert "toy_gpt" in families()
-    with pytest.raises(Exception, match="model.num_kv_heads: unknown field"):
+    with pytest.raises(Exception, match=r"model.num_kv_heads: unknown field"):
         load_config(TOY, ["model.num_kv_heads=2"])  # a Llama field, not the toy's
     assert to_dict(load_config(TINY))["model"]["family"] == "llama"  # the default
 

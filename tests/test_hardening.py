@@ -201,7 +201,8 @@ def _meta_without_mesh(step_dir):
     (_meta_config_not_a_mapping, "holds no config with a model section"),  # item 5
     (_meta_without_mesh, "holds no mesh"),  # item 5
     (lambda step_dir: (step_dir / "state" / "_METADATA").unlink(), "holds no array metadata"),  # item 5
-], ids=["flipped-array-byte", "checksum-mismatch", "meta-config-not-a-mapping", "meta-without-mesh", "state-metadata-deleted"])
+], ids=["flipped-array-byte", "checksum-mismatch", "meta-config-not-a-mapping", "meta-without-mesh",
+        "state-metadata-deleted"])
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_items3_5_damaged_checkpoints_are_unreadable_and_fall_back(two_checkpoints, tmp_path, capsys, damage,
                                                                    reason):
@@ -306,10 +307,12 @@ def _hostile_inputs(root):
         "data-path-broken-link": ["--config", TINY, *tokens[:1], f"data.path={root / 'broken.npy'}"],
         "npy-truncated": ["--config", TINY, *tokens[:1], f"data.path={write('trunc.npy', good[:200])}"],
         "npy-header-only": ["--config", TINY, *tokens[:1], f"data.path={write('header.npy', good[:128])}"],
-        "npy-random": ["--config", TINY, *tokens[:1], f"data.path={write('random.npy', np.random.default_rng(0).bytes(999))}"],
+        "npy-random": ["--config", TINY, *tokens[:1],
+                       f"data.path={write('random.npy', np.random.default_rng(0).bytes(999))}"],
         "npy-pickled": ["--config", TINY, *tokens[:1], f"data.path={root / 'pickled.npy'}"],
         "npy-float-2d": ["--config", TINY, *tokens[:1], f"data.path={root / 'float2d.npy'}"],
-        "bin-odd-size": ["--config", TINY, *tokens[:1], "data.token_dtype=uint16", f"data.path={write('odd.bin', b'abc')}"],
+        "bin-odd-size": ["--config", TINY, *tokens[:1], "data.token_dtype=uint16",
+                         f"data.path={write('odd.bin', b'abc')}"],
         "nan-learning-rate": ["--config", TINY, "optimizer.learning_rate=.nan"],
         "unknown-family": ["--config", TINY, "model.family=nope"],
         "missing-plugin": ["--config", TINY, "model.plugin=no.such.plugin"],

@@ -10,6 +10,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.rules import AxisRule, Preset, ShardingRules
@@ -61,8 +62,9 @@ FAST = [((1, 2, 2, 1), Preset.FSDP_TP_SP), ((2, 4, 1, 1), Preset.FSDP_CP_RING)]
 LAYOUTS = [layout if layout in FAST else pytest.param(*layout, marks=pytest.mark.slow) for layout in LAYOUTS]
 
 
-@pytest.mark.parametrize("mesh_shape,preset", LAYOUTS, ids=[f"{getattr(p, 'value', None) or p.name}-{'x'.join(map(str, m))}"
-                                                             for m, p in (getattr(x, "values", x) for x in LAYOUTS)])
+@pytest.mark.parametrize("mesh_shape,preset", LAYOUTS,
+                         ids=[f"{getattr(p, 'value', None) or p.name}-{'x'.join(map(str, m))}"
+                              for m, p in (getattr(x, "values", x) for x in LAYOUTS)])
 def test_loss_and_gradients_equal_one_device(reference, mesh_shape, preset):
     ref_loss, ref_grads = reference
     loss, grads = _loss_and_grads(_trainer(mesh_shape, preset))
@@ -75,12 +77,12 @@ def test_loss_and_gradients_equal_one_device(reference, mesh_shape, preset):
 def test_rules_split_the_sequence_where_each_scheme_says():
     roles = family_named("llama").axis_roles
     sp = Preset.FSDP_TP_SP.rules.completed(roles)
-    assert sp.activation_spec(("batch", "sequence", "embed")) == jax.sharding.PartitionSpec(("data", "fsdp"), "tensor", None)
+    assert sp.activation_spec(("batch", "sequence", "embed")) == P(("data", "fsdp"), "tensor", None)
     assert sp.activation_spec(("batch", "length", "heads", "head_dim")).count(None) == 2  # length whole in attention
     cp = Preset.FSDP_CP.rules.completed(roles)
     assert cp.activation_spec(("batch", "sequence", "embed")) == jax.sharding.PartitionSpec("data", "fsdp", None)
-    assert cp.activation_spec(("batch", "length", "heads", "head_dim")) == jax.sharding.PartitionSpec("data", "fsdp", None, None)
-    assert cp.activation_spec(("batch", "kv_length", "kv_heads", "head_dim")) == jax.sharding.PartitionSpec("data", None, None, None)
+    assert cp.activation_spec(("batch", "length", "heads", "head_dim")) == P("data", "fsdp", None, None)
+    assert cp.activation_spec(("batch", "kv_length", "kv_heads", "head_dim")) == P("data", None, None, None)
     assert cp.param_spec(("embed", "mlp")) == jax.sharding.PartitionSpec("fsdp", None)  # parameters stay FSDP
 
 
@@ -133,7 +135,8 @@ def test_compiled_collectives_and_activation_memory():
 def test_positions_that_do_not_divide_are_one_line_errors():
     from meshtrain.errors import ConfigError
 
-    for mesh_shape, preset, axes in (((1, 1, 4, 1), Preset.FSDP_TP_SP, "tensor=4"), ((1, 8, 1, 1), Preset.FSDP_CP, "fsdp=8")):
+    for mesh_shape, preset, axes in (((1, 1, 4, 1), Preset.FSDP_TP_SP, "tensor=4"),
+                                     ((1, 8, 1, 1), Preset.FSDP_CP, "fsdp=8")):
         with pytest.raises(ConfigError) as info:
             _trainer(mesh_shape, preset, dataclasses.replace(LONG, seq_len=34))
         assert info.value.field == "model.seq_len" and axes in info.value.message, info.value.message

@@ -220,7 +220,8 @@ _SHAPE = re.compile(r"(?:f32|bf16)\[([\d,]*)\]")
 def _gathered_expert_weights(hlo: str, cfg: MoEConfig) -> list[str]:
     """All-gathers whose result has the shape of (a layer of) an expert weight, at any TP split."""
     hidden = {cfg.expert_mlp_dim // t for t in (1, 2, 4)}
-    weights = {(cfg.num_experts, cfg.embed_dim, f) for f in hidden} | {(cfg.num_experts, f, cfg.embed_dim) for f in hidden}
+    weights = ({(cfg.num_experts, cfg.embed_dim, f) for f in hidden}
+               | {(cfg.num_experts, f, cfg.embed_dim) for f in hidden})
     found = []
     for line in hlo.splitlines():
         if " all-gather(" not in line and " all-gather-start(" not in line:

@@ -175,7 +175,8 @@ def test_load_balancing_loss_equals_transformers(hf_dirs, variant):
         router_logits = reference(torch.tensor(sequence), output_router_logits=True).router_logits
     func = sys.modules[type(reference).__module__].load_balancing_loss_func
     cfg = hf.model_config(hf.read_config(path))
-    ours_of = jax.jit(lambda logits: load_balancing_loss(route(logits[None, None], cfg.top_k, cfg.norm_topk_prob))[0, 0])
+    ours_of = jax.jit(
+        lambda logits: load_balancing_loss(route(logits[None, None], cfg.top_k, cfg.norm_topk_prob))[0, 0])
     per_layer = []
     for layer_logits in router_logits:  # [tokens, experts]
         theirs = float(func((layer_logits,), cfg.num_experts, cfg.top_k))

@@ -142,7 +142,7 @@ def test_launch_plans():
                               {"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"})
     assert launch.kwargs["coordinator_address"] == "h:1234" and launch.kwargs["process_id"] == 1
     assert launch.kwargs["heartbeat_timeout_seconds"] == 3 * 5  # JAX's backstop behind meshtrain's peer watch
-    with pytest.raises(ConfigError, match="distributed.coordinator: is not set"):
+    with pytest.raises(ConfigError, match=r"distributed.coordinator: is not set"):
         distributed.plan(distributed.DistributedConfig(num_processes=2, process_id=0), env)
     with pytest.raises(ConfigError, match="process_id: is 2, but num_processes is 2"):
         distributed.DistributedConfig(num_processes=2, process_id=2)

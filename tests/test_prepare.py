@@ -135,7 +135,7 @@ def test_verify_passes_then_catches_a_flipped_byte(corpus, tmp_path):
     data = bytearray(shard.read_bytes())
     data[3] ^= 0x01
     shard.write_bytes(bytes(data))
-    with pytest.raises(ConfigError, match="train-00002.bin: SHA-256 differs"):
+    with pytest.raises(ConfigError, match=r"train-00002.bin: SHA-256 differs"):
         PreparedCorpus.open(prepared.path).verify()
 
 
@@ -157,10 +157,10 @@ def test_val_input_is_its_own_split(corpus, tmp_path):
     expected = _expected_ids(corpus["tokenizer"], corpus["documents"])
     _check_split(prepared.split("train"), expected[:30], SHARD_TOKENS)
     _check_split(prepared.split("val"), expected[30:], SHARD_TOKENS)
-    with pytest.raises(ConfigError, match="--val-input: .*b.jsonl is also an --input file"):
+    with pytest.raises(ConfigError, match=r"--val-input: .*b.jsonl is also an --input file"):
         prepare(corpus["inputs"], corpus["tokenizer"], str(tmp_path / "both"), val_inputs=[str(root / "b.jsonl")])
     without_val = _prepare(corpus, tmp_path / "train-only").corpus
-    with pytest.raises(ConfigError, match="data.path: .* has no 'val' split .*--val-fraction or --val-input"):
+    with pytest.raises(ConfigError, match=r"data.path: .* has no 'val' split .*--val-fraction or --val-input"):
         without_val.split("val")
 
 
@@ -214,7 +214,7 @@ def test_input_errors(corpus, tmp_path):
         prepare([str(tmp_path / "bin" / "*")], corpus["tokenizer"], str(tmp_path / "out2"), progress=False)
     small = tmp_path / "small.txt"
     small.write_text("one document")
-    with pytest.raises(ConfigError, match="--val-fraction: 0.5 of 1 documents rounds down to no val document"):
+    with pytest.raises(ConfigError, match=r"--val-fraction: 0.5 of 1 documents rounds down to no val document"):
         prepare([str(small)], corpus["tokenizer"], str(tmp_path / "out3"), val_fraction=0.5, progress=False)
     no_eos = tmp_path / "no-eos.json"
     Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(no_eos))
@@ -239,8 +239,8 @@ def killing(*args):
         os.kill(os.getpid(), signal.SIGKILL)
     return result
 setattr(owner, name, killing)
-corpus.prepare([inputs], tokenizer, out, val_fraction=0.1, shard_tokens=%d, progress=False, batch_bytes=700)
-""" % (SHARD_TOKENS // 3)
+corpus.prepare([inputs], tokenizer, out, val_fraction=0.1, shard_tokens={shard_tokens}, progress=False, batch_bytes=700)
+""".replace("{shard_tokens}", str(SHARD_TOKENS // 3))
 
 
 def test_rerun_after_sigkill_writes_the_same_bytes(corpus, tmp_path, capsys):
@@ -266,7 +266,7 @@ def test_a_prepared_or_foreign_directory_is_left_alone(corpus, tmp_path):
     out = tmp_path / "out"
     _prepare(corpus, out)
     before = {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in out.iterdir()}
-    with pytest.raises(ConfigError, match="--out: .* is already prepared; remove it or choose another directory"):
+    with pytest.raises(ConfigError, match=r"--out: .* is already prepared; remove it or choose another directory"):
         _prepare(corpus, out)
     assert {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in out.iterdir()} == before
     (out / "notes.md").write_text("mine")
@@ -276,13 +276,13 @@ def test_a_prepared_or_foreign_directory_is_left_alone(corpus, tmp_path):
     foreign.mkdir()
     (foreign / "train-00000.bin").write_bytes(b"not ours")
     for overwrite in (False, True):
-        with pytest.raises(ConfigError, match="--out: .* is not empty and holds no prepared corpus"):
+        with pytest.raises(ConfigError, match=r"--out: .* is not empty and holds no prepared corpus"):
             _prepare(corpus, foreign, overwrite=overwrite)
     assert _files(foreign) == {"train-00000.bin": b"not ours"}
 
 
 def test_open_refuses_what_is_not_a_complete_corpus(corpus, tmp_path):
-    with pytest.raises(ConfigError, match="data.path: .* is not a directory"):
+    with pytest.raises(ConfigError, match=r"data.path: .* is not a directory"):
         PreparedCorpus.open(str(tmp_path / "nowhere"))
     with pytest.raises(ConfigError, match=r"not a prepared directory \(no index.json\); make one with python -m"):
         PreparedCorpus.open(str(corpus["root"]))
@@ -290,10 +290,10 @@ def test_open_refuses_what_is_not_a_complete_corpus(corpus, tmp_path):
     prepared = _prepare(corpus, out).corpus
     last = pathlib.Path(prepared.split("train").shard_paths[-1])
     last.write_bytes(last.read_bytes()[:-2])
-    with pytest.raises(ConfigError, match="train-000.*.bin has .* bytes, not .* tokens x 2"):
+    with pytest.raises(ConfigError, match=r"train-000.*.bin has .* bytes, not .* tokens x 2"):
         PreparedCorpus.open(str(out), field="eval.path")
     last.unlink()
-    with pytest.raises(ConfigError, match="eval.path: .*bin is missing"):
+    with pytest.raises(ConfigError, match=r"eval.path: .*bin is missing"):
         PreparedCorpus.open(str(out), field="eval.path")
     (out / INDEX_FILE).write_text(json.dumps({"format": "other/2"}))
     with pytest.raises(ConfigError, match="has format 'other/2'"):
@@ -316,7 +316,7 @@ def test_train_tokenizer_is_deterministic_and_round_trips(corpus, tmp_path):
         assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False).ids) == text
     with pytest.raises(ConfigError, match="--vocab-size: must be at least 257"):
         train_bpe(["text"], 256, tmp_path / "small")
-    with pytest.raises(ConfigError, match="--out: .* already has a tokenizer.json"):
+    with pytest.raises(ConfigError, match=r"--out: .* already has a tokenizer.json"):
         train_bpe(["text"], 300, tmp_path / "one")
     assert paths[0].read_bytes() == paths[1].read_bytes()  # the refused run left it as it was
     replaced = train_bpe(["other text " * 50], 300, tmp_path / "one", overwrite=True)

@@ -91,7 +91,7 @@ def test_broken_tables_name_the_first_task_that_cannot_run():
 
 def test_user_table_json_errors_name_the_field():
     from meshtrain.errors import ConfigError
-    with pytest.raises(ConfigError, match="pipeline.table"):
+    with pytest.raises(ConfigError, match=r"pipeline.table"):
         ScheduleTable.from_json('{"stages": 2, "ticks": []}')
-    with pytest.raises(ConfigError, match="pipeline.table"):
+    with pytest.raises(ConfigError, match=r"pipeline.table"):
         ScheduleTable.from_json("not json")

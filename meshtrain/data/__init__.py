@@ -29,7 +29,8 @@ import math
 import os
 import stat
 import sys
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 import grain
 import jax

@@ -26,7 +26,8 @@ import os
 import pathlib
 import re
 import time
-from typing import BinaryIO, Callable, Iterator, Sequence
+from typing import BinaryIO
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -203,7 +204,7 @@ class _SplitWriter:
 
     def _write(self, tokens: np.ndarray, ends: np.ndarray) -> None:
         if self._stream is None:
-            self._stream = open(self.out / f"{self._name()}.bin.tmp", "wb")
+            self._stream = open(self.out / f"{self._name()}.bin.tmp", "wb")  # noqa: SIM115 - closed by commit
         data = np.ascontiguousarray(tokens, self.dtype).data
         self._stream.write(data)
         self._hash.update(data)
@@ -270,7 +271,7 @@ class PrepareReport:
     """What ``prepare`` wrote, and the seconds spent on each split (a batch's time shared by its
     text bytes)."""
 
-    corpus: "PreparedCorpus"
+    corpus: PreparedCorpus
     seconds: dict[str, float]
 
 
@@ -504,7 +505,7 @@ class PreparedCorpus:
     splits: dict[str, CorpusSplit]
 
     @classmethod
-    def open(cls, path: str, field: str = "data.path") -> "PreparedCorpus":
+    def open(cls, path: str, field: str = "data.path") -> PreparedCorpus:
         """Reads ``path/index.json`` and checks that every shard is there with the size it should
         have (not its hash: see ``verify``); a one-line ``ConfigError(field)`` otherwise."""
         directory = pathlib.Path(path).absolute()

@@ -18,6 +18,6 @@ def commit_file(stream: BinaryIO, path: pathlib.Path) -> None:
 
 def write_file(path: pathlib.Path, data: bytes) -> None:
     """``data`` as the whole content of ``path``, through ``path.tmp``."""
-    stream = open(f"{path}.tmp", "wb")
+    stream = open(f"{path}.tmp", "wb")  # noqa: SIM115 - commit_file closes it
     stream.write(data)
     commit_file(stream, path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
-from typing import Iterable
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -35,7 +35,7 @@ def load_tokenizer(path: str | pathlib.Path, field: str) -> Tokenizer:
         raise ConfigError(field, f"{where}; give a Hugging Face tokenizer.json or a directory holding one")
     try:
         return Tokenizer.from_file(str(file))
-    except Exception as err:  # the Rust side raises plain Exception for every parse failure
+    except Exception as err:  # noqa: BLE001 - the Rust side raises plain Exception for every parse failure
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(field, f"{file} is not a Hugging Face tokenizer.json ({reason[:120]})") from None
 

@@ -7,7 +7,8 @@ moves no data. The gradient accumulator stays in the parameters' sharding (FSDP 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

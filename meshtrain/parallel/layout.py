@@ -55,7 +55,7 @@ class ParallelPlan:
     @classmethod
     def of(cls, model: Any, mesh_shape: Mapping[str, int], rules: ShardingRules, train: TrainConfig,
            pipeline: PipelineConfig = PipelineConfig(), zero: ZeroConfig = ZeroConfig(),
-           offload: OffloadConfig = OffloadConfig(), abstract_params: nnx.State | None = None) -> "ParallelPlan":
+           offload: OffloadConfig = OffloadConfig(), abstract_params: nnx.State | None = None) -> ParallelPlan:
         if abstract_params is None:
             abstract_params = abstract_model(model)[1]
         return cls(model, abstract_params, {axis: int(mesh_shape[axis]) for axis in MESH_AXES}, rules, train,

@@ -29,7 +29,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import pathlib
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -191,22 +192,22 @@ class LayerOrder:
     num_layers: int = 1
 
     @classmethod
-    def of_run(cls, stages: int, cfg: PipelineConfig, num_layers: int) -> "LayerOrder":
+    def of_run(cls, stages: int, cfg: PipelineConfig, num_layers: int) -> LayerOrder:
         """The storage order a run with ``stages`` pipeline stages and ``cfg`` uses."""
         return cls(stages, cfg.chunks_per_stage if stages > 1 else 1, num_layers)
 
     @classmethod
-    def of_config(cls, config: dict, stages: int) -> "LayerOrder":
+    def of_config(cls, config: dict, stages: int) -> LayerOrder:
         """The storage order of a run on ``stages`` stages from its saved config (a plain
         ``{section: {field: value}}`` mapping, as checkpoints record it)."""
         virtual = int(config.get("pipeline", {}).get("virtual_stages", 1)) if stages > 1 else 1
         return cls(stages, virtual, int(config["model"]["num_layers"]))
 
-    def same_permutation(self, other: "LayerOrder") -> bool:
+    def same_permutation(self, other: LayerOrder) -> bool:
         """Whether both store every layer at the same index (e.g. GPipe and no pipeline)."""
         return np.array_equal(self.storage_of_logical, other.storage_of_logical)
 
-    def convert(self, tree: Any, target: "LayerOrder") -> Any:
+    def convert(self, tree: Any, target: LayerOrder) -> Any:
         """``tree`` (params, or any tree holding parameter-like States such as Adam's moments)
         stored in this order -> stored in ``target``'s order."""
         if self.same_permutation(target):
@@ -334,7 +335,7 @@ class _ChunkProgram:
 
     @classmethod
     def trace(cls, stage_forward: Callable, layers: Any, rest: nnx.State, x: jax.Array, documents: Any,
-              train: bool) -> "_ChunkProgram":
+              train: bool) -> _ChunkProgram:
         """``stage_forward(layers, rest, x, documents) -> ((y, aux loss), aux)`` traced on example
         values (of this trace: they keep its stage-varying types)."""
         closure_tree = []
@@ -373,7 +374,8 @@ class _ChunkProgram:
 
     def run_forward(self, layers, rest, x, documents):
         """((y, aux loss), aux, the residuals to stash)."""
-        flat = jax.core.eval_jaxpr(self.forward.jaxpr, self.forward.consts, *jax.tree.leaves((layers, rest, x, documents)))
+        flat = jax.core.eval_jaxpr(self.forward.jaxpr, self.forward.consts,
+                                   *jax.tree.leaves((layers, rest, x, documents)))
         outputs, aux, residuals = jax.tree.unflatten(self.out_tree, flat)
         return outputs, aux, [residuals[i] for i in self.stash_positions]
 
@@ -442,7 +444,8 @@ def run_table(table: ScheduleTable, mesh: Mesh, model_of: ModelOf, objective: Ob
             cotangent = (x_example, _stage_varying(jnp.zeros((), jnp.float32)))
             split = split_backward(backward, (example_stash, chunk_layers(0), rest_c), cotangent)
 
-        zeros = lambda shapes, lead=(): jax.tree.map(lambda s: _stage_varying(jnp.zeros(lead + s.shape, s.dtype)), shapes)
+        zeros = lambda shapes, lead=(): jax.tree.map(
+            lambda s: _stage_varying(jnp.zeros(lead + s.shape, s.dtype)), shapes)
         carry = dict(inputs=zeros(x_shape, (sizes.inputs,)), gradients=zeros(x_shape, (sizes.gradients,)),
                      stash=zeros(list(stash_shapes), (sizes.stash,)),
                      cut=zeros(list(split.cut_shapes) if split else [], (sizes.cut,)),
@@ -501,7 +504,8 @@ def run_table(table: ScheduleTable, mesh: Mesh, model_of: ModelOf, objective: Ob
 
             def compute():
                 stash = [_read(b, stash_slot) for b in carry["stash"]]
-                cotangent = (_read(carry["gradients"], task[f"{w}_gradient"]), _stage_varying(jnp.ones((), jnp.float32)))
+                cotangent = (_read(carry["gradients"], task[f"{w}_gradient"]),
+                             _stage_varying(jnp.ones((), jnp.float32)))
                 if work is Work.BACKWARD:
                     d_layers, dx = backward((stash, chunk_layers(v), rest_c), cotangent)
                     return d_layers, dx, []

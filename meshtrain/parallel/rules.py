@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Mapping
+from collections.abc import Mapping
 
 from jax.sharding import PartitionSpec
 
@@ -114,7 +114,7 @@ class ShardingRules:
                                       f"mesh axes {repeated} appear more than once; a mesh axis "
                                       "may split a dimension only once")
 
-    def completed(self, axis_roles: Mapping[str, AxisRole]) -> "ShardingRules":
+    def completed(self, axis_roles: Mapping[str, AxisRole]) -> ShardingRules:
         """These rules for a family with ``axis_roles``: each family axis the table does not name
         gets the rule of its role (EXPERT_ROWS: the batch's activation axes that the EXPERT axes do
         not use). A table row for an axis the family does not have is an error."""
@@ -162,7 +162,7 @@ class ShardingRules:
             entries.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
         return PartitionSpec(*entries)
 
-    def overridden(self, overrides: Mapping[str, AxisRule]) -> "ShardingRules":
+    def overridden(self, overrides: Mapping[str, AxisRule]) -> ShardingRules:
         """These rules with some logical axes' rules replaced (``name`` gains a ``+``)."""
         if not overrides:
             return self
@@ -213,8 +213,9 @@ PRESETS: dict[Preset, ShardingRules] = {
                                                     **TENSOR_PARALLEL, **SEQUENCE_PARALLEL},
                                      {**TENSOR_PARALLEL_ROLES, **EXPERT_PARALLEL_ROLES}),
     Preset.FSDP_CP: ShardingRules("fsdp_cp", {**REPLICATED, **FULLY_SHARDED, **CONTEXT_PARALLEL}, CONTEXT_EXPERT_ROLES),
-    Preset.FSDP_TP_CP: ShardingRules("fsdp_tp_cp", {**REPLICATED, **FULLY_SHARDED, **TENSOR_PARALLEL,
-                                                    **CONTEXT_PARALLEL}, {**TENSOR_PARALLEL_ROLES, **CONTEXT_EXPERT_ROLES}),
+    Preset.FSDP_TP_CP: ShardingRules("fsdp_tp_cp",
+                                     {**REPLICATED, **FULLY_SHARDED, **TENSOR_PARALLEL, **CONTEXT_PARALLEL},
+                                     {**TENSOR_PARALLEL_ROLES, **CONTEXT_EXPERT_ROLES}),
     Preset.FSDP_CP_RING: ShardingRules("fsdp_cp_ring", {**REPLICATED, **FULLY_SHARDED, **CONTEXT_PARALLEL, **RING},
                                        CONTEXT_EXPERT_ROLES),
 }

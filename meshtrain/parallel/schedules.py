@@ -126,7 +126,7 @@ class ScheduleTable:
         compile to one loop body."""
         return tuple(slot.work for slot in self.ticks[tick]), self.head_microbatch(tick) is not None
 
-    def forward_only(self) -> "ScheduleTable":
+    def forward_only(self) -> ScheduleTable:
         """The forwards alone (evaluation): ticks without a forward slot dropped."""
         ticks = tuple(tuple(s for s in tick if s.work is Work.FORWARD) for tick in self.ticks)
         return dataclasses.replace(self, ticks=tuple(t for t in ticks if t))
@@ -238,7 +238,7 @@ class ScheduleTable:
                     found.append(f"F of microbatch {m} on logical chunk {c} never runs")
                 whole = (Work.BACKWARD, m, c) in done
                 halves = [(w, m, c) in done for w in (Work.INPUT_GRAD, Work.WEIGHT_GRAD)]
-                if trains and not (whole and not any(halves) or all(halves) and not whole):
+                if trains and not ((whole and not any(halves)) or (all(halves) and not whole)):
                     found.append(f"microbatch {m} on logical chunk {c} needs exactly one B, or one I and one W")
         return found
 
@@ -259,7 +259,8 @@ class ScheduleTable:
                  "receive_input", "receive_gradient", "head_gradient"]
         names += [f"{w.value}_{what}" for w in Work for what in ("microbatch", "chunk")]
         fields = {name: np.full((ticks, stages), -1, np.int32) for name in names}
-        free: dict[str, list[set[int]]] = {b: [set() for _ in range(stages)] for b in ("inputs", "gradients", "stash", "cut")}
+        free: dict[str, list[set[int]]] = {b: [set() for _ in range(stages)]
+                                           for b in ("inputs", "gradients", "stash", "cut")}
         size = dict.fromkeys(free, 0)
         held: dict[tuple[str, int, int, int], int] = {}  # (buffer, stage, microbatch, logical) -> slot
 
@@ -320,7 +321,7 @@ class ScheduleTable:
                            "ticks": ticks})
 
     @classmethod
-    def from_json(cls, text: str, field: str = "pipeline.table") -> "ScheduleTable":
+    def from_json(cls, text: str, field: str = "pipeline.table") -> ScheduleTable:
         try:
             data = json.loads(text)
             ticks = tuple(tuple(Slot(Work(s["work"]), tuple(None if x is None else Task(int(x[0]), int(x[1]))

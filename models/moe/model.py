@@ -333,7 +333,8 @@ class SparseMoE(nnx.Module):
         logits = jnp.einsum("bnsd,de->bnse", grouped.astype(jnp.float32), self.router[...].astype(jnp.float32))
         routing = route(shard(logits, ("batch", None, None, "expert_logits")), cfg.top_k, cfg.norm_topk_prob)
         kept = routing.chosen * (routing.slot < slots)
-        dispatch = jax.nn.one_hot(routing.slot.astype(jnp.int32), slots, dtype=x.dtype) * kept[..., None].astype(x.dtype)
+        dispatch = (jax.nn.one_hot(routing.slot.astype(jnp.int32), slots, dtype=x.dtype)
+                    * kept[..., None].astype(x.dtype))
         combine = dispatch * routing.weights[..., None].astype(x.dtype)  # [b, n, s, E, C]
         # Batch-split, then experts-split: the reshard between them is the all-to-all.
         expert_in = shard(matmul("bnsd,bnsec->ebncd", grouped, dispatch), ROW_AXES)
