@@ -186,18 +186,18 @@ def _row(rank: str, est: Estimate, verdict: str) -> list[str]:
             f"{est.bubble:.1%}" if piped else "-", str(est.in_flight) if piped else "-",
             "yes" if lay.offload else "-", _gb(est.params), _gb(est.grads),
             _gb(est.offload_transient) + "*" if lay.offload else _gb(est.optimizer),
-            _gb(est.activations), _gb(est.temporaries + est.batch), _gb(est.total),
+            _gb(est.activations), _gb(est.temporaries + est.batch), _gb(est.update), _gb(est.total),
             _gb(est.optimizer_host) if lay.offload else "-", f"{est.step_s:.3g}", f"{est.compute_s:.3g}",
             f"{sum(est.comm_s.values()):.3g}", verdict]
 
 
 HEADER = ["#", "mesh d,f,t,s", "zero", "remat", "mb", "bubble", "flight", "offl", "params", "grads", "optim",
-          "activ", "temps", "total GB", "host GB", "step s", "comp s", "comm s", "verdict"]
+          "activ", "temps", "update", "total GB", "host GB", "step s", "comp s", "comm s", "verdict"]
 
 
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) if i not in (1, 3, 18) else c.ljust(w)
+    return "\n".join("  ".join(c.rjust(w) if i not in (1, 3, 19) else c.ljust(w)
                                for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows)
 
 
@@ -218,7 +218,9 @@ def format_plan(plan: Plan, top: int, show_infeasible: int) -> str:
              f"layouts: {len(plan.estimates)} enumerated, {len(fit)} fit, {len(big)} need too much memory, "
              f"{len(broken)} cannot be built",
              "per device, GB (temps = compute copy, gathered weights, one layer's working set, logits, batch;"
-             " optim* = offloaded, only one leaf's moments on the device during the update):",
+             " update = gradients, new moments and Adam directions held until the non-finite check, after"
+             " the activations are dead; optim* = offloaded, only one leaf's moments on the device during"
+             " the update):",
              ""]
     rows = [HEADER] + [_row(str(i + 1), e, "fits" if e.reliable else "fits?") for i, e in enumerate(fit[:top])]
     rows += [_row("-", e, "; ".join(plan.problems(e))) for e in big[:show_infeasible]]
