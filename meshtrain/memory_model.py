@@ -121,7 +121,6 @@ class Estimate:
     grads: int = 0
     optimizer: int = 0  # resting on the device (0 when offloaded)
     optimizer_host: int = 0
-    offload_transient: int = 0  # offloaded: one stacked leaf's moments on the device during the update
     activations: int = 0  # kept for the backward pass
     temporaries: int = 0  # compute copy, gathered weights, one layer's working set, logits
     update: int = 0  # the update phase: gradients, new moments and Adam directions until the guard decides
@@ -150,9 +149,9 @@ class Estimate:
     @property
     def temp_bytes(self) -> int:
         """XLA's temp bytes: everything the step allocates besides arguments and outputs. The compute
-        copy, activations and temporaries are dead by the time the update runs (the guarded update,
-        or an offloaded leaf's moments brought in), so the phases share memory."""
-        return max(self.grads + max(self.activations + self.temporaries, self.offload_transient), self.update)
+        copy, activations and temporaries are dead by the time the guarded update runs, so the two
+        phases share memory."""
+        return max(self.grads + self.activations + self.temporaries, self.update)
 
     @property
     def reliable(self) -> bool:
@@ -198,7 +197,6 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
     zero = layout.zero
     p_local = g_local = o_local = 0.0
     layer_full = 0.0  # one layer's ZeRO-sharded weights as gathered for compute
-    largest = 0.0
     zero_sharded_total = 0.0  # of which the parameters the ZeRO axis shards (gathered, reduce-scattered)
     zero_sharded_local = 0.0  # the same parameters' elements as stored on the device (their shards)
     fsdp_reduced = data_reduced = 0.0  # gradient elements per device reduced over fsdp / over data
@@ -212,7 +210,6 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
         sharded, p, g, o, c = (size / math.prod(plan.ways(specs[path].get_value())) for specs in flat)
         compute_axes = {axis for entry in flat[-1][path].get_value() for axis in mesh_axes_of(entry)}
         p_local, g_local, o_local = p_local + p, g_local + g, o_local + o
-        largest = max(largest, o)
         fsdp_reduced += c if ZERO_AXIS not in compute_axes else 0.0
         data_reduced += g if "data" not in compute_axes else 0.0
         if sharded < c:
@@ -224,7 +221,6 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
     est.grads = round(FP32 * g_local)
     if layout.offload:
         est.optimizer_host = round(2 * FP32 * o_local)
-        est.offload_transient = round(2 * 2 * FP32 * largest)  # one leaf's mu+nu in, and the new ones
     else:
         est.optimizer = round(2 * FP32 * o_local)
     # The guard selects between the old state and the new one for every leaf at once, so the

@@ -185,7 +185,7 @@ def _row(rank: str, est: Estimate, verdict: str) -> list[str]:
     return [rank, lay.label(), str(lay.zero), lay.remat.value, str(lay.microbatches) if lay.stage > 1 else "-",
             f"{est.bubble:.1%}" if piped else "-", str(est.in_flight) if piped else "-",
             "yes" if lay.offload else "-", _gb(est.params), _gb(est.grads),
-            _gb(est.offload_transient) + "*" if lay.offload else _gb(est.optimizer),
+            _gb(est.optimizer),
             _gb(est.activations), _gb(est.temporaries + est.batch), _gb(est.update), _gb(est.total),
             _gb(est.optimizer_host) if lay.offload else "-", f"{est.step_s:.3g}", f"{est.compute_s:.3g}",
             f"{sum(est.comm_s.values()):.3g}", verdict]
@@ -219,8 +219,7 @@ def format_plan(plan: Plan, top: int, show_infeasible: int) -> str:
              f"{len(broken)} cannot be built",
              "per device, GB (temps = compute copy, gathered weights, one layer's working set, logits, batch;"
              " update = gradients, new moments and Adam directions held until the non-finite check, after"
-             " the activations are dead; optim* = offloaded, only one leaf's moments on the device during"
-             " the update):",
+             " the activations are dead; optim = resting on the device, host GB = offloaded):",
              ""]
     rows = [HEADER] + [_row(str(i + 1), e, "fits" if e.reliable else "fits?") for i, e in enumerate(fit[:top])]
     rows += [_row("-", e, "; ".join(plan.problems(e))) for e in big[:show_infeasible]]
