@@ -7,7 +7,8 @@
 2. throughput: a ~1B Llama (configs/llama_1b.yaml: bf16, seq 2048) on one device with cuDNN fused
    attention and the recommended XLA flags (meshtrain/xla_flags.py). The remat policy and batch are
    the first candidate whose compiled footprint (XLA memory_analysis) fits 90 % of the device's
-   memory; prints step time, tokens/s, TFLOP/s and MFU.
+   memory; prints step time, tokens/s, TFLOP/s and MFU, and the planner's temp estimate of that
+   layout (``meshtrain.plan``: its guarded-update phase and the rest) beside this compiler's temp.
 3. offload: the same model with ``offload.optimizer=true model.remat=offload``: memory_analysis
    (device and host bytes) and the step time.
 4. checkpoint: the tiny state after one step saved (per-array checksums computed on the device) and
@@ -358,6 +359,23 @@ def fits(compiled, limit: int | None) -> tuple[bool, int]:
     return (limit is None or need <= limit), need
 
 
+def planner_estimate(cfg, xla_temp: int) -> dict:
+    """``meshtrain.plan``'s temp estimate of ``cfg``'s one-device layout beside ``xla_temp``, the
+    compiled step's (on a GPU: whether XLA:GPU holds the guarded update phase as XLA:CPU does)."""
+    from meshtrain import plan as planner
+
+    plan = planner.make_plan(cfg, 1, float(1 << 50), meshes=[(1, 1, 1, 1)], zero_stages=[cfg.zero.stage],
+                             remats=[cfg.model.remat])
+    (est,) = plan.estimates
+    out = {"estimate_temp_bytes": est.temp_bytes, "estimate_update_bytes": est.update,
+           "estimate_backward_bytes": est.grads + est.activations + est.temporaries, "xla_temp_bytes": xla_temp,
+           "error": (est.temp_bytes - xla_temp) / xla_temp if xla_temp else None, "reasons": est.reasons}
+    log(f"planner: temp {est.temp_bytes / 2**30:.3g} GiB estimated (update phase {est.update / 2**30:.3g}, "
+        f"backward {out['estimate_backward_bytes'] / 2**30:.3g}) against {xla_temp / 2**30:.3g} GiB compiled"
+        + (f" ({out['error']:+.1%})" if out["error"] is not None else ""))
+    return out
+
+
 def throughput(load_config, bench, args, limit: int | None, attention: str) -> dict:
     """The ~1B model on one device: first fitting (remat, batch), then timed steps."""
     import jax
@@ -377,6 +395,7 @@ def throughput(load_config, bench, args, limit: int | None, attention: str) -> d
         if ok:
             result = bench.run(cfg, steps=args.steps, prepared=prepared)
             result.update(remat=remat, batch_size=batch)
+            result["planner"] = planner_estimate(cfg, result["memory_per_device"]["temp_bytes"])
             mfu = result["mfu"]
             log(f"1B: {result['parameters'] / 1e9:.2f}B params, remat={remat}, batch {batch} x "
                 f"{cfg.model.seq_len}: step {result['step_time_s_median'] * 1e3:.1f} ms, "

@@ -121,6 +121,9 @@ def test_gpu_check_dry_run():
     report = json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("json: "))
     assert report["dry_run"] and report["loss_check"]["passed"]
     assert report["throughput"]["tokens_per_sec"] > 0 and "mfu" in report["throughput"]
+    planned = report["throughput"]["planner"]
+    assert planned["xla_temp_bytes"] > 0 and not planned["reasons"]
+    assert planned["estimate_temp_bytes"] == max(planned["estimate_update_bytes"], planned["estimate_backward_bytes"])
     assert "host_temp_bytes" in report["offload"]["memory_per_device"]
     assert report["checkpoint"]["passed"] and report["checkpoint"]["bit_equal"]
     assert report["ring_tiles"]["passed"] and report["ring_tiles"]["grads_rel_l2"][0] < 2e-5
