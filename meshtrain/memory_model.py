@@ -18,7 +18,8 @@ cannot disagree on what runs or how it is split (see docs/memory.md for the deri
   (by ``model.remat``), one layer's working set, and the logits' working set. The update phase
   follows, after the activations are dead: the step keeps the old state unless the whole update is
   finite (``Trainer.step``), so until that check every leaf's fp32 gradient, new moments and Adam
-  direction are held, ``16 B`` per local optimizer element (``Estimate.update``); the temp bytes
+  direction are held, 4 B per local gradient and 12 B per local optimizer element
+  (``Estimate.update``); the temp bytes
   are the larger of the two phases.
 
 Activation bytes per token and layer are the model family's (``ModelFamily.activation_bytes``),
