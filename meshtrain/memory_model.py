@@ -19,8 +19,7 @@ cannot disagree on what runs or how it is split (see docs/memory.md for the deri
   follows, after the activations are dead: the step keeps the old state unless the whole update is
   finite (``Trainer.step``), so until that check every leaf's fp32 gradient, new moments and Adam
   direction are held, 4 B per local gradient and 12 B per local optimizer element
-  (``Estimate.update``); the temp bytes
-  are the larger of the two phases.
+  (``Estimate.update``); the temp bytes are the larger of the two phases.
 
 Activation bytes per token and layer are the model family's (``ModelFamily.activation_bytes``),
 scaled by coefficients fitted to XLA:CPU's ``memory_analysis`` (fp32) of the real train step
