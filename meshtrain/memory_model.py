@@ -147,11 +147,16 @@ class Estimate:
         return self.params + self.optimizer + self.optimizer_host + STATE_SCALAR_BYTES
 
     @property
+    def backward_bytes(self) -> int:
+        """The backward phase's temp bytes: gradients, kept activations and temporaries."""
+        return self.grads + self.activations + self.temporaries
+
+    @property
     def temp_bytes(self) -> int:
         """XLA's temp bytes: everything the step allocates besides arguments and outputs. The compute
         copy, activations and temporaries are dead by the time the guarded update runs, so the two
         phases share memory."""
-        return max(self.grads + self.activations + self.temporaries, self.update)
+        return max(self.backward_bytes, self.update)
 
     @property
     def reliable(self) -> bool:

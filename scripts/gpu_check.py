@@ -368,7 +368,7 @@ def planner_estimate(cfg, xla_temp: int) -> dict:
                              remats=[cfg.model.remat])
     (est,) = plan.estimates
     out = {"estimate_temp_bytes": est.temp_bytes, "estimate_update_bytes": est.update,
-           "estimate_backward_bytes": est.grads + est.activations + est.temporaries, "xla_temp_bytes": xla_temp,
+           "estimate_backward_bytes": est.backward_bytes, "xla_temp_bytes": xla_temp,
            "error": (est.temp_bytes - xla_temp) / xla_temp if xla_temp else None, "reasons": est.reasons}
     log(f"planner: temp {est.temp_bytes / 2**30:.3g} GiB estimated (update phase {est.update / 2**30:.3g}, "
         f"backward {out['estimate_backward_bytes'] / 2**30:.3g}) against {xla_temp / 2**30:.3g} GiB compiled"
