@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
@@ -30,10 +31,17 @@ class OptimizerConfig:
             raise ConfigError("learning_rate", f"must be > 0, got {self.learning_rate}")
         if self.warmup_steps < 0:
             raise ConfigError("warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        for name in ("min_lr_ratio", "b1", "b2"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(name, f"must be in [0, 1], got {getattr(self, name)}")
-        for name in ("eps", "weight_decay", "clip_norm"):
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        # b1 or b2 of 1 divides by 0 in Adam's bias correction, eps of 0 makes 0 / 0 of a parameter
+        # whose gradient and moments are 0: a non-finite update from finite gradients.
+        for name in ("b1", "b2"):  # the step computes in fp32, where 1 - 1e-9 is 1
+            if not (getattr(self, name) >= 0 and np.float32(getattr(self, name)) < 1):
+                raise ConfigError(name, f"must be in [0, 1) as a 32-bit float (at most 0.99999994), "
+                                        f"got {getattr(self, name)}")
+        if not self.eps > 0:
+            raise ConfigError("eps", f"must be > 0, got {self.eps}")
+        for name in ("weight_decay", "clip_norm"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
 

@@ -218,8 +218,9 @@ def format_plan(plan: Plan, top: int, show_infeasible: int) -> str:
              f"layouts: {len(plan.estimates)} enumerated, {len(fit)} fit, {len(big)} need too much memory, "
              f"{len(broken)} cannot be built",
              "per device, GB (temps = compute copy, gathered weights, one layer's working set, logits, batch;"
-             " update = gradients, new moments and Adam directions held until the non-finite check, after"
-             " the activations are dead; optim = resting on the device, host GB = offloaded):",
+             " update = an offloaded optimizer state's moments on the device during the update, after the"
+             " activations are dead (the update is in place otherwise); optim = resting on the device,"
+             " host GB = offloaded):",
              ""]
     rows = [HEADER] + [_row(str(i + 1), e, "fits" if e.reliable else "fits?") for i, e in enumerate(fit[:top])]
     rows += [_row("-", e, "; ".join(plan.problems(e))) for e in big[:show_infeasible]]

@@ -7,8 +7,9 @@ Bad input prints one ``error: field: what is wrong`` line and exits 2.
 
 A run resumes from the latest complete checkpoint in ``run.dir/checkpoints`` (see
 ``meshtrain/checkpoint.py``). SIGTERM/SIGINT finish the current step, save, and exit 0 with one line
-saying how to resume. With ``train.on_nonfinite=stop`` a non-finite loss, gradient norm or update saves
-the last good state and exits 3.
+saying how to resume. With ``train.on_nonfinite=stop`` a non-finite loss or gradient norm saves the
+last good state and exits 3; a step that leaves non-finite parameters or moments exits 3 under either
+policy, its state not saved.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from meshtrain.parallel.pipeline import LayerOrder
 from meshtrain.parallel.sharding import parameter_table, replicated_parameters
 from meshtrain.run_lock import RunLock
 from meshtrain.train_config import NonFinitePolicy
-from meshtrain.trainer import Trainer
+from meshtrain.trainer import Metrics, Trainer
 from models.api import family_of
 from meshtrain.xla_flags import apply_recommended
 
@@ -94,7 +95,8 @@ def _log(message: str) -> None:
 
 
 class NonFiniteStop(Exception):
-    """``train.on_nonfinite=stop`` met a non-finite loss or gradient norm (exit status 3)."""
+    """A non-finite step stops the run (exit status 3): ``train.on_nonfinite=stop`` met a non-finite
+    loss or gradient norm, or (under either policy) an update left non-finite parameters or moments."""
 
 
 EXIT_NONFINITE = 3
@@ -265,24 +267,40 @@ class _Saver:
         by_time = minutes > 0 and _any_process(time.monotonic() - self.last_time >= minutes * 60)
         return self.checkpoints is not None and ((every > 0 and done % every == 0) or by_time)
 
-    def save(self, done: int, state) -> pathlib.Path | None:
+    def save(self, done: int, state, metrics: Metrics) -> pathlib.Path | None:
+        """Saves the state after step ``done`` (``metrics``: that step's) unless it is not finite."""
         if self.checkpoints is None:
             return None
         if self.last_step != done:
+            self.check_applied(done, metrics)
             self.checkpoints.save(done, state, checkpoint_meta(
                 step=done, config=self.config_dict, mesh=self.mesh, batch_size=self.cfg.train.batch_size,
                 data_seed=self.cfg.data.seed, train_seed=self.cfg.train.seed))
             self.last_time, self.last_step = time.monotonic(), done
         return self.checkpoints.path(done)
 
-    def save_before_stopping(self, done: int, state, what: str) -> str:
+    def save_before_stopping(self, done: int, state, metrics: Metrics, what: str) -> str:
         """Saves step ``done`` and waits for it: ``"<what> was saved to PATH"`` for the one line the
         run stops with (or that nothing was saved)."""
-        path = self.save(done, state)
+        path = self.save(done, state, metrics)
         if path is None:
             return "nothing was saved (checkpoint.enabled=false)"
         self.checkpoints.wait()
         return f"{what} was saved to {path}"
+
+    def check_applied(self, done: int, metrics: Metrics) -> None:
+        """NonFiniteStop, with nothing saved, when step ``done`` left a non-finite parameter or
+        moment (waits for that step). Its loss and gradients were finite, so the update was applied
+        in place: the optimizer's arithmetic overflowed. The value is replicated, so every process
+        takes the same branch."""
+        if bool(jax.device_get(metrics["state_finite"])):
+            return
+        steps = [] if self.checkpoints is None else self.checkpoints.steps()
+        kept = (f"the newest checkpoint, {self.checkpoints.path(steps[-1])}, holds the last good state"
+                if steps else "no checkpoint was saved")
+        raise NonFiniteStop(f"step {done} left non-finite parameters or optimizer moments from a finite loss "
+                            f"and gradients (the optimizer's arithmetic overflowed: check the optimizer.* "
+                            f"values); its state was not saved and {kept}")
 
 
 def _restore_from(cfg: Config, trainer: Trainer, config: dict) -> Restored:
@@ -353,9 +371,8 @@ def _initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | 
 
 
 def _nonfinite(metrics: dict[str, jax.Array]) -> dict[str, float]:
-    """The non-finite ones among a step's loss, gradient norm and update norm (blocks until the step
-    is done)."""
-    keys = ("loss", "grad_norm", "update_norm")
+    """The non-finite ones among a step's loss and gradient norm (blocks until the step is done)."""
+    keys = ("loss", "grad_norm")
     values = jax.device_get({key: metrics[key] for key in keys})
     return {key: float(values[key]) for key in keys if not math.isfinite(values[key])}
 
@@ -372,7 +389,8 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
 
     Raises:
       ConfigError: bad input, found before anything is compiled.
-      NonFiniteStop: ``train.on_nonfinite=stop`` met a non-finite loss or gradient norm.
+      NonFiniteStop: ``train.on_nonfinite=stop`` met a non-finite loss or gradient norm, or a step
+        left non-finite parameters or moments (nothing of it saved).
     """
     mesh = make_mesh(cfg.mesh, devices)
     if jax.process_count() > 1:
@@ -429,9 +447,9 @@ def _hold(run_dir: pathlib.Path) -> RunLock:
     return lock
 
 
-def _stopped_by(err: DataChanged, saver: _Saver, done: int, state) -> ConfigError:
+def _stopped_by(err: DataChanged, saver: _Saver, done: int, state, metrics: Metrics) -> ConfigError:
     """Saves the state after step ``done`` and returns the one-line error to stop with."""
-    where = saver.save_before_stopping(done, state, f"the state after step {done}")
+    where = saver.save_before_stopping(done, state, metrics, f"the state after step {done}")
     return ConfigError(err.field, f"{err.message}; {where}; restore the file and resume")
 
 
@@ -478,7 +496,7 @@ def _run(cfg: Config, trainer: Trainer, dataset, evaluator: Evaluator | None, me
                              peak_tflops=peak_bf16_tflops(devices[0].device_kind), start=start)
     saver = _Saver(cfg, checkpoints, mesh)
     stop_on_nonfinite = cfg.train.on_nonfinite is NonFinitePolicy.STOP
-    previous, saved, preempted, eval_metrics = None, None, False, {}
+    previous, unchecked, saved, preempted, eval_metrics = None, None, None, False, {}
     with contextlib.ExitStack() as on_exit:
         # Idempotent: the normal path closes it with the summary first; an error path writes
         # summary.json marked as stopped, and prints no normal-looking summary.
@@ -494,16 +512,19 @@ def _run(cfg: Config, trainer: Trainer, dataset, evaluator: Evaluator | None, me
                 try:
                     batch = global_batch(dataset, done, batch_size, trainer.batch_sharding)  # overlaps step
                 except DataChanged as err:
-                    raise _stopped_by(err, saver, done, state) from None
+                    raise _stopped_by(err, saver, done, state, metrics) from None
             if previous is not None:
                 reporter.report(*previous)  # reads step N-1 while step N runs
             previous = (step, metrics)
+            if unchecked is not None:
+                saver.check_applied(*unchecked)  # step N-1 while step N runs
+            unchecked = (done, metrics)
             # With `stop`, step N is checked before step N+1 is dispatched, so the state saved is the
             # one the bad step left (its update skipped): the last good parameters and moments.
             bad = _nonfinite(metrics) if stop_on_nonfinite else {}
             if stop_on_nonfinite and _any_process(bool(bad)):
                 reporter.report(step, metrics, force=True)
-                where = saver.save_before_stopping(done, state, "the last good state")
+                where = saver.save_before_stopping(done, state, metrics, "the last good state")
                 values = ", ".join(f"{key} {value}" for key, value in bad.items()) or "non-finite values"
                 raise NonFiniteStop(f"train.on_nonfinite=stop: step {done} had {values}; its update "
                                     f"was skipped and {where}")
@@ -515,18 +536,20 @@ def _run(cfg: Config, trainer: Trainer, dataset, evaluator: Evaluator | None, me
                 try:
                     eval_metrics = evaluator.run(state.params)
                 except DataChanged as err:
-                    raise _stopped_by(err, saver, done, state) from None
+                    raise _stopped_by(err, saver, done, state, metrics) from None
                 reporter.exclude(time.perf_counter() - eval_start)
                 logger.log(done, eval_metrics)
             preempted = done < steps and preemption.requested  # the last step ends the run anyway
             if preempted or done == steps or saver.due(done):
-                saved = saver.save(done, state)
+                saved = saver.save(done, state, metrics)
             if preempted:
                 reporter.report(step, metrics, force=True)
                 previous = None
                 break
         if previous is not None:
             reporter.report(*previous)
+        if unchecked is not None:
+            saver.check_applied(*unchecked)
         if checkpoints is not None:
             checkpoints.wait()
 

@@ -4,7 +4,8 @@ Order of application inside the step: ring attention's balanced permutation of t
 under ring attention) -> precision cast of the master weights -> forward/backward per
 accumulation microbatch, through the pipeline schedule when ``mesh.stage`` > 1 (activations
 constrained by the rules, layers rematerialised by the model's policy) -> gradient accumulation in
-the parameters' sharding -> unscale -> AdamW update, kept only where loss, gradients and update are all finite.
+the parameters' sharding -> unscale -> AdamW update in place, applied only where the loss and the gradient
+norm are finite -> the new parameters and moments checked for finiteness (``state_finite``).
 """
 
 from __future__ import annotations
@@ -206,24 +207,34 @@ class Trainer:
 
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         """One optimizer step on a global batch {inputs, targets, mask} (and {positions, segments}
-        when its rows are packed from documents): [batch, length] each."""
+        when its rows are packed from documents): [batch, length] each.
+
+        The update is applied (in place, inside a ``lax.cond``) only when the loss and the gradient
+        norm are finite; otherwise params and moments stay as they were and ``skipped_steps`` counts
+        it. What was applied is then measured: ``state_finite`` is whether every new parameter and
+        moment is finite (the loop never saves a state without it; docs/checkpoints.md).
+        """
         loss, grads, target_count, statistics = self.gradients(state, batch)
         grad_norm = optax.tree.norm(grads)
+        inputs_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         old_opt_state = jax.device_put(state.opt_state, self.optimizer_compute_shardings)
-        updates, opt_state = self.tx.update(grads, old_opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        # What is applied is checked, not only the gradients: a non-finite hyperparameter (or moment)
-        # turns finite gradients into a non-finite update.
-        update_norm = optax.tree.norm(updates)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
-        keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+        def apply_update(params: nnx.State, opt_state: optax.OptState) -> tuple[nnx.State, optax.OptState]:
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        params, opt_state = jax.lax.cond(inputs_finite, apply_update, lambda *old: old, state.params, old_opt_state)
         new_state = TrainState(
-            step=state.step + 1,
-            params=keep_if_finite(params, state.params),
-            opt_state=keep_if_finite(opt_state, old_opt_state),
-            loss_scale=state.loss_scale.adjust(finite),
-            skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "update_norm": update_norm,
+            step=state.step + 1, params=params, opt_state=opt_state,
+            loss_scale=state.loss_scale.adjust(inputs_finite),
+            skipped_steps=state.skipped_steps + (~inputs_finite).astype(jnp.int32))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "state_finite": all_finite((params, opt_state)),
                    "lr": self.schedule(state.step), "loss_scale": state.loss_scale.scale,
                    "skipped_steps": new_state.skipped_steps, "target_tokens": target_count, **statistics}
         return new_state, metrics
+
+
+def all_finite(tree) -> jax.Array:
+    """bool []: whether every element of every floating-point leaf of ``tree`` is finite."""
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))

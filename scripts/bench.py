@@ -102,8 +102,9 @@ def memory_of(compiled) -> dict[str, int | None]:
 
 def baseline_step(trainer, guarded: bool = False):
     """The hand-written reference: jit(value_and_grad + optax update) with the trainer's shardings;
-    ``guarded``: the update is kept only where the loss, the gradient norm and the update norm are
-    finite (else params and optimizer state stay as they were)."""
+    ``guarded``: meshtrain's guard written by hand: the update applied (``lax.cond``) only where the
+    loss and the gradient norm are finite, then every new parameter and moment checked (the loss is
+    returned as NaN when one is not)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -111,7 +112,7 @@ def baseline_step(trainer, guarded: bool = False):
 
     from meshtrain.parallel.sharding import activation_sharding
     from meshtrain.precision import cast_floating
-    from meshtrain.trainer import cross_entropy_sum
+    from meshtrain.trainer import all_finite, cross_entropy_sum
     from models.api import forward
 
     if trainer.mesh.shape["stage"] > 1 or trainer.train_cfg.grad_accum > 1 or trainer.plan.offload.optimizer:
@@ -127,16 +128,18 @@ def baseline_step(trainer, guarded: bool = False):
         count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         return cross_entropy_sum(logits, batch["targets"], batch["mask"]) / count
 
+    def apply_update(grads, params, opt_state):
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state
+
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
         if not guarded:
-            return new_params, new_opt_state, loss
-        finite = (jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
-                  & jnp.isfinite(optax.tree.norm(updates)))
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        return keep(new_params, params), keep(new_opt_state, opt_state), loss
+            return (*apply_update(grads, params, opt_state), loss)
+        finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+        params, opt_state = jax.lax.cond(finite, functools.partial(apply_update, grads), lambda *old: old,
+                                         params, opt_state)
+        return params, opt_state, jnp.where(all_finite((params, opt_state)), loss, jnp.nan)
 
     replicated = trainer.metrics_sharding
     shardings = (trainer.param_shardings, trainer.optimizer_compute_shardings)

@@ -8,7 +8,7 @@
    attention and the recommended XLA flags (meshtrain/xla_flags.py). The remat policy and batch are
    the first candidate whose compiled footprint (XLA memory_analysis) fits 90 % of the device's
    memory; prints step time, tokens/s, TFLOP/s and MFU, and the planner's temp estimate of that
-   layout (``meshtrain.plan``: its guarded-update phase and the rest) beside this compiler's temp.
+   layout (``meshtrain.plan``: its backward and update phases) beside this compiler's temp.
 3. offload: the same model with ``offload.optimizer=true model.remat=offload``: memory_analysis
    (device and host bytes) and the step time.
 4. checkpoint: the tiny state after one step saved (per-array checksums computed on the device) and
@@ -34,9 +34,11 @@
 
 9. overhead: issue 13's 20.6M Llama (bf16, full remat, batch 8 x 256, XLA attention) on one device:
    meshtrain's step interleaved with the hand-written one and with the hand-written one plus the same
-   non-finite guard (``bench.py --vs-baseline``): ``overhead_ratio``, ``guarded_overhead_ratio`` and
-   ``guard_ratio`` (what the guard costs on this device), and each step's bytes accessed per device
-   (XLA's cost analysis: ``guard_bytes`` is the guard's extra traffic as this compiler fuses it).
+   non-finite guard (``bench.py --vs-baseline``: the update in a ``lax.cond`` on finite loss and
+   gradients, then every new parameter and moment checked): ``overhead_ratio``,
+   ``guarded_overhead_ratio`` and ``guard_ratio`` (what the guard costs on this device), and each
+   step's bytes accessed per device (XLA's cost analysis: ``guard_bytes`` is the guard's extra
+   traffic as this compiler fuses it).
 
 ``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs everything on the CPU with tiny shapes, in seconds;
 the test suite runs that. Exit status 1 when the loss, checkpoint, packing, MoE, pipeline or ring
@@ -361,7 +363,7 @@ def fits(compiled, limit: int | None) -> tuple[bool, int]:
 
 def planner_estimate(cfg, xla_temp: int) -> dict:
     """``meshtrain.plan``'s temp estimate of ``cfg``'s one-device layout beside ``xla_temp``, the
-    compiled step's (on a GPU: whether XLA:GPU holds the guarded update phase as XLA:CPU does)."""
+    compiled step's (on a GPU: whether XLA:GPU updates in place as XLA:CPU does)."""
     from meshtrain import plan as planner
 
     plan = planner.make_plan(cfg, 1, float(1 << 50), meshes=[(1, 1, 1, 1)], zero_stages=[cfg.zero.stage],

@@ -16,7 +16,7 @@ import pytest
 
 from meshtrain.checkpoint import CHECKPOINT_DIR
 from meshtrain.run_lock import LOCK_FILE
-from meshtrain.train import EXIT_NONFINITE, NonFiniteStop, main, train
+from meshtrain.train import NonFiniteStop, main, train
 from test_checkpoint import (REPO, TINY, complete_steps, config, flat_params, overrides, records, restore,
                              trainer_for)
 
@@ -38,32 +38,46 @@ def _nan_learning_rate(cfg):
     return dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, learning_rate=math.nan))
 
 
-def test_item1_a_non_finite_update_from_finite_gradients_is_not_applied(tmp_path):
-    cfg = _nan_learning_rate(config(tmp_path, "optimizer.warmup_steps=0", steps=2))
-    trainer = trainer_for(cfg)
+def test_item1_a_non_finite_update_from_finite_gradients_is_measured(tmp_path):
+    """Finite loss and gradients: the update is applied in place and its result is checked, every new
+    parameter and moment; a NaN learning rate (bypassing the config loader) fails that check."""
     from meshtrain.data import global_batch, make_dataset
 
-    dataset = make_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
-    state = trainer.init_state(seed=0)
-    before = flat_params(state)
-    state, metrics = trainer.train_step(state, global_batch(dataset, 0, cfg.train.batch_size, trainer.batch_sharding))
-    assert np.isfinite(float(metrics["grad_norm"])) and not np.isfinite(float(metrics["update_norm"]))
-    assert int(state.skipped_steps) == 1
-    for name, value in flat_params(state).items():
-        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    good = config(tmp_path, "optimizer.warmup_steps=0", steps=2)
+    for cfg, finite in ((good, True), (_nan_learning_rate(good), False)):
+        trainer = trainer_for(cfg)
+        dataset = make_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
+        state, metrics = trainer.train_step(trainer.init_state(seed=0),
+                                            global_batch(dataset, 0, cfg.train.batch_size, trainer.batch_sharding))
+        assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+        assert int(state.skipped_steps) == 0 and bool(metrics["state_finite"]) is finite
+        assert all(np.isfinite(value).all() for value in flat_params(state).values()) is finite
 
 
-def test_item1_stop_saves_the_last_good_state_not_the_nan_one(tmp_path, capsys):
-    cfg = _nan_learning_rate(config(tmp_path, "train.on_nonfinite=stop", "checkpoint.every=1", steps=3))
-    with pytest.raises(NonFiniteStop, match="step 1 had update_norm nan"):
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+@pytest.mark.parametrize("every", [1, 100])  # the step's own save, and the next step's check
+def test_item1_a_non_finite_update_stops_the_run_and_keeps_the_good_checkpoints(tmp_path, policy, every):
+    """A run resumed from a good checkpoint with a NaN learning rate: step 2's update is applied
+    (finite gradients) and leaves NaN; the run stops with exit status 3's error before saving it, under
+    either policy, and checkpoint 1 is still there, bit for bit."""
+    train(config(tmp_path, "checkpoint.every=1", steps=1))
+    good = flat_params(restore(tmp_path, 1, config(tmp_path, steps=1)).state)
+    cfg = _nan_learning_rate(config(tmp_path, f"train.on_nonfinite={policy}", f"checkpoint.every={every}",
+                                    steps=4))
+    with pytest.raises(NonFiniteStop, match=r"step 2 left non-finite parameters or optimizer moments .* "
+                                            r"the newest checkpoint, .*checkpoints/1, holds the last good state"):
         train(cfg)
     assert complete_steps(tmp_path) == [1]
-    saved = flat_params(restore(tmp_path, 1, cfg).state)
-    fresh = flat_params(trainer_for(cfg).init_state(seed=cfg.train.seed))
-    for name, value in saved.items():  # the update was skipped: the saved state is the initial one
-        np.testing.assert_array_equal(value, fresh[name], err_msg=name)
-    assert [r["step"] for r in records(tmp_path)] == [1]
-    assert EXIT_NONFINITE == 3 and (tmp_path / CHECKPOINT_DIR / "1").is_dir()
+    for name, value in flat_params(restore(tmp_path, 1, cfg).state).items():
+        np.testing.assert_array_equal(value, good[name], err_msg=name)
+
+
+def test_item1_adam_settings_that_divide_by_zero_are_one_line_errors(capsys):
+    for field, value, valid in (("optimizer.b1", "1.0", "[0, 1)"), ("optimizer.b2", "0.999999999", "[0, 1)"),
+                                ("optimizer.eps", "0", "> 0")):
+        assert main(["--config", TINY, f"{field}={value}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: {field}: must be ") and valid in err, err
 
 
 def _lock(run_dir, pid: int, host: str | None = None) -> None:

@@ -29,8 +29,8 @@ CASES = {
     "tp4-small-full": (SMALL + ["model.num_heads=8", "model.num_kv_heads=4"], (2, 1, 4, 1), 0, "full", 1),
     "pp2-small-gpipe": (SMALL, (1, 4, 1, 2), 3, "full", 4),
     "small-bf16-accum2": (SMALL + ["train.precision=bf16", "train.grad_accum=2"], (2, 4, 1, 1), 3, "dots", 1),
-    # Replicated state and few tokens: the guarded update, not the activations, sets the peak.
-    "small-zero0-update": (SMALL + ["train.batch_size=16"], (2, 4, 1, 1), 0, "dots", 1),
+    # Replicated state and few tokens: the update, in place, adds no phase of its own.
+    "small-zero0-inplace": (SMALL + ["train.batch_size=16"], (2, 4, 1, 1), 0, "dots", 1),
 }
 
 
@@ -74,14 +74,15 @@ def test_temp_bytes_within_the_stated_tolerance(measured, name):
 
 
 @pytest.mark.slow
-def test_the_guarded_update_is_the_peak_of_a_replicated_state(measured):
-    """ZeRO-0: every device holds all of the fp32 gradients, and until the non-finite check the new
-    moments and the Adam direction of every parameter (16 B each); XLA's temp is exactly that."""
-    est, xla = measured["small-zero0-update"]
-    num_params = load_config(REPO / "configs" / "tiny.yaml", CASES["small-zero0-update"][0]).model.num_params
-    assert est.update == 16 * num_params == est.temp_bytes
-    assert est.grads + est.activations + est.temporaries < est.update
+def test_the_update_of_a_replicated_state_is_in_place(measured):
+    """ZeRO-0: every device holds all of the fp32 gradients; the update writes params and moments in
+    place (the non-finite check only reads them), so XLA's temp is the backward phase's, well below
+    the 16 B per parameter a select between the old and the new state would hold."""
+    est, xla = measured["small-zero0-inplace"]
+    num_params = load_config(REPO / "configs" / "tiny.yaml", CASES["small-zero0-inplace"][0]).model.num_params
+    assert est.update == 0 and est.temp_bytes == est.backward_bytes
     assert est.temp_bytes == pytest.approx(xla["temp"], rel=0.01)
+    assert xla["temp"] < 12 * num_params
 
 
 def _plan(config, devices, memory, host=None, **kwargs):
@@ -108,17 +109,19 @@ def test_10b_on_8x40gb_pure_dp_and_tp2_pp2_dp2_do_not_fit_and_zero3_does():
     assert plan.fits(zero3) and plan.problems(pure_dp)[0].startswith("needs ")
 
 
-def test_7b_on_one_80gb_device_fits_no_layout_offload_moves_the_moments_but_not_the_update():
+def test_7b_on_one_80gb_device_fits_no_layout_offload_brings_the_moments_back_for_the_update():
     without = _plan("llama_7b.yaml", 1, 80 * GB)
     offload = _plan("llama_7b.yaml", 1, 80 * GB, 1e12)
     assert not any(plan.fits(e) for plan in (without, offload) for e in plan.estimates)
     params = offload.cfg.model.num_params
     moved = [e for e in offload.estimates if e.layout.offload]
     assert moved and all(e.optimizer == 0 and e.optimizer_host == pytest.approx(8 * params, rel=1e-6) for e in moved)
-    # The guard's check needs every leaf's new moments: 16 B per parameter on the device either way,
-    # the peak of the step unless remat none's activations are larger.
-    assert all(e.update == pytest.approx(16 * params, rel=1e-6) for e in offload.estimates)
-    assert all(e.temp_bytes == e.update for e in offload.estimates if e.layout.remat is not RematPolicy.NONE)
+    # The update brings both moments of every leaf to the device: 8 B per parameter, the step's peak
+    # under full remat; without offload the update is in place.
+    assert all(e.update == pytest.approx(8 * params, rel=1e-6) for e in moved)
+    full = [e for e in moved if e.layout.remat is RematPolicy.FULL]
+    assert full and all(e.temp_bytes == e.update > e.backward_bytes for e in full)
+    assert all(e.update == 0 for e in without.estimates)
 
 
 @pytest.mark.slow
