@@ -54,6 +54,21 @@ def test_item1_a_non_finite_update_from_finite_gradients_is_measured(tmp_path):
         assert all(np.isfinite(value).all() for value in flat_params(state).values()) is finite
 
 
+@pytest.mark.parametrize("value, finite", [(1.0, True), (3e38, True), (math.inf, False), (-math.inf, False),
+                                          (math.nan, False)])
+def test_item1_the_check_of_the_applied_state_is_exact(value, finite):
+    """``state_finite``'s reduction: inf and NaN anywhere fail it, large finite values whose plain sum
+    overflows (two of 3e38 in fp32) pass it; integer leaves are not checked, bf16 ones are."""
+    import jax.numpy as jnp
+
+    from meshtrain.trainer import all_finite
+
+    tree = {"w": jnp.ones((4, 1000), jnp.float32).at[1, 7].set(value).at[3, 9].set(3e38),
+            "count": jnp.int32(3), "half": jnp.ones((8,), jnp.bfloat16)}
+    assert bool(all_finite(tree)) is finite
+    assert not bool(all_finite({**tree, "half": tree["half"].at[2].set(jnp.inf)}))
+
+
 @pytest.mark.parametrize("policy", ["skip", "stop"])
 @pytest.mark.parametrize("every", [1, 100])  # the step's own save, and the next step's check
 def test_item1_a_non_finite_update_stops_the_run_and_keeps_the_good_checkpoints(tmp_path, policy, every):
