@@ -32,13 +32,7 @@ stdlib: $(STAMP)
 	$(VENV)/bin/python -m meshtrain.train --config configs/stdlib_docs.yaml --host-devices 8 run.dir=runs/stdlib_docs-$$(date +%Y%m%d-%H%M%S)
 
 # Both tiers run on one pytest-xdist worker per core (at most 4: every worker simulates 8 devices);
-# `.venv/bin/python -m pytest -q` runs them in one process. The full suite on 2 cores, 2026-12-02:
-# 574 tests in 27 min 47 s on 2 workers against 40 min 40 s in one process; after the pipeline
-# matrix was cut to 16 schedule x mesh pairs, 563 in 25 min 8 s on 2 workers. 2026-12-03, with the
-# tests compiling at LLVM optimization level 0 (tests/conftest.py): 563 in 13 min 42 s, the fast
-# tier's 417 in 3 min 8-26 s (7 min 16 s before), both on 2 workers; then 564 in 13 min 13 s.
-# On a slower machine (2-core AMD EPYC, AVX2 only), 2026-12-03 evening: 578 in 21 min 5 s from a
-# clean clone (22 min 23 s with set-up).
+# `.venv/bin/python -m pytest -q` runs them in one process. Their times are in README.md.
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n auto --maxprocesses 4
 

@@ -65,12 +65,3 @@ def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
     """``--host-devices N``; ``mesh.*=`` / ``sharding.*=`` overrides may stand anywhere (see
     ``ArgumentParser.parse_args``)."""
     parser.add_argument("--host-devices", type=int, metavar="N", help="simulate N CPU devices")
-
-
-def mesh_from_args(args: argparse.Namespace):
-    """Starts JAX on ``--host-devices`` when given, then the mesh and rules of the overrides."""
-    from meshtrain.loading import mesh_and_rules
-
-    if args.host_devices is not None:
-        use_host_devices(args.host_devices)
-    return mesh_and_rules(args.overrides)

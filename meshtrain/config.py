@@ -8,7 +8,7 @@ Sections and their owners::
                names a module to import that registers more families: ``models/api.py``)
     optimizer  meshtrain.optim.OptimizerConfig
     data       meshtrain.data.DataConfig
-    train      meshtrain.trainer.TrainConfig
+    train      meshtrain.train_config.TrainConfig
     pipeline   meshtrain.parallel.pipeline.PipelineConfig
     zero       meshtrain.parallel.zero.ZeroConfig
     offload    meshtrain.parallel.offload.OffloadConfig
@@ -30,6 +30,7 @@ import math
 import pathlib
 import re
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 import dacite
@@ -42,6 +43,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.evaluation import EvalConfig
 from meshtrain.mesh import MeshConfig
 from meshtrain.optim import OptimizerConfig
+from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.pipeline import PipelineConfig
 from meshtrain.parallel.rules import ShardingConfig
@@ -82,6 +84,11 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+    def layout(self, mesh_shape: Mapping[str, int], abstract_params: Any = None) -> Layout:
+        """The ``Layout`` of this config on a mesh of ``mesh_shape`` ({data, fsdp, tensor, stage})."""
+        return Layout.of(self.model, mesh_shape, self.sharding.resolve(), self.train, self.pipeline, self.zero,
+                         self.offload, abstract_params=abstract_params)
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)

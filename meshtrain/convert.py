@@ -27,10 +27,10 @@ import jax
 
 from meshtrain import hf
 from meshtrain.checkpoint import save_params
-from meshtrain.cli import ArgumentParser, add_mesh_arguments, mesh_from_args, run
+from meshtrain.cli import ArgumentParser, add_mesh_arguments, run
 from meshtrain.errors import ConfigError
 from meshtrain.config import model_dict
-from meshtrain.loading import SourceKind, load_model, source_kind
+from meshtrain.loading import SourceKind, load_model, mesh_from_args, source_kind
 from meshtrain.parallel.rules import ShardingRules
 from jax.sharding import Mesh
 

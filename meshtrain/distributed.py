@@ -232,7 +232,7 @@ def _stop_line(kind: str, lost: list[int] | None) -> str:
 # other process with a multi-line fatal log. A process sends JAX's heartbeats every half of JAX's
 # timeout, so JAX can declare a stopped one dead as early as half its timeout after it stopped; the
 # watch takes up to its timeout plus two beats (1.2x). At 2x JAX won that race (a SIGSTOPped peer:
-# JAX's abort 11.1 s after the stop, timeout 10 s, 2026-12-03); 3x leaves it 1.5x against 1.2x.
+# JAX's abort came 11.1 s after the stop at a timeout of 10 s); 3x leaves it 1.5x against 1.2x.
 JAX_HEARTBEAT_FACTOR = 3
 ALIVE_PREFIX = "meshtrain/alive/"
 DONE = "done"

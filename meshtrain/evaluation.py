@@ -62,7 +62,7 @@ class Evaluator:
                  vocab_size: int, seq_len: int):
         self.dataset = make_held_out_dataset(data_cfg, train_data, path=cfg.path, split=cfg.split,
                                              field="eval.path", vocab_size=vocab_size, seq_len=seq_len)
-        self.batch_size, self.batches, self.every = trainer.train_cfg.batch_size, cfg.batches, cfg.every
+        self.batch_size, self.batches, self.every = trainer.layout.train.batch_size, cfg.batches, cfg.every
         if isinstance(self.dataset, FileDataset):
             self.batches = min(cfg.batches, self.dataset.num_windows // self.batch_size)
             if self.batches == 0:

@@ -26,10 +26,10 @@ import numpy as np
 from flax import nnx
 
 from meshtrain.data.tokenizer import TOKENIZER_FILE, end_of_document_id, load_tokenizer
-from meshtrain.loading import LoadedModel, load_model
+from meshtrain.loading import LoadedModel, load_model, mesh_from_args
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.sharding import data_parallel_size
-from meshtrain.cli import ArgumentParser, add_mesh_arguments, mesh_from_args, run
+from meshtrain.cli import ArgumentParser, add_mesh_arguments, run
 from models.api import CachedDecoder, family_of
 from models.common import ActivationSharding, unconstrained
 
@@ -182,7 +182,7 @@ def generate_text(model: LoadedModel, tokenizer: Tokenizer, prompt: str, max_new
     if max(ids) >= model.cfg.vocab_size:
         raise ConfigError("--tokenizer", f"gives id {max(ids)}, outside the model's vocabulary "
                           f"[0, {model.cfg.vocab_size})")
-    rows = data_parallel_size(model.rules, model.mesh)  # the batch is split that many ways
+    rows = data_parallel_size(model.rules, model.mesh.shape)  # the batch is split that many ways
     new = generate_tokens(model.graphdef, model.params, np.asarray([ids] * rows), max_new_tokens,
                           temperature=temperature, seed=seed, stop_id=tokenizer.eos_id, shard=model.shard)[0]
     new = list(new)

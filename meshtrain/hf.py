@@ -340,12 +340,12 @@ def init_loader(hf_dir: str, trainer: Any, *, field: str = "checkpoint.init_from
         if err.field == field:
             raise
         raise ConfigError(field, f"{hf_dir}: {err}") from None
-    check_architecture(trainer.model_cfg, hf_cfg, field=field, where=f"{INIT_PREFIX}{hf_dir}")
+    check_architecture(trainer.layout.model, hf_cfg, field=field, where=f"{INIT_PREFIX}{hf_dir}")
     adapter = adapter_of(family_of(hf_cfg), field=field)
     files = SafetensorsFiles(hf_dir, field=field)
-    check_tensors(files, tensor_maps(adapter, trainer.model_cfg, trainer.abstract_params), hf_cfg.num_layers,
+    check_tensors(files, tensor_maps(adapter, trainer.layout.model, trainer.abstract_params), hf_cfg.num_layers,
                   adapter, field=field)
-    return lambda: nnx.to_pure_dict(load_params(files, adapter, trainer.model_cfg, trainer.abstract_params,
+    return lambda: nnx.to_pure_dict(load_params(files, adapter, trainer.layout.model, trainer.abstract_params,
                                                 trainer.param_shardings, field=field))
 
 

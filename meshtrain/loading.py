@@ -8,6 +8,7 @@ pipeline layout wrote them (``RunCheckpoints.restore`` converts).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import json
@@ -20,10 +21,11 @@ from jax.sharding import Mesh
 from meshtrain import hf
 from meshtrain.checkpoint import (CHECKPOINT_DIR, EXPORT_META, PARAMS_DIR, Restored, RunCheckpoints,
                                   UnreadableCheckpoint, check_params, load_params, resolve_restore_path, warn)
+from meshtrain.cli import use_host_devices
 from meshtrain.config import Config, config_from_dict, load_config, model_dict, to_dict
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh
-from meshtrain.parallel.layout import ParallelPlan, abstract_model
+from meshtrain.parallel.layout import Layout, abstract_model
 from meshtrain.parallel.pipeline import LayerOrder
 from meshtrain.parallel.rules import ShardingRules
 from meshtrain.parallel.sharding import activation_sharding, named_shardings
@@ -84,12 +86,12 @@ def _check_no_stages(mesh: Mesh) -> None:
                           "uses no pipeline stages (use 1)")
 
 
-def inference_plan(model_cfg: Any, mesh: Mesh, rules: ShardingRules,
-                   abstract_params: nnx.State | None = None) -> ParallelPlan:
+def inference_layout(model_cfg: Any, mesh: Mesh, rules: ShardingRules,
+                   abstract_params: nnx.State | None = None) -> Layout:
     """The layout of ``model_cfg`` on ``mesh`` for inference or conversion (checked: no pipeline,
     every parameter dimension divisible by its split)."""
     _check_no_stages(mesh)
-    plan = ParallelPlan.of(model_cfg, mesh.shape, rules, TrainConfig(batch_size=mesh.devices.size),
+    plan = Layout.of(model_cfg, mesh.shape, rules, TrainConfig(batch_size=mesh.devices.size),
                            abstract_params=abstract_params)
     plan.check()
     return plan
@@ -120,7 +122,7 @@ def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, st
             raise ConfigError(field, f"cannot read {root / EXPORT_META}: {err}") from None
         cfg = config_from_dict({"model": meta.get("model", {})}).model
     graphdef, abstract = abstract_model(cfg)
-    plan = inference_plan(cfg, mesh, rules, abstract)
+    plan = inference_layout(cfg, mesh, rules, abstract)
     shardings = named_shardings(plan.param_specs(), mesh)
     if kind is SourceKind.HF:
         files = hf.SafetensorsFiles(root, field=field)
@@ -174,7 +176,8 @@ def restore_run(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules | Non
                               f"load another of {source.steps()}") from None
         # The trainer only gives the state's shapes here: any batch size it accepts will do.
         train_cfg = dataclasses.replace(cfg.train, batch_size=mesh.devices.size, grad_accum=1)
-        trainer = Trainer(cfg.model, train_cfg, cfg.optimizer, rules or cfg.sharding.resolve(), mesh)
+        trainer = Trainer(Layout.of(cfg.model, mesh.shape, rules or cfg.sharding.resolve(), train_cfg), mesh,
+                          cfg.optimizer)
         try:
             restored = source.restore(step, trainer.abstract_state(), field=field, config=to_dict(cfg),
                                       layer_order=LayerOrder(num_layers=cfg.model.num_layers))
@@ -194,3 +197,11 @@ def mesh_and_rules(overrides: list[str]) -> tuple[Mesh, ShardingRules]:
             raise ConfigError(text.split("=", 1)[0], "only mesh.* and sharding.* overrides are accepted here")
     cfg = load_config(None, overrides)
     return make_mesh(cfg.mesh), cfg.sharding.resolve()
+
+
+def mesh_from_args(args: argparse.Namespace) -> tuple[Mesh, ShardingRules]:
+    """The tools' mesh: starts JAX on ``--host-devices`` when given (``cli.add_mesh_arguments``), then
+    the mesh and rules of the ``mesh.*=`` / ``sharding.*=`` overrides."""
+    if args.host_devices is not None:
+        use_host_devices(args.host_devices)
+    return mesh_and_rules(args.overrides)

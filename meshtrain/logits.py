@@ -18,10 +18,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from meshtrain.loading import LoadedModel, load_model
+from meshtrain.loading import LoadedModel, load_model, mesh_from_args
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.sharding import BATCH_AXES, data_parallel_size
-from meshtrain.cli import ArgumentParser, add_mesh_arguments, mesh_from_args, run
+from meshtrain.cli import ArgumentParser, add_mesh_arguments, run
 from models.api import forward
 
 
@@ -49,7 +49,7 @@ def compute_logits(model: LoadedModel, tokens: np.ndarray) -> np.ndarray:
     Rows are padded to a multiple of the data-parallel size (the padding is dropped again).
     """
     batch = tokens.shape[0]
-    rows = data_parallel_size(model.rules, model.mesh)
+    rows = data_parallel_size(model.rules, model.mesh.shape)
     padded = np.zeros((-(-batch // rows) * rows, tokens.shape[1]), np.int32)
     padded[:batch] = tokens
     sharding = NamedSharding(model.mesh, model.rules.activation_spec(BATCH_AXES))

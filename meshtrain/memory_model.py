@@ -1,6 +1,6 @@
 """The analytic per-device memory and step-time model of one meshtrain layout (no compilation).
 
-It reads the layout from the same ``ParallelPlan`` that ``meshtrain.trainer.Trainer`` builds from
+It reads the layout from the same ``Layout`` that ``meshtrain.trainer.Trainer`` builds from
 (the rules, the ZeRO stage, the pipeline, every feasibility check), so the planner and the trainer
 cannot disagree on what runs or how it is split (see docs/memory.md for the derivation):
 
@@ -10,7 +10,7 @@ cannot disagree on what runs or how it is split (see docs/memory.md for the deri
   when pipelining, ``experts -> data x fsdp`` for expert parallelism) and by the ZeRO stage
   (``zero.py``: stage < 3 drops ``fsdp`` from parameters, < 2 from gradients, < 1 from the
   optimizer state, except from the experts, which stay on their ranks): the specs of
-  ``ParallelPlan.state_specs``. ``offload.optimizer`` moves the optimizer bytes to host memory.
+  ``Layout.state_specs``. ``offload.optimizer`` moves the optimizer bytes to host memory.
   The batch ``{inputs, targets, mask}`` adds 12 B per local token.
 * **Temporaries** (XLA's temp bytes): fp32 gradients in their ZeRO layout, the compute-dtype
   copy of the local parameters (bf16/fp16 only), the ZeRO-sharded weights of two layers gathered
@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from flax import nnx
 
 from meshtrain.mesh import MESH_AXES
-from meshtrain.parallel.layout import ParallelPlan
+from meshtrain.parallel.layout import Layout
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.ring_attention import sub_block_length
 from meshtrain.parallel.rules import mesh_axes_of
@@ -50,7 +50,7 @@ FP32 = 4
 BATCH_BYTES_PER_TOKEN = 3 * 4  # inputs, targets (int32) and mask (f32)
 STATE_SCALAR_BYTES = 64  # step, skipped_steps, loss scale, Adam/schedule counts (rounded up)
 
-# Why a pipeline layout's verdict is marked: its temp estimate was up to 86% low against XLA:CPU.
+# Why a pipeline layout's verdict is marked (docs/memory.md tables the measured errors).
 UNRELIABLE = ("pipeline temp memory is estimated within -29%..+9% of XLA:CPU's memory analysis on small "
               "layouts, unchecked at scale; confirm with --verify, whose verdict overrules this one")
 # Multiplier of one layer's structural working set (``per_layer_bytes``), fitted (minimax)
@@ -68,7 +68,7 @@ LOGITS_FP32_COPIES = 3
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Candidate:
     """One candidate: mesh sizes, ZeRO stage, remat policy, pipeline microbatches, offload."""
 
     data: int
@@ -115,7 +115,7 @@ class Hardware:
 class Estimate:
     """Per-device bytes of one layout, its step-time estimate, and why it cannot run (if so)."""
 
-    layout: Layout
+    candidate: Candidate
     params: int = 0
     grads: int = 0
     optimizer: int = 0  # resting on the device (0 when offloaded)
@@ -160,7 +160,7 @@ class Estimate:
     @property
     def reliable(self) -> bool:
         """False where the model is known to be far off: pipeline layouts' activation (temp) bytes."""
-        return self.layout.stage == 1
+        return self.candidate.stage == 1
 
     @property
     def step_s(self) -> float:
@@ -172,33 +172,33 @@ def _axis_bandwidth(axis: str, mesh: Mapping[str, int], hw: Hardware) -> float:
     return hw.intra_node_bandwidth if inner <= hw.node_size else hw.inter_node_bandwidth
 
 
-def _schedule_table(plan: ParallelPlan) -> ScheduleTable | None:
+def _schedule_table(layout: Layout) -> ScheduleTable | None:
     """The run's pipeline table (None without a pipeline, or when it cannot run: ``problems`` says why)."""
-    if plan.stages == 1:
+    if layout.stages == 1:
         return None
     try:
-        table = plan.pipeline.schedule_table(plan.stages)
+        table = layout.pipeline.schedule_table(layout.stages)
     except ConfigError:
         return None
     return None if table.problems() else table
 
 
-def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hardware) -> Estimate:
-    """The analytic estimate of ``layout``, laid out by ``plan`` (see the module docstring and
+def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Hardware) -> Estimate:
+    """The analytic estimate of ``candidate``, laid out by ``layout`` (see the module docstring and
     docs/memory.md)."""
-    est = Estimate(layout)
-    model, family = plan.model, plan.family
-    mesh = plan.mesh_shape
-    stages = plan.stages
-    batch_size, grad_accum = plan.train.batch_size, plan.train.grad_accum
-    # Structural feasibility: the trainer's own checks (``ParallelPlan.problems``), as short reasons.
-    if layout.remat not in ACTIVATION_COEFFICIENTS:
-        est.reasons.append(f"remat {layout.remat.value} is not modelled")
-    est.reasons += [problem.reason for problem in plan.problems()]
-    rows = plan.rows_per_shard
-    micro = plan.pipeline.microbatches if stages > 1 else 1
+    est = Estimate(candidate)
+    model, family = layout.model, layout.family
+    mesh = layout.mesh_shape
+    stages = layout.stages
+    batch_size, grad_accum = layout.train.batch_size, layout.train.grad_accum
+    # Structural feasibility: the trainer's own checks (``Layout.problems``), as short reasons.
+    if candidate.remat not in ACTIVATION_COEFFICIENTS:
+        est.reasons.append(f"remat {candidate.remat.value} is not modelled")
+    est.reasons += [problem.reason for problem in layout.problems()]
+    rows = layout.rows_per_shard
+    micro = layout.pipeline.microbatches if stages > 1 else 1
 
-    zero = layout.zero
+    zero = candidate.zero
     p_local = g_local = o_local = 0.0
     layer_full = 0.0  # one layer's ZeRO-sharded weights as gathered for compute
     zero_sharded_total = 0.0  # of which the parameters the ZeRO axis shards (gathered, reduce-scattered)
@@ -206,12 +206,12 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
     fsdp_reduced = data_reduced = 0.0  # gradient elements per device reduced over fsdp / over data
     # The state's specs (the ZeRO stage applied; experts keep their expert-parallel split) and the
     # compute layout of every parameter: the rules' split less the ZeRO axis (what ZeRO-0 stores).
-    state, compute = plan.state_specs(), plan.state_specs(ZeroStage.NONE).params
-    flat = [dict(nnx.to_flat_state(tree)) for tree in (plan.param_specs(), state.params, state.grads,
+    state, compute = layout.state_specs(), layout.state_specs(ZeroStage.NONE).params
+    flat = [dict(nnx.to_flat_state(tree)) for tree in (layout.param_specs(), state.params, state.grads,
                                                       state.optimizer, compute)]
-    for path, variable in nnx.to_flat_state(plan.abstract_params):
+    for path, variable in nnx.to_flat_state(layout.abstract_params):
         size = math.prod(variable.shape)
-        sharded, p, g, o, c = (size / math.prod(plan.ways(specs[path].get_value())) for specs in flat)
+        sharded, p, g, o, c = (size / math.prod(layout.ways(specs[path].get_value())) for specs in flat)
         compute_axes = {axis for entry in flat[-1][path].get_value() for axis in mesh_axes_of(entry)}
         p_local, g_local, o_local = p_local + p, g_local + g, o_local + o
         fsdp_reduced += c if ZERO_AXIS not in compute_axes else 0.0
@@ -223,34 +223,34 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
                 layer_full += c / (variable.shape[0] / (stages if stages > 1 else 1))
     est.params = round(FP32 * p_local)
     est.grads = round(FP32 * g_local)
-    if layout.offload:
+    if candidate.offload:
         est.optimizer_host = round(2 * FP32 * o_local)
     else:
         est.optimizer = round(2 * FP32 * o_local)
     # The update writes params and moments in place (``Trainer.step``); an offloaded optimizer
     # state is brought to the device for it, both moments of every leaf at once (XLA:CPU: the
     # offloaded 7B's temp is 8 B per parameter to within 2 kB).
-    est.update = round(2 * FP32 * o_local) if layout.offload else 0
+    est.update = round(2 * FP32 * o_local) if candidate.offload else 0
 
     # Activations. Tokens per device per accumulation microbatch: context parallelism splits the
     # positions ``cp`` ways; sequence parallelism splits the residual stream ``sp`` ways more.
-    cp = plan.ways(plan.rules.activation_spec(("length",)))[0]
-    sp = max(1, plan.ways(plan.rules.activation_spec(("sequence",)))[0] // cp)
+    cp = layout.ways(layout.rules.activation_spec(("length",)))[0]
+    sp = max(1, layout.ways(layout.rules.activation_spec(("sequence",)))[0] // cp)
     tokens = rows * model.seq_len / cp
     layers_here = model.num_layers // stages if model.num_layers % stages == 0 else model.num_layers
     vocab_local = model.vocab_size / mesh["tensor"]
-    a_working = ACTIVATION_COEFFICIENTS.get(layout.remat, 1.0)
+    a_working = ACTIVATION_COEFFICIENTS.get(candidate.remat, 1.0)
     # Ring attention holds one [block, block] tile of scores at a time: per query of the rank's
     # seq_len / CP, block^2 / (seq_len / CP) keys (all-gather CP: every key).
-    ring_name = ring_axis(plan.rules)
+    ring_name = ring_axis(layout.rules)
     ring_size = mesh[ring_name] if ring_name is not None else 1
     keys = None
     if ring_size > 1:
         rank_positions = model.seq_len // ring_size
-        keys = sub_block_length(rank_positions, plan.rules.ring_block) ** 2 / rank_positions
-    saved, working = family.activation_bytes(model, mesh["tensor"], layout.remat, compute_bytes, sp, keys)
+        keys = sub_block_length(rank_positions, layout.rules.ring_block) ** 2 / rank_positions
+    saved, working = family.activation_bytes(model, mesh["tensor"], candidate.remat, compute_bytes, sp, keys)
     est.activations = round(layers_here * tokens * saved)
-    table = _schedule_table(plan)
+    table = _schedule_table(layout)
     if table is not None:
         # The stash holds the table's peak in-flight chunk activations (1/V of a stage's each), and
         # the executor's fp32 buffers of received activations and gradients one microbatch each.
@@ -271,21 +271,21 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
     est.temporaries = round(copy + gathered + max(layer_phase, loss_phase)
                             + working_tokens * model.embed_dim * FP32)
     if grad_accum > 1:
-        # The scan carries the fp32 accumulator, in the gradients' layout.
+        # The scan carries the fp32 accumulator, in the gradients' candidate.
         est.temporaries += round(FP32 * g_local)
 
     # Roofline step time.
     global_tokens = batch_size * model.seq_len
-    flops = family.flops_per_token(model) + family.recompute_flops_per_token(model, layout.remat)
+    flops = family.flops_per_token(model) + family.recompute_flops_per_token(model, candidate.remat)
     if table is not None:
         est.bubble, est.in_flight = table.bubble(), table.peak_in_flight
-    est.compute_s = global_tokens * flops / (layout.devices * hw.peak_flops) / (1 - est.bubble)
+    est.compute_s = global_tokens * flops / (candidate.devices * hw.peak_flops) / (1 - est.bubble)
     ring = lambda n: (n - 1) / n
     comm: dict[str, float] = {}
     local_tokens_step = tokens * grad_accum
     if mesh["tensor"] > 1:
         # Two all-reduces of [tokens, embed] per layer forward, two backward, two more to recompute.
-        count = 4 + (2 if layout.remat is RematPolicy.FULL else 0)
+        count = 4 + (2 if candidate.remat is RematPolicy.FULL else 0)
         comm["tensor"] = (model.num_layers / stages * count * 2 * ring(mesh["tensor"]) * local_tokens_step
                           * model.embed_dim * compute_bytes)
     if mesh["fsdp"] > 1:
@@ -304,8 +304,8 @@ def estimate(plan: ParallelPlan, layout: Layout, *, compute_bytes: int, hw: Hard
         # (ring scheme: the same (CP-1)/CP of them per device) per layer forward and again to
         # recompute, their gradients reduced backward; counted at embed wide each, the bound GQA
         # stays under.
-        count = 2 + 2 + (2 if layout.remat is RematPolicy.FULL else 0)
-        for axis in mesh_axes_of(plan.rules.activation_spec(("length",))[0]):
+        count = 2 + 2 + (2 if candidate.remat is RematPolicy.FULL else 0)
+        for axis in mesh_axes_of(layout.rules.activation_spec(("length",))[0]):
             comm[axis] = comm.get(axis, 0.0) + (model.num_layers / stages * count * ring(cp) * rows * grad_accum
                                                 * model.seq_len * model.embed_dim * compute_bytes)
     if mesh["data"] > 1:

@@ -25,11 +25,13 @@ import numpy as np
 from meshtrain.cli import ArgumentParser, run
 from meshtrain.config import Config, load_config
 from meshtrain.errors import ConfigError
-from meshtrain.memory_model import ACTIVATION_COEFFICIENTS, UNRELIABLE, Estimate, Hardware, Layout, estimate
+from meshtrain.memory_model import ACTIVATION_COEFFICIENTS, UNRELIABLE, Estimate, Hardware, Candidate, estimate
+from meshtrain.mesh import MESH_AXES
 from meshtrain.metrics import peak_bf16_tflops
-from meshtrain.parallel.layout import ParallelPlan, abstract_model
+from meshtrain.parallel.layout import Layout, abstract_model
 from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.rules import ShardingRules
+from meshtrain.parallel.sharding import data_parallel_size
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
 from models.api import family_of
 from models.common import RematPolicy
@@ -114,11 +116,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _meshes(devices: int) -> list[tuple[int, int, int, int]]:
+def _meshes(devices: int, rules: ShardingRules) -> list[tuple[int, int, int, int]]:
+    """Every (data, fsdp, tensor, stage) of ``devices`` devices in which each axis of size > 1 splits
+    something: ``fsdp`` and ``tensor`` only where ``rules`` use them (``stage`` splits the layers)."""
     out = []
     for data in _divisors(devices):
-        for fsdp in _divisors(devices // data):
-            for tensor in _divisors(devices // data // fsdp):
+        for fsdp in _divisors(devices // data) if rules.uses("fsdp") else [1]:
+            for tensor in _divisors(devices // data // fsdp) if rules.uses("tensor") else [1]:
                 out.append((data, fsdp, tensor, devices // data // fsdp // tensor))
     return out
 
@@ -145,13 +149,13 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
     compute_bytes = np.dtype(cfg.train.precision.compute_dtype).itemsize
     offloads = sorted({False, True} if host_memory is not None else {cfg.offload.optimizer})
     estimates = []
-    for mesh in meshes if meshes is not None else _meshes(devices):
+    for mesh in meshes if meshes is not None else _meshes(devices, rules):
         if math.prod(mesh) != devices:
             raise ConfigError("--mesh", f"{mesh} multiplies to {math.prod(mesh)}, not --devices {devices}")
         data, fsdp, tensor, stage = mesh
         zeros = sorted(set(zero_stages)) if fsdp > 1 else [min(zero_stages)]  # no fsdp: stages equal
-        dp = data * fsdp
-        rows = cfg.train.batch_size // (dp * cfg.train.grad_accum) if dp else 0
+        dp = data_parallel_size(rules, dict(zip(MESH_AXES, mesh)))
+        rows = cfg.train.batch_size // (dp * cfg.train.grad_accum)
         micros = [cfg.pipeline.microbatches]
         if stage > 1:
             micros = [m for m in (stage, 2 * stage, 4 * stage, 8 * stage) if rows and rows % m == 0] or micros
@@ -159,19 +163,19 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
             for remat in remats:
                 for micro in micros:
                     for offload in offloads:
-                        layout = Layout(data, fsdp, tensor, stage, zero, remat, micro, offload)
-                        estimates.append(estimate(layout_plan(cfg, layout, rules, abstract_params), layout,
+                        candidate = Candidate(data, fsdp, tensor, stage, zero, remat, micro, offload)
+                        estimates.append(estimate(candidate_layout(cfg, candidate, rules, abstract_params), candidate,
                                                   compute_bytes=compute_bytes, hw=hardware))
     return Plan(cfg, devices, device_memory, host_memory, hardware, estimates)
 
 
-def layout_plan(cfg: Config, layout: Layout, rules: ShardingRules, abstract_params=None) -> ParallelPlan:
-    """The ``ParallelPlan`` of ``cfg`` with ``layout`` applied: the object the trainer builds from."""
-    pipeline = dataclasses.replace(cfg.pipeline, microbatches=layout.microbatches) if layout.stage > 1 \
+def candidate_layout(cfg: Config, candidate: Candidate, rules: ShardingRules, abstract_params=None) -> Layout:
+    """The ``Layout`` of ``cfg`` with ``candidate`` applied: the object the trainer builds from."""
+    pipeline = dataclasses.replace(cfg.pipeline, microbatches=candidate.microbatches) if candidate.stage > 1 \
         else cfg.pipeline
-    return ParallelPlan.of(dataclasses.replace(cfg.model, remat=layout.remat), layout.mesh, rules,
-                           cfg.train, pipeline, ZeroConfig(ZeroStage(layout.zero)),
-                           OffloadConfig(optimizer=layout.offload), abstract_params=abstract_params)
+    return Layout.of(dataclasses.replace(cfg.model, remat=candidate.remat), candidate.mesh, rules,
+                           cfg.train, pipeline, ZeroConfig(ZeroStage(candidate.zero)),
+                           OffloadConfig(optimizer=candidate.offload), abstract_params=abstract_params)
 
 
 def _gb(nbytes: float) -> str:
@@ -180,7 +184,7 @@ def _gb(nbytes: float) -> str:
 
 
 def _row(rank: str, est: Estimate, verdict: str) -> list[str]:
-    lay = est.layout
+    lay = est.candidate
     piped = lay.stage > 1 and est.in_flight
     return [rank, lay.label(), str(lay.zero), lay.remat.value, str(lay.microbatches) if lay.stage > 1 else "-",
             f"{est.bubble:.1%}" if piped else "-", str(est.in_flight) if piped else "-",
@@ -231,7 +235,7 @@ def format_plan(plan: Plan, top: int, show_infeasible: int) -> str:
     if broken and show_infeasible:
         seen: dict[str, str] = {}
         for est in broken:
-            seen.setdefault(f"{est.layout.label()}: {'; '.join(est.reasons)}", "")
+            seen.setdefault(f"{est.candidate.label()}: {'; '.join(est.reasons)}", "")
         reasons = list(seen)
         lines.append(f"\ncannot be built ({len(reasons)} distinct, first {min(show_infeasible, len(reasons))}):")
         lines += [f"  {reason}" for reason in reasons[:show_infeasible]]
@@ -253,17 +257,16 @@ def _start_devices(count: int) -> None:
 
 
 def verify(config_path: str | None, overrides: list[str], est: Estimate, devices: int) -> dict:
-    """XLA's memory analysis of the real train step of ``est.layout`` (AOT, abstract shapes)."""
+    """XLA's memory analysis of the real train step of ``est.candidate`` (AOT, abstract shapes)."""
     import jax
 
     from meshtrain.mesh import make_mesh
     from meshtrain.trainer import Trainer
 
-    cfg = load_config(config_path, list(overrides) + est.layout.overrides())
+    cfg = load_config(config_path, list(overrides) + est.candidate.overrides())
     mesh = make_mesh(cfg.mesh, jax.devices()[:devices])
     start = time.perf_counter()
-    trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(), mesh, cfg.pipeline,
-                      cfg.zero, cfg.offload)
+    trainer = Trainer(cfg.layout(mesh.shape), mesh, cfg.optimizer)
     analysis = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile() \
         .memory_analysis()
     return {"argument": analysis.argument_size_in_bytes, "output": analysis.output_size_in_bytes,
@@ -285,7 +288,7 @@ def format_verify(results: list[tuple[Estimate, dict]], devices: int, device_mem
     rows = [["#", "mesh d,f,t,s", "zero", "remat", "mb", "argument GB est / xla", "output GB est / xla",
              "temp GB est / xla", "compile s", "verdict (xla)"]]
     for i, (est, xla) in enumerate(results):
-        lay = est.layout
+        lay = est.candidate
         rows.append([str(i + 1), lay.label(), str(lay.zero), lay.remat.value,
                      str(lay.microbatches) if lay.stage > 1 else "-", cell(est.argument_bytes, xla["argument"]),
                      cell(est.output_bytes, xla["output"]), cell(est.temp_bytes, xla["temp"]),

@@ -4,8 +4,9 @@ Order of application inside the step: ring attention's balanced permutation of t
 under ring attention) -> precision cast of the master weights -> forward/backward per
 accumulation microbatch, through the pipeline schedule when ``mesh.stage`` > 1 (activations
 constrained by the rules, layers rematerialised by the model's policy) -> gradient accumulation in
-the parameters' sharding -> unscale -> AdamW update in place, applied only where the loss and the gradient
-norm are finite -> the new parameters and moments checked for finiteness (``state_finite``).
+the gradients' layout of the ZeRO stage (split over ``fsdp`` from ZeRO-2 on) -> unscale -> AdamW
+update in place, applied only where the loss and the gradient norm are finite -> the new parameters
+and moments checked for finiteness (``state_finite``).
 """
 
 from __future__ import annotations
@@ -19,17 +20,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshtrain.errors import ConfigError
 from meshtrain.optim import OptimizerConfig, make_optimizer
 from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_microbatches
-from meshtrain.parallel.offload import DEVICE, HOST, OffloadConfig, check_host_memory, with_memory_kind
-from meshtrain.parallel.layout import ParallelPlan, abstract_model
-from meshtrain.parallel.pipeline import Objective, PipelineConfig, make_loss, make_value_and_grad
-from meshtrain.parallel.rules import ShardingRules
+from meshtrain.parallel.offload import DEVICE, HOST, check_host_memory, with_memory_kind
+from meshtrain.parallel.layout import Layout
+from meshtrain.parallel.pipeline import Objective, make_loss, make_value_and_grad
 from meshtrain.parallel.ring_attention import balanced_order
 from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, named_shardings, optimizer_shardings,
                                          ring_axis)
-from meshtrain.parallel.zero import StateLayout, ZeroConfig
+from meshtrain.parallel.zero import StateLayout
 from meshtrain.precision import LossScale, Precision, initial_loss_scale
-from meshtrain.train_config import TrainConfig
-from models.api import AUX_LOSS, DecoderModel, ModelConfig, family_of
+from models.api import AUX_LOSS, DecoderModel
 
 Metrics = dict[str, jax.Array]
 
@@ -57,38 +56,36 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) ->
 
 class Trainer:
     """Creates the born-sharded state and the train step for one model on one mesh, as its
-    ``ParallelPlan`` (``self.plan``) lays them out."""
+    ``Layout`` (``self.layout``) lays them out."""
 
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opt_cfg: OptimizerConfig,
-                 rules: ShardingRules, mesh: Mesh, pipeline_cfg: PipelineConfig = PipelineConfig(),
-                 zero_cfg: ZeroConfig = ZeroConfig(), offload_cfg: OffloadConfig = OffloadConfig()):
-        if train_cfg.precision is Precision.FP16 and mesh.devices.flat[0].platform == "cpu":
+    def __init__(self, layout: Layout, mesh: Mesh, optimizer: OptimizerConfig = OptimizerConfig()):
+        if dict(mesh.shape) != dict(layout.mesh_shape):
+            raise ValueError(f"the layout is for mesh {dict(layout.mesh_shape)}, not {dict(mesh.shape)}")
+        if layout.train.precision is Precision.FP16 and mesh.devices.flat[0].platform == "cpu":
             raise ConfigError("train.precision", "fp16 needs a GPU (XLA:CPU has no fp16 matmul with fp32 "
                               "accumulation); use bf16 or fp32 on CPU")
-        self.family = family_of(model_cfg)
-        self.graphdef, self.abstract_params = abstract_model(model_cfg)
-        self.plan = ParallelPlan.of(model_cfg, mesh.shape, rules, train_cfg, pipeline_cfg, zero_cfg,
-                                    offload_cfg, abstract_params=self.abstract_params)
-        self.plan.check()
-        if offload_cfg.optimizer:
+        layout.check()
+        if layout.offload.optimizer:
             check_host_memory(mesh, "offload.optimizer")
-        self.model_cfg, self.train_cfg, self.mesh = model_cfg, train_cfg, mesh
-        self.rules, self.layer_order, self.pipeline_cfg = self.plan.rules, self.plan.layer_order, pipeline_cfg
-        specs = self.plan.state_specs()
-        self.layout = StateLayout(*(named_shardings(part, mesh) for part in (specs.params, specs.grads,
-                                                                             specs.optimizer)))
-        self.param_shardings = self.layout.params
-        self.tx, self.schedule = make_optimizer(opt_cfg, train_cfg.steps, self.abstract_params)
+        self.layout, self.mesh = layout, mesh
+        self.family, self.abstract_params = layout.family, layout.abstract_params
+        self.graphdef = layout.graphdef
+        self.rules, self.layer_order = layout.rules, layout.layer_order
+        specs = layout.state_specs()
+        self.state_layout = StateLayout(*(named_shardings(part, mesh) for part in (specs.params, specs.grads,
+                                                                                   specs.optimizer)))
+        self.param_shardings = self.state_layout.params
+        self.tx, self.schedule = make_optimizer(optimizer, layout.train.steps, self.abstract_params)
         replicated = NamedSharding(mesh, PartitionSpec())
         abstract_opt_state = jax.eval_shape(self.tx.init, self.abstract_params)
         # Where the optimizer state is updated (device memory) and where it rests between steps.
         self.optimizer_compute_shardings = optimizer_shardings(self.tx, abstract_opt_state,
-                                                               self.layout.optimizer, mesh)
+                                                               self.state_layout.optimizer, mesh)
         self.state_shardings = TrainState(
             step=replicated, params=self.param_shardings,
             opt_state=with_memory_kind(self.optimizer_compute_shardings,
-                                       HOST if offload_cfg.optimizer else DEVICE),
-            loss_scale=jax.tree.map(lambda _: replicated, initial_loss_scale(train_cfg.uses_dynamic_loss_scale)),
+                                       HOST if layout.offload.optimizer else DEVICE),
+            loss_scale=jax.tree.map(lambda _: replicated, initial_loss_scale(layout.train.uses_dynamic_loss_scale)),
             skipped_steps=replicated)
         self.batch_sharding = batch_sharding(self.rules, mesh)
         self.metrics_sharding = replicated
@@ -104,14 +101,14 @@ class Trainer:
         stages = self.mesh.shape["stage"]
         if stages == 1:
             return ""
-        cfg = self.pipeline_cfg
+        cfg = self.layout.pipeline
         return (f"pipeline: schedule {cfg.schedule.value}, {stages} stages x {cfg.chunks_per_stage} "
                 f"virtual, {cfg.microbatches} microbatches: {cfg.schedule_table(stages).describe()}")
 
     def _fresh_state(self, seed: int) -> TrainState:
-        params = self.layer_order.to_storage(nnx.state(self.family.build(self.model_cfg, seed)))
+        params = self.layer_order.to_storage(nnx.state(self.family.build(self.layout.model, seed)))
         return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params),
-                          loss_scale=initial_loss_scale(self.train_cfg.uses_dynamic_loss_scale),
+                          loss_scale=initial_loss_scale(self.layout.train.uses_dynamic_loss_scale),
                           skipped_steps=jnp.int32(0))
 
     def init_state(self, seed: int) -> TrainState:
@@ -128,7 +125,7 @@ class Trainer:
     def abstract_batch(self, documents: bool = False) -> Batch:
         """Shapes and shardings of one global batch {inputs, targets, mask}, and with ``documents``
         (rows packed from several documents) {positions, segments}."""
-        shape = (self.train_cfg.batch_size, self.model_cfg.seq_len)
+        shape = (self.layout.train.batch_size, self.layout.model.seq_len)
         dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}
         if documents:
             dtypes.update(positions=jnp.int32, segments=jnp.int32)
@@ -158,18 +155,18 @@ class Trainer:
         """Forward only: the summed token cross-entropy of a global batch (``loss_sum``, fp32) and its
         target count (``target_tokens``), in ``train.grad_accum`` microbatches like a train step and
         through the same pipeline schedule's forward. Aux losses are not part of it."""
-        compute_dtype = self.train_cfg.precision.compute_dtype
+        compute_dtype = self.layout.train.precision.compute_dtype
         batch = self._ordered(batch)
         objective = Objective(lambda logits, mb: cross_entropy_sum(logits, mb["targets"], mb["mask"]),
                               lambda aux_sum: jnp.zeros((), jnp.float32))
-        loss = make_loss(self.pipeline_cfg, self.mesh, self._model_of, objective,
+        loss = make_loss(self.layout.pipeline, self.mesh, self._model_of, objective,
                          activation_sharding(self.rules, self.mesh), compute_dtype)
 
         def add_microbatch(total: jax.Array, microbatch: Batch) -> tuple[jax.Array, None]:
             return total + loss(params, microbatch)[0], None
 
         total, _ = jax.lax.scan(add_microbatch, jnp.zeros((), jnp.float32),
-                                split_microbatches(batch, self.train_cfg.grad_accum))
+                                split_microbatches(batch, self.layout.train.grad_accum))
         return {"loss_sum": total, "target_tokens": jnp.sum(batch["mask"])}
 
     def gradients(self, state: TrainState, batch: Batch) -> tuple[jax.Array, nnx.State, jax.Array, Metrics]:
@@ -180,7 +177,7 @@ class Trainer:
         Microbatches of ``train.grad_accum`` are scanned; each runs through the pipeline schedule
         when ``mesh.stage`` > 1. Gradients of interleaved layers are in storage order.
         """
-        compute_dtype = self.train_cfg.precision.compute_dtype
+        compute_dtype = self.layout.train.precision.compute_dtype
         batch = self._ordered(batch)
         target_count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         rows = batch["mask"].shape[0]
@@ -192,14 +189,15 @@ class Trainer:
         def of_aux(aux_sum: jax.Array) -> jax.Array:  # the layers' aux losses, a mean over rows
             return state.loss_scale.scale_loss(aux_sum.astype(jnp.float32) / rows)
 
-        value_and_grad = make_value_and_grad(self.pipeline_cfg, self.mesh, self._model_of, Objective(of_logits, of_aux),
-                                             activation_sharding(self.rules, self.mesh), compute_dtype)
+        value_and_grad = make_value_and_grad(self.layout.pipeline, self.mesh, self._model_of,
+                                             Objective(of_logits, of_aux), activation_sharding(self.rules, self.mesh),
+                                             compute_dtype)
 
         def constrain_grads(grads: nnx.State) -> nnx.State:
-            return jax.lax.with_sharding_constraint(grads, self.layout.grads)
+            return jax.lax.with_sharding_constraint(grads, self.state_layout.grads)
 
         scaled_loss, aux, scaled_grads = accumulate_gradients(
-            value_and_grad, state.params, split_microbatches(batch, self.train_cfg.grad_accum),
+            value_and_grad, state.params, split_microbatches(batch, self.layout.train.grad_accum),
             constrain_grads)
         statistics = {name: value / rows for name, value in aux.items() if name != AUX_LOSS}
         return (state.loss_scale.unscale(scaled_loss), state.loss_scale.unscale(scaled_grads),

@@ -77,8 +77,8 @@ def random_batch(trainer, seed: int = 0):
     import jax
     import jax.numpy as jnp
 
-    shape = (trainer.train_cfg.batch_size, trainer.model_cfg.seq_len)
-    vocab = trainer.model_cfg.vocab_size
+    shape = (trainer.layout.train.batch_size, trainer.layout.model.seq_len)
+    vocab = trainer.layout.model.vocab_size
     sharding = trainer.batch_sharding
 
     def make():
@@ -115,11 +115,11 @@ def baseline_step(trainer, guarded: bool = False):
     from meshtrain.trainer import all_finite, cross_entropy_sum
     from models.api import forward
 
-    if trainer.mesh.shape["stage"] > 1 or trainer.train_cfg.grad_accum > 1 or trainer.plan.offload.optimizer:
+    if trainer.mesh.shape["stage"] > 1 or trainer.layout.train.grad_accum > 1 or trainer.plan.offload.optimizer:
         raise SystemExit("error: --vs-baseline needs mesh.stage=1, train.grad_accum=1 and "
                          "offload.optimizer=false (the baseline is a plain step)")
     graphdef, tx = trainer.graphdef, trainer.tx
-    dtype = trainer.train_cfg.precision.compute_dtype
+    dtype = trainer.layout.train.precision.compute_dtype
     shard = activation_sharding(trainer.rules, trainer.mesh)
 
     def loss_fn(params, batch):
@@ -162,8 +162,7 @@ def prepare(cfg, devices=None):
     from meshtrain.trainer import Trainer
 
     mesh = make_mesh(cfg.mesh, devices)
-    trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(), mesh, cfg.pipeline,
-                      cfg.zero, cfg.offload)
+    trainer = Trainer(cfg.layout(mesh.shape), mesh, cfg.optimizer)
     start = time.perf_counter()
     compiled = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     return trainer, compiled, time.perf_counter() - start
@@ -435,8 +434,8 @@ def sweep_depth(config: str, overrides: list[str], depths: list[int]) -> list[di
     rows = []
     for depth in depths:
         cfg = load_config(config, [*overrides, f"model.num_layers={depth}"])
-        trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(), make_mesh(cfg.mesh),
-                          cfg.pipeline, cfg.zero, cfg.offload)
+        mesh = make_mesh(cfg.mesh)
+        trainer = Trainer(cfg.layout(mesh.shape), mesh, cfg.optimizer)
         start = time.perf_counter()
         lowered = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch())
         lower_s = time.perf_counter() - start

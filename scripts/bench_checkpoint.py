@@ -3,7 +3,7 @@
     python scripts/bench_checkpoint.py [--config configs/tiny.yaml] [--steps 60] [--warmup 10]
         [--host-devices 8] [section.field=value ...]
 
-Runs ``meshtrain.train.train`` on the same config in one process: without checkpoints, then with a
+Runs ``meshtrain.loop.train`` on the same config in one process: without checkpoints, then with a
 save after every step and after every 10th, each asynchronous and synchronous. Each run logs every
 step; the step time is the mean of ``step_time_s`` in metrics.jsonl after ``--warmup`` steps (the
 first save also compiles orbax's slicing of replicated arrays), i.e. the amortised cost per step.
@@ -43,7 +43,7 @@ def main() -> None:
     if args.host_devices:
         jax.config.update("jax_num_cpu_devices", args.host_devices)
     from meshtrain.config import load_config
-    from meshtrain.train import train
+    from meshtrain.loop import train
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_checkpoint_") as tmp:

@@ -40,6 +40,7 @@ def main() -> None:
     from meshtrain.flops import count_flops
     from meshtrain.mesh import MeshConfig, make_mesh
     from meshtrain.optim import OptimizerConfig
+    from meshtrain.parallel.layout import Layout
     from meshtrain.parallel.pipeline import PipelineConfig, Schedule
     from meshtrain.parallel.rules import Preset
     from meshtrain.train_config import TrainConfig
@@ -54,8 +55,9 @@ def main() -> None:
 
     def measure(mesh_shape, pipeline, batch_size):
         mesh = make_mesh(MeshConfig(*mesh_shape), jax.devices()[: math.prod(mesh_shape)])
-        trainer = Trainer(model, TrainConfig(steps=100, batch_size=batch_size), OptimizerConfig(),
-                          Preset.FSDP_TP.rules, mesh, pipeline)
+        layout = Layout.of(model, mesh.shape, Preset.FSDP_TP.rules, TrainConfig(steps=100, batch_size=batch_size),
+                           pipeline)
+        trainer = Trainer(layout, mesh, OptimizerConfig())
         state = trainer.init_state(seed=0)
         batch = global_batch(dataset, 0, batch_size, trainer.batch_sharding)
         flops = count_flops(trainer.step, trainer.abstract_state(), trainer.abstract_batch()).flops

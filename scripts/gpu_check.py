@@ -280,15 +280,11 @@ PIPELINE_EQUIVALENCE = """
 import dataclasses, math, sys
 import jax, numpy as np
 sys.path.insert(0, "tests")
-from utils import MODEL, OPTIMIZER, TRAIN, loss_grads_and_statistics
-from meshtrain.mesh import MeshConfig, make_mesh
+from utils import MODEL, loss_grads_and_statistics, make_trainer
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
-from meshtrain.parallel.rules import Preset
-from meshtrain.trainer import Trainer
 model = dataclasses.replace(MODEL, num_layers=8)
 def run(shape, pipeline=PipelineConfig()):
-    mesh = make_mesh(MeshConfig(*shape), jax.devices()[: math.prod(shape)])
-    return loss_grads_and_statistics(Trainer(model, TRAIN, OPTIMIZER, Preset.FSDP_TP.rules, mesh, pipeline))[:2]
+    return loss_grads_and_statistics(make_trainer(shape, model, pipeline=pipeline))[:2]
 ref_loss, ref = run((1, 1, 1, 1))
 worst = 0.0
 for schedule, virtual in ((Schedule.ZB_H1, 1), (Schedule.INTERLEAVED, 2)):

@@ -17,14 +17,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import meshtrain.train as train_module
+from meshtrain import loop, policies
 from meshtrain import export
 from meshtrain.checkpoint import CHECKPOINT_DIR, RunCheckpoints, check_params, load_params
 from meshtrain.config import load_config, to_dict
 from meshtrain.errors import ConfigError
-from meshtrain.mesh import make_mesh
-from meshtrain.train import EXIT_NONFINITE, main, train
+from meshtrain.loop import train
+from meshtrain.train import EXIT_NONFINITE, main
 from meshtrain.trainer import Trainer
+from utils import trainer_of_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -55,14 +56,10 @@ def complete_steps(run_dir) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
 
 
-def trainer_for(cfg, devices=None) -> Trainer:
-    return Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(), make_mesh(cfg.mesh, devices))
-
-
 def restore(run_dir, step, cfg):
     checkpoints = RunCheckpoints(pathlib.Path(run_dir) / CHECKPOINT_DIR, read_only=True)
     try:
-        trainer = trainer_for(cfg)
+        trainer = trainer_of_config(cfg)
         return checkpoints.restore(step, trainer.abstract_state(), field="test", config=to_dict(cfg),
                                    layer_order=trainer.layer_order)
     finally:
@@ -92,20 +89,17 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
-    """N steps, a real SIGTERM (raised in-process while step N runs), then a restart for N more."""
+    """N steps, a real SIGTERM (raised in-process once step N-1 is dispatched, so the preemption
+    policy reads it after step N), then a restart for N more. The signal comes from a test-only
+    policy: a new behaviour of the loop is one more object, passed to ``train``."""
     run_dir = tmp_path_factory.mktemp("interrupted")
-    original = train_module.global_batch
 
-    def batch_then_signal(dataset, step, *args):
-        if step == HALF:  # built while step N (index N-1) runs
-            os.kill(os.getpid(), signal.SIGTERM)
-        return original(dataset, step, *args)
+    class SignalAtStep(policies.Policy):
+        def after_step(self, run):
+            if run.current.done == HALF - 1:  # called after the built-in policies, Preemption among them
+                os.kill(os.getpid(), signal.SIGTERM)
 
-    train_module.global_batch = batch_then_signal
-    try:
-        first = train(config(run_dir, "checkpoint.every=0"))
-    finally:
-        train_module.global_batch = original
+    first = train(config(run_dir, "checkpoint.every=0"), policies=[SignalAtStep()])
     assert first["preempted"] and complete_steps(run_dir) == [HALF]
     first_records = records(run_dir)
     second = train(config(run_dir, "checkpoint.every=0"))
@@ -147,7 +141,7 @@ def test_restore_onto_another_mesh(reference, interrupted, tmp_path, mesh, devic
 
 def _inject_nan(monkeypatch, bad_index: int) -> None:
     """The batch of step index ``bad_index`` gets a NaN mask: NaN loss and gradients (a test hook)."""
-    original = train_module.global_batch
+    original = loop.global_batch
 
     def batch(dataset, step, batch_size, sharding):
         result = original(dataset, step, batch_size, sharding)
@@ -155,7 +149,7 @@ def _inject_nan(monkeypatch, bad_index: int) -> None:
             result["mask"] = jax.device_put(np.full(result["mask"].shape, np.nan, np.float32), sharding)
         return result
 
-    monkeypatch.setattr(train_module, "global_batch", batch)
+    monkeypatch.setattr(loop, "global_batch", batch)
 
 
 BAD = 2  # step index with the NaN batch: steps 1-2 are good, step 3 is bad (1-based)
@@ -213,7 +207,7 @@ def test_unreadable_latest_falls_back_and_is_kept(reference, tmp_path, capsys):
     cfg = config(run_dir)
     checkpoints = RunCheckpoints(root, keep=3)
     try:
-        trainer = trainer_for(cfg)
+        trainer = trainer_of_config(cfg)
         restored = checkpoints.restore_latest(trainer.abstract_state(), field="run.dir", config=to_dict(cfg),
                                               layer_order=trainer.layer_order, move_unreadable=True)
     finally:
@@ -236,7 +230,7 @@ def test_every_checkpoint_unreadable_is_an_error(reference, tmp_path):
     cfg = config(run_dir)
     checkpoints = RunCheckpoints(run_dir / CHECKPOINT_DIR, keep=3)
     with pytest.raises(ConfigError, match="no readable checkpoint") as err:
-        trainer = trainer_for(cfg)
+        trainer = trainer_of_config(cfg)
         checkpoints.restore_latest(trainer.abstract_state(), field="run.dir", config=to_dict(cfg),
                                    layer_order=trainer.layer_order, move_unreadable=True)
     checkpoints.close()
@@ -253,7 +247,7 @@ def test_export_then_init_from(reference, tmp_path, capsys):
     assert meta["step"] == STEPS and meta["model"]["embed_dim"] == 32
     assert not (out / "params" / "opt_state").exists()
     cfg = config(tmp_path / "finetune", f"checkpoint.init_from={out}", "checkpoint.enabled=false")
-    trainer = trainer_for(cfg)
+    trainer = trainer_of_config(cfg)
     target = check_params(str(out), trainer.abstract_params, trainer.param_shardings,
                           model_config=to_dict(cfg)["model"])
     loaded = load_params(str(out), target)
@@ -324,7 +318,7 @@ def test_sigint_is_preemption_and_a_second_one_aborts(capsys, inherited):
     """Also when SIGINT was inherited as ignored (``make test &``, nohup): the second one still aborts."""
     outside = signal.signal(signal.SIGINT, inherited)
     try:
-        with train_module._Preemption() as preemption:
+        with policies.Preemption() as preemption:
             assert not preemption.requested
             os.kill(os.getpid(), signal.SIGINT)
             assert preemption.requested and preemption.received == "SIGINT"
@@ -338,14 +332,14 @@ def test_sigint_is_preemption_and_a_second_one_aborts(capsys, inherited):
 
 def test_time_based_saves(tmp_path, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr(train_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(policies.time, "monotonic", lambda: clock[0])
     cfg = config(tmp_path, "checkpoint.every=0", "checkpoint.every_minutes=2")
-    saver = train_module._Saver(cfg, checkpoints=object(), mesh=None)
+    saver = policies.Saver(cfg, checkpoints=object(), mesh=None)
     assert not saver.due(1)
     clock[0] += 119
     assert not saver.due(2)
     clock[0] += 1
     assert saver.due(3)
-    every = train_module._Saver(config(tmp_path, "checkpoint.every=5"), checkpoints=object(), mesh=None)
+    every = policies.Saver(config(tmp_path, "checkpoint.every=5"), checkpoints=object(), mesh=None)
     assert [s for s in range(1, 16) if every.due(s)] == [5, 10, 15]
-    assert not train_module._Saver(cfg, checkpoints=None, mesh=None).due(5)  # checkpoint.enabled=false
+    assert not policies.Saver(cfg, checkpoints=None, mesh=None).due(5)  # checkpoint.enabled=false

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from meshtrain.checkpoint import CHECKPOINT_DIR
-from meshtrain.train import train
+from meshtrain.loop import train
 from test_checkpoint import (REPO, TINY, complete_steps, config, losses,
                              overrides, records)
 

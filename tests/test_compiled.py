@@ -66,5 +66,5 @@ def test_fsdp_argument_bytes_are_at_most_015_of_pure_dp(pure_dp, fsdp):
 
 def test_dp_preset_on_an_fsdp_mesh_replicates_parameters():
     """The rules, not the mesh, decide where parameters live: `dp` on (1,8,1,1) is pure DP."""
-    counts = collective_counts(_compile_step(make_trainer((1, 8, 1, 1), preset=Preset.DP)).as_text())
+    counts = collective_counts(_compile_step(make_trainer((1, 8, 1, 1), rules=Preset.DP.rules)).as_text())
     assert counts["all-gather"] == 0

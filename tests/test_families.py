@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
-import math
 import pathlib
 
 import jax
@@ -19,16 +18,15 @@ import pytest
 
 from meshtrain import plan as planner
 from meshtrain.config import load_config, to_dict
-from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.rules import Preset
-from meshtrain.train import main, train
-from meshtrain.trainer import Trainer
+from meshtrain.loop import train
+from meshtrain.train import main
 from models.api import FRAMEWORK_AXES, families
 from models.common import RematPolicy
 from toy_family import FAMILY as TOY_FAMILY
 from toy_family import ToyGPTConfig
-from utils import OPTIMIZER, TRAIN, loss_grads_and_statistics
+from utils import loss_grads_and_statistics, make_trainer, trainer_of_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -82,8 +80,7 @@ def test_family_axes_get_the_rules_of_their_role():
 
 
 def _trainer(mesh_shape, pipeline=PipelineConfig(), model=TOY_MODEL):
-    mesh = make_mesh(MeshConfig(*mesh_shape), jax.devices()[: math.prod(mesh_shape)])
-    return Trainer(model, TRAIN, OPTIMIZER, Preset.FSDP_TP.rules, mesh, pipeline)
+    return make_trainer(mesh_shape, model, pipeline=pipeline)
 
 
 def _loss_and_grads(trainer):
@@ -143,8 +140,8 @@ def test_the_planner_plans_the_toy_family_and_its_estimate_matches_the_compiler(
     plan = planner.make_plan(cfg, 8, 80e9, meshes=[(2, 2, 2, 1), (1, 2, 1, 4)], zero_stages=[3],
                              remats=[RematPolicy.FULL])
     fit, _, broken = plan.ranked()
-    assert not broken and {e.layout.label() for e in fit} == {"(2,2,2,1)", "(1,2,1,4)"}
-    est = next(e for e in fit if e.layout.label() == "(2,2,2,1)")
+    assert not broken and {e.candidate.label() for e in fit} == {"(2,2,2,1)", "(1,2,1,4)"}
+    est = next(e for e in fit if e.candidate.label() == "(2,2,2,1)")
     xla = planner.verify(TOY, [], est, 8)
     assert est.argument_bytes == pytest.approx(xla["argument"], rel=0.10)
 
@@ -153,10 +150,9 @@ def _trainer_verdict(config: str, overrides: list[str], est) -> str | None:
     """The ConfigError the trainer raises for ``est``'s layout (None when it builds)."""
     from meshtrain.errors import ConfigError
 
-    cfg = load_config(config, overrides + est.layout.overrides())
+    cfg = load_config(config, overrides + est.candidate.overrides())
     try:
-        Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(),
-                make_mesh(cfg.mesh, jax.devices()[:est.layout.devices]), cfg.pipeline, cfg.zero, cfg.offload)
+        trainer_of_config(cfg, jax.devices()[:est.candidate.devices])
     except ConfigError as err:
         return str(err)
     return None
@@ -171,7 +167,7 @@ def test_planner_and_trainer_agree_on_feasibility_of_every_layout(config):
     for est in plan.estimates:
         verdict = _trainer_verdict(path, [], est)
         if (verdict is None) != (not est.reasons):
-            disagree.append((est.layout.label(), est.reasons, verdict))
+            disagree.append((est.candidate.label(), est.reasons, verdict))
     assert disagree == []
 
 

@@ -17,15 +17,12 @@ import pytest
 from flax import nnx
 
 from meshtrain.flops import count_flops
-from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.layout import abstract_model
-from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.schedules import OpCosts
-from meshtrain.trainer import Trainer
 from models.common import RematPolicy
 from models.llama import FAMILY, LlamaConfig
-from utils import OPTIMIZER, TRAIN
+from utils import make_trainer
 
 # A vocabulary large enough that the head matters: 131,072 of the 425,984 matmul weights.
 MODEL = LlamaConfig(vocab_size=2048, embed_dim=64, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -36,9 +33,7 @@ STAGES, MICRO = 4, 8
 
 
 def _step_flops(mesh_shape, model=MODEL, pipeline=PipelineConfig()) -> float:
-    mesh = make_mesh(MeshConfig(*mesh_shape), jax.devices()[: math.prod(mesh_shape)])
-    trainer = Trainer(model, dataclasses.replace(TRAIN, batch_size=BATCH), OPTIMIZER, Preset.FSDP_TP.rules, mesh,
-                      pipeline)
+    trainer = make_trainer(mesh_shape, model, pipeline=pipeline, batch_size=BATCH)
     count = count_flops(trainer.step, trainer.abstract_state(), trainer.abstract_batch())
     assert count.unbounded_loops == 0
     return count.flops

@@ -16,9 +16,11 @@ import pytest
 
 from meshtrain.checkpoint import CHECKPOINT_DIR
 from meshtrain.run_lock import LOCK_FILE
-from meshtrain.train import NonFiniteStop, main, train
-from test_checkpoint import (REPO, TINY, complete_steps, config, flat_params, overrides, records, restore,
-                             trainer_for)
+from meshtrain.loop import train
+from meshtrain.policies import NonFiniteStop
+from meshtrain.train import main
+from test_checkpoint import REPO, TINY, complete_steps, config, flat_params, overrides, records, restore
+from utils import trainer_of_config
 
 NON_FINITE_FIELDS = ["optimizer.learning_rate", "optimizer.eps", "optimizer.weight_decay", "optimizer.b1",
                      "model.norm_eps", "model.rope_theta", "model.rope_scaling.factor",
@@ -45,7 +47,7 @@ def test_item1_a_non_finite_update_from_finite_gradients_is_measured(tmp_path):
 
     good = config(tmp_path, "optimizer.warmup_steps=0", steps=2)
     for cfg, finite in ((good, True), (_nan_learning_rate(good), False)):
-        trainer = trainer_for(cfg)
+        trainer = trainer_of_config(cfg)
         dataset = make_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
         state, metrics = trainer.train_step(trainer.init_state(seed=0),
                                             global_batch(dataset, 0, cfg.train.batch_size, trainer.batch_sharding))
@@ -166,15 +168,15 @@ def test_item10_two_signals_coalesced_before_the_handler_runs_still_abort(capsys
     import os
     import signal
 
-    from meshtrain import train as train_module
+    from meshtrain.policies import Preemption
 
-    with train_module._Preemption() as preemption:
+    with Preemption() as preemption:
         os.write(preemption._wakeup[1], bytes([signal.SIGINT]) * 2)  # what two deliveries leave
         with pytest.raises(KeyboardInterrupt):
             preemption._handle(signal.SIGINT, None)
     assert preemption.received is None  # aborted at once: no "finishing the current step"
     assert "finishing the current step" not in capsys.readouterr().err
-    with train_module._Preemption() as preemption:  # one delivery: the normal preemption
+    with Preemption() as preemption:  # one delivery: the normal preemption
         os.write(preemption._wakeup[1], bytes([signal.SIGTERM]))
         preemption._handle(signal.SIGTERM, None)
         assert preemption.received == "SIGTERM"
@@ -402,11 +404,11 @@ def test_hostile_inputs_are_each_one_line_exit_2_and_quick(tmp_path, capsys):
 
 def test_item8_a_token_file_truncated_while_training_saves_and_stops_in_one_line(tmp_path, monkeypatch, capsys):
     """A memory-mapped file that shrinks would kill the run with SIGBUS on the next read."""
-    from meshtrain import train as train_module
+    from meshtrain import loop
 
     data = tmp_path / "tokens.bin"
     np.random.default_rng(0).integers(0, 128, 50_000).astype(np.uint16).tofile(data)
-    real_batch = train_module.global_batch
+    real_batch = loop.global_batch
 
     def truncate_before_step_3(dataset, step, *args):
         if step == 3:
@@ -414,7 +416,7 @@ def test_item8_a_token_file_truncated_while_training_saves_and_stops_in_one_line
                 f.truncate(64)
         return real_batch(dataset, step, *args)
 
-    monkeypatch.setattr(train_module, "global_batch", truncate_before_step_3)
+    monkeypatch.setattr(loop, "global_batch", truncate_before_step_3)
     run_dir = tmp_path / "run"
     code = main(["--config", TINY, *overrides(run_dir, "data.source=tokens", f"data.path={data}",
                                               "data.token_dtype=uint16", "checkpoint.every=0", steps=6)])
@@ -437,7 +439,7 @@ def test_item14_pipeline_verdicts_are_marked_and_verify_overrules(capsys):
     rows = {line.split()[1]: line for line in text.splitlines() if line.strip()[:1].isdigit()}
     assert rows["(1,4,1,2)"].rstrip().endswith("fits?") and rows["(2,2,2,1)"].rstrip().endswith("fits")
     assert "fits? = pipeline temp memory is estimated within" in text and "--verify" in text
-    est = next(e for e in plan.estimates if e.layout.stage == 2)
+    est = next(e for e in plan.estimates if e.candidate.stage == 2)
     measured = {"argument": 1e9, "output": 1e9, "temp": 90e9, "seconds": 1.0}  # what XLA could report
     assert planner.verified_verdict(measured, 80e9) == "does not fit: XLA needs 91 GB"
     assert "does not fit: XLA needs 91 GB" in planner.format_verify([(est, measured)], 8, 80e9)

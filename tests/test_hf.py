@@ -117,7 +117,7 @@ def test_shards_are_read_straight_into_their_devices(hf_dirs):
     mesh = _mesh((1, 2, 2, 1))
     files = hf.SafetensorsFiles(path)
     params = hf.load_params(files, LLAMA.hf, cfg, abstract,
-                            named_shardings(loading.inference_plan(cfg, mesh, RULES).param_specs(), mesh))
+                            named_shardings(loading.inference_layout(cfg, mesh, RULES).param_specs(), mesh))
     query = params["layers"]["attention"]["query"].get_value()
     assert {shard.data.shape for shard in query.addressable_shards} == {(2, 32, 2, 16)}
     reads = {}

@@ -16,7 +16,7 @@ from meshtrain.config import load_config
 from meshtrain.data import make_dataset
 from meshtrain.errors import ConfigError
 from meshtrain.logits import compute_logits
-from meshtrain.train import train
+from meshtrain.loop import train
 
 
 @pytest.fixture(scope="module")

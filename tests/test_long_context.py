@@ -4,7 +4,6 @@ meshes; the compiled programs hold the collectives the schemes imply; per-device
 falls with the split."""
 
 import dataclasses
-import math
 import re
 
 import jax
@@ -12,20 +11,18 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.rules import AxisRule, Preset, ShardingRules
-from meshtrain.trainer import Trainer
+from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from models.api import family_named
-from utils import MODEL, OPTIMIZER, TRAIN, collective_counts, loss_grads_and_statistics
+from utils import MODEL, collective_counts, loss_grads_and_statistics, make_trainer
 
 # 8 query heads / 4 kv heads and mlp 72 split by tensor 2 and 4; seq 32 split by up to 8.
 LONG = dataclasses.replace(MODEL, seq_len=32)
 
 
-def _trainer(mesh_shape, preset, model=LONG, batch_size=8):
-    mesh = make_mesh(MeshConfig(*mesh_shape), jax.devices()[: math.prod(mesh_shape)])
+def _trainer(mesh_shape, preset, model=LONG, batch_size=8, pipeline=PipelineConfig()):
     rules = preset if isinstance(preset, ShardingRules) else preset.rules
-    return Trainer(model, dataclasses.replace(TRAIN, batch_size=batch_size), OPTIMIZER, rules, mesh)
+    return make_trainer(mesh_shape, model, rules=rules, pipeline=pipeline, batch_size=batch_size)
 
 
 def _loss_and_grads(trainer):
@@ -149,13 +146,9 @@ def test_positions_that_do_not_divide_are_one_line_errors():
 @pytest.mark.slow
 def test_context_parallel_inside_pipeline_stages(reference):
     """CP over fsdp and TP inside each stage of a 2-stage 1F1B pipeline (4 layers)."""
-    from meshtrain.parallel.pipeline import PipelineConfig, Schedule
-
     four = dataclasses.replace(LONG, num_layers=4)
     ref_loss, ref_grads = _loss_and_grads(_trainer((1, 1, 1, 1), Preset.FSDP_TP, four))
-    mesh = make_mesh(MeshConfig(1, 2, 2, 2), jax.devices())
-    trainer = Trainer(four, dataclasses.replace(TRAIN, batch_size=8), OPTIMIZER, Preset.FSDP_TP_CP.rules, mesh,
-                      PipelineConfig(2, Schedule.ONE_F_ONE_B))
+    trainer = _trainer((1, 2, 2, 2), Preset.FSDP_TP_CP, four, pipeline=PipelineConfig(2, Schedule.ONE_F_ONE_B))
     loss, grads = _loss_and_grads(trainer)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     for name, grad in grads.items():
@@ -165,12 +158,9 @@ def test_context_parallel_inside_pipeline_stages(reference):
 @pytest.mark.slow
 def test_ring_layout_passes_keys_round_the_ring_and_refuses_pipeline_stages():
     from meshtrain.errors import ConfigError
-    from meshtrain.parallel.pipeline import PipelineConfig, Schedule
-
     compiled = _compiled(_trainer((1, 4, 1, 1), Preset.FSDP_CP_RING))
     assert collective_counts(compiled.as_text())["collective-permute"] > 0
-    mesh = make_mesh(MeshConfig(1, 2, 1, 2), jax.devices()[:4])
     with pytest.raises(ConfigError) as info:
-        Trainer(dataclasses.replace(LONG, num_layers=4), dataclasses.replace(TRAIN, batch_size=8), OPTIMIZER,
-                Preset.FSDP_CP_RING.rules, mesh, PipelineConfig(2, Schedule.ONE_F_ONE_B))
+        _trainer((1, 2, 1, 2), Preset.FSDP_CP_RING, dataclasses.replace(LONG, num_layers=4),
+                 pipeline=PipelineConfig(2, Schedule.ONE_F_ONE_B))
     assert info.value.field == "sharding.rules.kv_length" and "pipeline" in info.value.message

@@ -57,7 +57,7 @@ def temp_bytes_by_policy():
     cfg = dataclasses.replace(MODEL, seq_len=128, num_layers=4)
     result = {}
     for policy in RematPolicy:
-        trainer = make_trainer((1, 1, 1, 1), remat=policy, model=cfg)
+        trainer = make_trainer((1, 1, 1, 1), dataclasses.replace(cfg, remat=policy))
         compiled = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
         result[policy] = compiled.memory_analysis().temp_size_in_bytes
     return result

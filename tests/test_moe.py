@@ -8,7 +8,6 @@ Tolerances (fp32): losses relative 1e-5, gradients relative L2 1e-5 per paramete
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 import jax
@@ -26,7 +25,7 @@ from meshtrain.trainer import Trainer
 from models.common import RematPolicy, unconstrained
 from models.moe import Dispatch, MoEConfig
 from models.moe.model import SparseMoE
-from utils import OPTIMIZER, TRAIN, collective_counts, loss_grads_and_statistics, relative_l2
+from utils import collective_counts, loss_grads_and_statistics, make_trainer, relative_l2
 
 # Distinct sizes so that a swapped axis cannot pass: 8 experts, expert hidden 24, embed 40.
 MOE = MoEConfig(vocab_size=96, embed_dim=40, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=6,
@@ -37,9 +36,8 @@ FOUR_LAYERS = dataclasses.replace(MOE, num_layers=4)
 CAPACITY = dataclasses.replace(MOE, dispatch=Dispatch.CAPACITY, capacity_factor=0.5)
 
 
-def _trainer(mesh_shape, model=MOE, pipeline=PipelineConfig(), rules=Preset.FSDP_TP.rules, **train_fields):
-    mesh = make_mesh(MeshConfig(*mesh_shape), jax.devices()[: math.prod(mesh_shape)])
-    return Trainer(model, dataclasses.replace(TRAIN, **train_fields), OPTIMIZER, rules, mesh, pipeline)
+def _trainer(mesh_shape, model=MOE, pipeline=PipelineConfig(), **fields):
+    return make_trainer(mesh_shape, model, pipeline=pipeline, **fields)
 
 
 # --- the layer against a for-loop reference ---------------------------------------------------------

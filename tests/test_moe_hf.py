@@ -44,7 +44,7 @@ from meshtrain.logits import compute_logits
 from meshtrain.parallel.layout import abstract_model
 from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.sharding import named_shardings
-from meshtrain.train import train
+from meshtrain.loop import train
 from models.api import AUX_LOSS
 from models.moe import FAMILY as MOE
 from models.moe import Dispatch, MoEConfig
@@ -131,7 +131,7 @@ def test_experts_are_read_shard_by_shard(hf_dirs):
     mesh = _mesh(EP_TP)
     files = hf.SafetensorsFiles(path)
     hf.load_params(files, MOE.hf, cfg, abstract,
-                   named_shardings(loading.inference_plan(cfg, mesh, RULES).param_specs(), mesh))
+                   named_shardings(loading.inference_layout(cfg, mesh, RULES).param_specs(), mesh))
     w1 = [(name, size) for name, size in files.slices_read if name.endswith(".w1.weight")]
     assert collections.Counter(name for name, _ in w1) == {
         f"model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight": 2

@@ -12,10 +12,9 @@ from test_plan import assert_state_matches, assert_temp_within
 
 from meshtrain import plan as planner
 from meshtrain.config import load_config
-from meshtrain.mesh import make_mesh
 from meshtrain.parallel.rules import mesh_axes_of
-from meshtrain.trainer import Trainer
 from models.common import RematPolicy
+from utils import trainer_of_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MOE_TINY = REPO / "configs" / "moe_tiny.yaml"
@@ -54,13 +53,12 @@ def test_planner_holds_one_ep_th_of_the_expert_state_per_device(mesh, zero):
 @pytest.mark.parametrize("zero", [0, 2])
 def test_the_trainer_keeps_the_expert_split_at_every_zero_stage(zero):
     cfg = load_config(MOE_TINY, ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", f"zero.stage={zero}"])
-    trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(), make_mesh(cfg.mesh),
-                      cfg.pipeline, cfg.zero, cfg.offload)
+    trainer = trainer_of_config(cfg)
     for part in STATE_PARTS:
-        spec = getattr(trainer.layout, part)["layers"]["moe"]["gate"].get_value().spec
+        spec = getattr(trainer.state_layout, part)["layers"]["moe"]["gate"].get_value().spec
         assert spec[1] == ("data", "fsdp"), (part, spec)
     # ZeRO < 3 still replicates the dense weights over fsdp.
-    dense = trainer.layout.params["layers"]["attention"]["query"].get_value().spec
+    dense = trainer.state_layout.params["layers"]["attention"]["query"].get_value().spec
     assert not any("fsdp" in mesh_axes_of(entry) for entry in dense), dense
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from meshtrain import distributed
 from meshtrain.errors import ConfigError
-from meshtrain.train import train
+from meshtrain.loop import train
 from compile_flags import FAST_COMPILE_XLA_FLAG
 from test_checkpoint import REPO, TINY, config, losses, overrides
 

@@ -5,7 +5,6 @@ Tolerances (fp32): logits abs 1e-5; losses rel 1e-5; gradients rel L2 1e-5 per p
 """
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -14,15 +13,13 @@ import pytest
 from flax import nnx
 
 from meshtrain.data import ArrayStream, FileDataset, StreamInfo, global_batch
-from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule, documents_of
 from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.sharding import activation_sharding
-from meshtrain.trainer import Trainer
 from models.api import forward
 from models.common import unconstrained
 from toy_family import ToyGPTConfig
-from utils import MODEL, OPTIMIZER, TRAIN
+from utils import MODEL, make_trainer
 
 SEQ = 32
 LLAMA = dataclasses.replace(MODEL, num_layers=4, seq_len=SEQ)
@@ -58,9 +55,7 @@ def test_layout_of_windows_across_boundaries_and_the_padded_tail():
 
 
 def _trainer(model, mesh_shape, pipeline=PipelineConfig(), batch_size=8):
-    mesh = make_mesh(MeshConfig(*mesh_shape), jax.devices()[: math.prod(mesh_shape)])
-    return Trainer(model, dataclasses.replace(TRAIN, batch_size=batch_size), OPTIMIZER, Preset.FSDP_TP.rules,
-                   mesh, pipeline)
+    return make_trainer(mesh_shape, model, pipeline=pipeline, batch_size=batch_size)
 
 
 def _alone(model, params, graphdef, inputs, segments):
@@ -151,8 +146,7 @@ def test_packed_loss_and_gradients_through_every_layout(single_device, mesh_shap
 def test_packed_loss_and_gradients_under_context_parallelism(single_device, preset):
     """Segment ids travel with their keys (the ring) or are gathered with them (all-gather)."""
     ref_loss, ref_grads, _, _ = single_device
-    mesh = make_mesh(MeshConfig(1, 4, 1, 1), jax.devices()[:4])
-    trainer = Trainer(LLAMA, dataclasses.replace(TRAIN, batch_size=8), OPTIMIZER, preset.rules, mesh)
+    trainer = make_trainer((1, 4, 1, 1), LLAMA, rules=preset.rules, batch_size=8)
     batch = global_batch(_packed_dataset(1), 0, 8, trainer.batch_sharding)
     loss, grads, _, _ = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
     assert float(loss) == pytest.approx(ref_loss, rel=1e-5)

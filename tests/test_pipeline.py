@@ -7,7 +7,6 @@ converted back (``LayerOrder.to_logical``) before comparing.
 
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -17,15 +16,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.pipeline import LayerOrder, PipelineConfig, Schedule
-from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.schedules import one_f_one_b
 from meshtrain.precision import Precision
 from meshtrain.train import main
-from meshtrain.trainer import Trainer
 from models.common import RematPolicy
-from utils import MODEL, OPTIMIZER, TRAIN, collective_counts, loss_grads_and_statistics
+from utils import MODEL, TRAIN, collective_counts, loss_grads_and_statistics, make_trainer
 
 EIGHT_LAYERS = dataclasses.replace(MODEL, num_layers=8)
 SCHEDULES = {"gpipe": PipelineConfig(4, Schedule.GPIPE), "1f1b": PipelineConfig(4, Schedule.ONE_F_ONE_B),
@@ -41,9 +37,7 @@ LAYOUTS = [(schedule, mesh) for mesh in EVERY_SCHEDULE for schedule in SCHEDULES
 
 
 def _trainer(mesh_shape, pipeline=PipelineConfig(), model=EIGHT_LAYERS, **train_fields):
-    mesh = make_mesh(MeshConfig(*mesh_shape), jax.devices()[: math.prod(mesh_shape)])
-    return Trainer(model, dataclasses.replace(TRAIN, **train_fields), OPTIMIZER, Preset.FSDP_TP.rules,
-                   mesh, pipeline)
+    return make_trainer(mesh_shape, model, pipeline=pipeline, **train_fields)
 
 
 def _loss_and_grads(trainer):

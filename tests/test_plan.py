@@ -38,7 +38,7 @@ def _estimate_and_compile(overrides, mesh, zero, remat, micro):
     cfg = load_config(REPO / "configs" / "tiny.yaml", overrides)
     plan = planner.make_plan(cfg, 8, 80 * GB, meshes=[mesh], zero_stages=[zero],
                              remats=[RematPolicy(remat)])
-    (est,) = [e for e in plan.estimates if e.layout.microbatches == micro or mesh[3] == 1]
+    (est,) = [e for e in plan.estimates if e.candidate.microbatches == micro or mesh[3] == 1]
     assert not est.reasons, est.reasons
     xla = planner.verify(str(REPO / "configs" / "tiny.yaml"), overrides, est, 8)
     return est, xla
@@ -91,8 +91,8 @@ def _plan(config, devices, memory, host=None, **kwargs):
 
 
 def _only(plan, mesh, zero, remat="full"):
-    matches = [e for e in plan.estimates if (e.layout.data, e.layout.fsdp, e.layout.tensor, e.layout.stage)
-               == mesh and e.layout.zero == zero and e.layout.remat.value == remat]
+    matches = [e for e in plan.estimates if (e.candidate.data, e.candidate.fsdp, e.candidate.tensor, e.candidate.stage)
+               == mesh and e.candidate.zero == zero and e.candidate.remat.value == remat]
     return min(matches, key=lambda e: e.total)
 
 
@@ -114,12 +114,12 @@ def test_7b_on_one_80gb_device_fits_no_layout_offload_brings_the_moments_back_fo
     offload = _plan("llama_7b.yaml", 1, 80 * GB, 1e12)
     assert not any(plan.fits(e) for plan in (without, offload) for e in plan.estimates)
     params = offload.cfg.model.num_params
-    moved = [e for e in offload.estimates if e.layout.offload]
+    moved = [e for e in offload.estimates if e.candidate.offload]
     assert moved and all(e.optimizer == 0 and e.optimizer_host == pytest.approx(8 * params, rel=1e-6) for e in moved)
     # The update brings both moments of every leaf to the device: 8 B per parameter, the step's peak
     # under full remat; without offload the update is in place.
     assert all(e.update == pytest.approx(8 * params, rel=1e-6) for e in moved)
-    full = [e for e in moved if e.layout.remat is RematPolicy.FULL]
+    full = [e for e in moved if e.candidate.remat is RematPolicy.FULL]
     assert full and all(e.temp_bytes == e.update > e.backward_bytes for e in full)
     assert all(e.update == 0 for e in without.estimates)
 
@@ -127,7 +127,7 @@ def test_7b_on_one_80gb_device_fits_no_layout_offload_brings_the_moments_back_fo
 @pytest.mark.slow
 def test_the_offloaded_7b_update_phase_matches_the_compiler():
     plan = _plan("llama_7b.yaml", 1, 80 * GB, 1e12, remats=[RematPolicy.FULL])
-    (est,) = [e for e in plan.estimates if e.layout.offload]
+    (est,) = [e for e in plan.estimates if e.candidate.offload]
     xla = planner.verify(str(REPO / "configs" / "llama_7b.yaml"), [], est, 1)
     assert est.temp_bytes == pytest.approx(xla["temp"], rel=0.01)
 
@@ -135,14 +135,14 @@ def test_the_offloaded_7b_update_phase_matches_the_compiler():
 def test_70b_on_64x80gb_fits_with_zero3_and_a_smaller_batch():
     plan = _plan("llama_70b.yaml", 64, 80 * GB, overrides=["train.batch_size=64"])
     fit, _, _ = plan.ranked()
-    assert fit and all(e.layout.zero == 3 for e in fit[:5])
+    assert fit and all(e.candidate.zero == 3 for e in fit[:5])
 
 
 def test_layouts_that_cannot_run_say_why():
     kwargs = dict(remats=[RematPolicy.FULL], zero_stages=[3])
     plan = _plan("llama_70b.yaml", 64, 80 * GB, meshes=[(1, 1, 16, 4), (1, 1, 2, 32)], **kwargs)
     three = _plan("llama_70b.yaml", 3, 80 * GB, meshes=[(1, 3, 1, 1)], **kwargs)
-    reasons = {e.layout.label(): "; ".join(e.reasons) for e in plan.estimates + three.estimates}
+    reasons = {e.candidate.label(): "; ".join(e.reasons) for e in plan.estimates + three.estimates}
     assert "tensor=16 > kv_heads=8" in reasons["(1,1,16,4)"]
     assert "layers 80 not divisible by stage=32" in reasons["(1,1,2,32)"]
     assert "embed 8192 not divisible by fsdp=3" in reasons["(1,3,1,1)"]

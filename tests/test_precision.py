@@ -21,8 +21,8 @@ from utils import OPTIMIZER, make_trainer, run_steps
 
 
 def _with(trainer, **train_fields):
-    return Trainer(trainer.model_cfg, dataclasses.replace(trainer.train_cfg, **train_fields),
-                   OPTIMIZER, trainer.rules, trainer.mesh)
+    layout = dataclasses.replace(trainer.layout, train=dataclasses.replace(trainer.layout.train, **train_fields))
+    return Trainer(layout, trainer.mesh, OPTIMIZER)
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,9 @@ def test_overflowing_step_is_skipped_and_counted():
     # A scale this large overflows the scaled fp32 loss (and so the gradients) for certain.
     state = state.replace(loss_scale=state.loss_scale.replace(scale=jnp.float32(2.0**127)))
     before = jax.tree.map(np.asarray, state.params)
-    dataset = make_dataset(DataConfig(), vocab_size=trainer.model_cfg.vocab_size,
-                           seq_len=trainer.model_cfg.seq_len)
-    batch = global_batch(dataset, 0, trainer.train_cfg.batch_size, trainer.batch_sharding)
+    dataset = make_dataset(DataConfig(), vocab_size=trainer.layout.model.vocab_size,
+                           seq_len=trainer.layout.model.seq_len)
+    batch = global_batch(dataset, 0, trainer.layout.train.batch_size, trainer.batch_sharding)
     state, metrics = trainer.train_step(state, batch)
     assert int(metrics["skipped_steps"]) == 1 and int(state.step) == 1
     assert float(state.loss_scale.scale) == 2.0**126

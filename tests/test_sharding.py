@@ -16,8 +16,7 @@ from meshtrain.parallel.rules import PRESETS, AxisRule, Preset, ShardingRules
 from models.api import FRAMEWORK_AXES
 from models.llama import FAMILY as LLAMA
 from meshtrain.parallel.sharding import parameter_table, replicated_parameters
-from meshtrain.trainer import Trainer
-from utils import MODEL, make_trainer
+from utils import MODEL, make_trainer, trainer_of_config
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "tiny_2x2x2x1.txt"
 
@@ -93,13 +92,13 @@ def test_non_divisible_dimension_names_the_mesh_axis():
 
 
 def test_large_replicated_parameters_are_reported():
-    trainer = make_trainer((1, 8, 1, 1), preset=Preset.DP)
+    trainer = make_trainer((1, 8, 1, 1), rules=Preset.DP.rules)
     found = replicated_parameters(trainer.abstract_params, trainer.rules, trainer.mesh,
                                   threshold_bytes=15_000)
     assert found == ["embedding (15360 bytes)", "head (15360 bytes)", "layers.attention.out (15360 bytes)",
                      "layers.attention.query (15360 bytes)", "layers.mlp.down (23040 bytes)",
                      "layers.mlp.gate (23040 bytes)", "layers.mlp.up (23040 bytes)"]
-    sharded = make_trainer((1, 8, 1, 1), preset=Preset.FSDP)
+    sharded = make_trainer((1, 8, 1, 1), rules=Preset.FSDP.rules)
     assert replicated_parameters(sharded.abstract_params, sharded.rules, sharded.mesh, 15_000) == []
 
 
@@ -107,9 +106,8 @@ def test_golden_parameter_table_of_tiny_on_2x2x2x1():
     """Regenerate with: python -m meshtrain.train --config configs/tiny.yaml --host-devices 8
     --print-sharding > tests/golden/tiny_2x2x2x1.txt (and review the diff)."""
     cfg = load_config(pathlib.Path(__file__).parents[1] / "configs" / "tiny.yaml")
-    mesh = make_mesh(cfg.mesh)
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1}
-    trainer = Trainer(cfg.model, cfg.train, cfg.optimizer, cfg.sharding.resolve(), mesh)
+    trainer = trainer_of_config(cfg)
+    assert dict(trainer.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1}
     table = parameter_table(trainer.abstract_params, trainer.param_shardings)
     assert table + "\n" == GOLDEN.read_text()
 

@@ -2,7 +2,6 @@
 memory analysis, and losses equal to stage 0."""
 
 import dataclasses
-import math
 import types
 
 import jax
@@ -11,21 +10,17 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
-from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.offload import OffloadConfig, check_host_memory
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
-from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
-from meshtrain.trainer import Trainer
-from utils import MODEL, OPTIMIZER, TRAIN, run_steps
+from utils import MODEL, make_trainer, run_steps
 
 DP = 8  # ZeRO shards over fsdp: mesh (1, 8, 1, 1)
 
 
 def _trainer(stage, mesh_shape=(1, DP, 1, 1), offload=False, pipeline=PipelineConfig(), model=MODEL):
-    mesh = make_mesh(MeshConfig(*mesh_shape), jax.devices()[: math.prod(mesh_shape)])
-    return Trainer(model, TRAIN, OPTIMIZER, Preset.FSDP_TP.rules, mesh, pipeline,
-                   ZeroConfig(ZeroStage(stage)), OffloadConfig(offload))
+    return make_trainer(mesh_shape, model, pipeline=pipeline, zero=ZeroConfig(ZeroStage(stage)),
+                        offload=OffloadConfig(offload))
 
 
 def _optimizer_bytes_per_device(trainer):
@@ -36,7 +31,8 @@ def _optimizer_bytes_per_device(trainer):
 def _gradient_bytes_per_device(trainer):
     replicated = NamedSharding(trainer.mesh, PartitionSpec())
     # (loss, gradients, target count, the layers' statistics: none for Llama)
-    gradients = jax.jit(trainer.gradients, out_shardings=(replicated, trainer.layout.grads, replicated, replicated))
+    gradients = jax.jit(trainer.gradients,
+                        out_shardings=(replicated, trainer.state_layout.grads, replicated, replicated))
     compiled = gradients.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     return compiled.memory_analysis().output_size_in_bytes - 2 * 4  # minus the two f32 scalars
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -11,10 +12,13 @@ from flax import nnx
 from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.optim import OptimizerConfig
-from meshtrain.parallel.rules import Preset
+from meshtrain.parallel.layout import Layout
+from meshtrain.parallel.offload import OffloadConfig
+from meshtrain.parallel.pipeline import PipelineConfig
+from meshtrain.parallel.rules import Preset, ShardingRules
+from meshtrain.parallel.zero import ZeroConfig
 from meshtrain.train_config import TrainConfig
 from meshtrain.trainer import Trainer
-from models.common import RematPolicy
 from models.llama import LlamaConfig
 
 # Distinct sizes, each divisible by every split the tests use, so a transposed axis cannot pass.
@@ -33,23 +37,31 @@ class RunResult:
     trainer: Trainer
 
 
-def make_trainer(mesh_shape: tuple[int, int, int, int], *, devices=None, grad_accum: int = 1,
-                 remat: RematPolicy = RematPolicy.NONE, preset: Preset = Preset.FSDP_TP,
-                 model: LlamaConfig = MODEL) -> Trainer:
-    devices = jax.devices()[: int(np.prod(mesh_shape))] if devices is None else devices
+def make_trainer(mesh_shape: tuple[int, int, int, int], model=MODEL, *, rules: ShardingRules = Preset.FSDP_TP.rules,
+                 pipeline: PipelineConfig = PipelineConfig(), zero: ZeroConfig = ZeroConfig(),
+                 offload: OffloadConfig = OffloadConfig(), devices=None, **train_fields) -> Trainer:
+    """The one way the tests build a ``Trainer``: ``model`` on a mesh of ``mesh_shape`` over the first
+    devices (or ``devices``), ``TRAIN`` with ``train_fields`` replaced, ``OPTIMIZER``."""
+    devices = jax.devices()[: math.prod(mesh_shape)] if devices is None else devices
     mesh = make_mesh(MeshConfig(*mesh_shape), devices)
-    return Trainer(dataclasses.replace(model, remat=remat),
-                   dataclasses.replace(TRAIN, grad_accum=grad_accum), OPTIMIZER, preset.rules, mesh)
+    layout = Layout.of(model, mesh.shape, rules, dataclasses.replace(TRAIN, **train_fields), pipeline, zero, offload)
+    return Trainer(layout, mesh, OPTIMIZER)
+
+
+def trainer_of_config(cfg, devices=None) -> Trainer:
+    """The ``Trainer`` of a loaded ``Config`` on its mesh, as ``meshtrain.train`` builds it."""
+    mesh = make_mesh(cfg.mesh, devices)
+    return Trainer(cfg.layout(mesh.shape), mesh, cfg.optimizer)
 
 
 def run_steps(trainer: Trainer) -> RunResult:
     """TRAIN.steps optimizer steps on the embedded Markov data; losses and final parameters."""
-    dataset = make_dataset(DataConfig(), vocab_size=trainer.model_cfg.vocab_size,
-                           seq_len=trainer.model_cfg.seq_len)
+    dataset = make_dataset(DataConfig(), vocab_size=trainer.layout.model.vocab_size,
+                           seq_len=trainer.layout.model.seq_len)
     state = trainer.init_state(seed=0)
     losses = []
-    for step in range(trainer.train_cfg.steps):
-        batch = global_batch(dataset, step, trainer.train_cfg.batch_size, trainer.batch_sharding)
+    for step in range(trainer.layout.train.steps):
+        batch = global_batch(dataset, step, trainer.layout.train.batch_size, trainer.batch_sharding)
         state, metrics = trainer.train_step(state, batch)
         losses.append(float(metrics["loss"]))
     params = {".".join(map(str, path)): np.asarray(v.get_value())
@@ -71,9 +83,9 @@ def loss_grads_and_statistics(trainer: Trainer, batch=None) -> tuple[float, dict
     """Loss, per-parameter gradients (logical layer order) and the layers' statistics at init,
     on the step-0 batch of the embedded data unless ``batch`` is given."""
     if batch is None:
-        dataset = make_dataset(DataConfig(), vocab_size=trainer.model_cfg.vocab_size,
-                               seq_len=trainer.model_cfg.seq_len)
-        batch = global_batch(dataset, 0, trainer.train_cfg.batch_size, trainer.batch_sharding)
+        dataset = make_dataset(DataConfig(), vocab_size=trainer.layout.model.vocab_size,
+                               seq_len=trainer.layout.model.seq_len)
+        batch = global_batch(dataset, 0, trainer.layout.train.batch_size, trainer.batch_sharding)
     loss, grads, _, statistics = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
     grads = trainer.layer_order.to_logical(grads)
     return (float(loss), {".".join(map(str, path)): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(grads)},

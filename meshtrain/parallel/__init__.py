@@ -9,7 +9,7 @@
                     rule ``layers -> stage`` for parameters, fixes the layers' storage order, and runs
                     each (accumulation) microbatch through a ``shard_map`` schedule manual over
                     ``stage`` only, the layers' auxiliary losses included.
-3. ``layout.py``  - ``ParallelPlan``: the rules completed for the family, every feasibility check and
+3. ``layout.py``  - ``Layout``: the rules completed for the family, every feasibility check and
                     the at-rest specs; the one object the trainer and the planner share.
 4. ``zero.py``    - the ZeRO stage: which of optimizer state, gradients and parameters keep the
                     ``fsdp`` split.

@@ -1,4 +1,4 @@
-"""``ParallelPlan``: the one object that decides everything about a layout.
+"""``Layout``: the one object that decides everything about a layout.
 
 mesh sizes x rules x ZeRO stage x pipeline x offload, for one model and one global batch ->
 the final rules table (the family's axes completed, ``layers -> stage`` when pipelining), the at-rest
@@ -26,7 +26,7 @@ from meshtrain.mesh import MESH_AXES
 from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.pipeline import STAGE, LayerOrder, PipelineConfig, pipeline_rules
 from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
-from meshtrain.parallel.sharding import ring_axis
+from meshtrain.parallel.sharding import data_parallel_size, ring_axis
 from meshtrain.parallel.zero import StateLayout, ZeroConfig, ZeroStage, zero_layout
 from meshtrain.train_config import TrainConfig
 from models.api import AxisRole, ModelFamily, family_of
@@ -39,8 +39,8 @@ def abstract_model(model_cfg: Any) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 @dataclasses.dataclass(frozen=True)
-class ParallelPlan:
-    """One layout of one model (see the module docstring). Build with ``ParallelPlan.of`` or directly;
+class Layout:
+    """One layout of one model (see the module docstring). Build with ``Layout.of`` or directly;
     ``problems()`` says why it cannot run, ``check()`` raises the first as a ``ConfigError``."""
 
     model: Any  # the family's config
@@ -55,7 +55,7 @@ class ParallelPlan:
     @classmethod
     def of(cls, model: Any, mesh_shape: Mapping[str, int], rules: ShardingRules, train: TrainConfig,
            pipeline: PipelineConfig = PipelineConfig(), zero: ZeroConfig = ZeroConfig(),
-           offload: OffloadConfig = OffloadConfig(), abstract_params: nnx.State | None = None) -> ParallelPlan:
+           offload: OffloadConfig = OffloadConfig(), abstract_params: nnx.State | None = None) -> Layout:
         if abstract_params is None:
             abstract_params = abstract_model(model)[1]
         return cls(model, abstract_params, {axis: int(mesh_shape[axis]) for axis in MESH_AXES}, rules, train,
@@ -64,6 +64,11 @@ class ParallelPlan:
     @property
     def family(self) -> ModelFamily:
         return family_of(self.model)
+
+    @functools.cached_property
+    def graphdef(self) -> nnx.GraphDef:
+        """The model's structure, to merge with parameters (``nnx.merge``)."""
+        return abstract_model(self.model)[0]
 
     @property
     def stages(self) -> int:
@@ -91,7 +96,7 @@ class ParallelPlan:
     @property
     def data_parallel_size(self) -> int:
         """Number of ways the batch dimension is split."""
-        return math.prod(self.mesh_shape[a] for a in self.batch_axes)
+        return data_parallel_size(self.rules, self.mesh_shape)
 
     @property
     def rows_per_shard(self) -> int:

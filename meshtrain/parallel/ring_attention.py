@@ -20,7 +20,7 @@ so the backward is blockwise too: what is kept is the carries and the key/value 
 
 The framework runs it for a model's ``shard.attend`` wherever the rules split the keys'
 ``kv_length`` over the same single mesh axis as the queries' ``length`` (``fsdp_cp_ring``;
-``meshtrain.parallel.sharding.ActivationLayout``). Proven equal to full attention in
+``meshtrain.parallel.sharding.MeshActivationSharding``). Proven equal to full attention in
 tests/test_ring_attention.py, and in training to one device in tests/test_long_context.py.
 """
 

@@ -1,12 +1,13 @@
 """From logical rules to concrete shardings of parameters, optimizer state, batches and activations.
 
-Parameter specs are decided by ``layout.ParallelPlan`` (the rules, the ZeRO stage, the pipeline) and
+Parameter specs are decided by ``layout.Layout`` (the rules, the ZeRO stage, the pipeline) and
 become ``NamedSharding``s here; activations are constrained through ``ShardingRules.activation_spec``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -41,7 +42,7 @@ def _split_sizes(spec: PartitionSpec, mesh: Mesh) -> list[int]:
 
 
 def named_shardings(specs: Any, mesh: Mesh) -> Any:
-    """A tree of PartitionSpecs (e.g. ``ParallelPlan.state_specs().params``) as NamedShardings on ``mesh``."""
+    """A tree of PartitionSpecs (e.g. ``Layout.state_specs().params``) as NamedShardings on ``mesh``."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
@@ -55,7 +56,7 @@ def ring_axis(rules: ShardingRules) -> str | None:
     return queries[0] if len(queries) == 1 and keys == queries else None
 
 
-class ActivationLayout:
+class MeshActivationSharding:
     """What a model applies to its activations on ``mesh`` under ``rules`` (``ActivationSharding``):
     sharding constraints by logical axes, and the attention scheme the rules imply."""
 
@@ -99,7 +100,7 @@ class ActivationLayout:
 
 def activation_sharding(rules: ShardingRules, mesh: Mesh) -> ActivationSharding:
     """The constraints and attention a model applies to its activations on ``mesh``."""
-    return ActivationLayout(rules, mesh)
+    return MeshActivationSharding(rules, mesh)
 
 
 def batch_sharding(rules: ShardingRules, mesh: Mesh) -> NamedSharding:
@@ -107,9 +108,10 @@ def batch_sharding(rules: ShardingRules, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, rules.activation_spec(BATCH_AXES))
 
 
-def data_parallel_size(rules: ShardingRules, mesh: Mesh) -> int:
-    """Number of ways the batch dimension is split."""
-    return _split_sizes(rules.activation_spec(("batch",)), mesh)[0]
+def data_parallel_size(rules: ShardingRules, mesh_shape: Mapping[str, int]) -> int:
+    """Number of ways ``rules`` split the batch dimension on a mesh of ``mesh_shape`` (the one
+    definition: the trainer's layout, the planner and the tools all call it)."""
+    return math.prod(mesh_shape[axis] for axis in mesh_axes_of(rules.activation_spec(("batch",))[0]))
 
 
 def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state: Any,

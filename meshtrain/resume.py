@@ -1,0 +1,113 @@
+"""Where a run's first state comes from: its own checkpoints, ``checkpoint.restore_from``, or a fresh
+init (with ``checkpoint.init_from`` parameters); and the checks of a resumed config against the one
+its checkpoint was written with.
+
+Order: ``run.dir``'s newest complete checkpoint (unless ``--fresh``), else ``checkpoint.restore_from``
+(a step, a run or a checkpoints directory), else ``Trainer.init_state`` with the parameters of
+``checkpoint.init_from`` (an export, a run, or ``hf:DIR``) loaded over the fresh ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+from typing import Any
+
+import jax
+from flax import nnx
+
+from meshtrain import hf
+from meshtrain.checkpoint import (CHECKPOINT_DIR, Restored, RunCheckpoints, UnreadableCheckpoint, check_params,
+                                  config_differences, load_params, reorder_layers, resolve_restore_path, warn)
+from meshtrain.config import Config, to_dict
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline import LayerOrder
+from meshtrain.trainer import Trainer, TrainState
+
+# Sections whose changes between a checkpoint and the resumed run change the numbers (warned about).
+NUMERIC_SECTIONS = ("model", "optimizer", "data", "train")
+HARMLESS_FIELDS = ("train.log_every", "train.profile_steps")
+
+
+@dataclasses.dataclass
+class Start:
+    """The first state of a run: ``step`` steps already done (0 for a fresh one)."""
+
+    state: TrainState
+    step: int
+    restored: Restored | None  # the checkpoint it came from
+    note: str | None  # one line for the log: where the state came from
+
+
+def _restore_from(cfg: Config, trainer: Trainer, config: dict[str, Any]) -> Restored:
+    """The state ``checkpoint.restore_from`` names (a step, a run or a checkpoints directory)."""
+    field = "checkpoint.restore_from"
+    root, step = resolve_restore_path(cfg.checkpoint.restore_from, field=field)
+    source = RunCheckpoints(root, read_only=True)
+    try:
+        if step is None:
+            restored = source.restore_latest(trainer.abstract_state(), field=field, config=config,
+                                             layer_order=trainer.layer_order, move_unreadable=False)
+            if restored is None:
+                raise ConfigError(field, f"no complete checkpoint in {cfg.checkpoint.restore_from}")
+            return restored
+        try:
+            return source.restore(step, trainer.abstract_state(), field=field, config=config,
+                                  layer_order=trainer.layer_order)
+        except UnreadableCheckpoint as err:
+            raise ConfigError(field, f"checkpoint {source.path(step)} is unreadable: {err}") from None
+    finally:
+        source.close()
+
+
+def _check_resumed(cfg: Config, restored: Restored, config: dict[str, Any]) -> None:
+    """ConfigError when the checkpoint is past ``train.steps``; a warning naming every numeric
+    field that differs from the config the checkpoint was written with."""
+    if restored.step > cfg.train.steps:
+        raise ConfigError("train.steps", f"is {cfg.train.steps}, but checkpoint {restored.path} is "
+                          f"already at step {restored.step}; raise train.steps to continue it")
+    differences = [d for d in config_differences(restored.meta.get("config", {}), config, NUMERIC_SECTIONS)
+                   if not d.startswith(HARMLESS_FIELDS)]
+    if differences:
+        warn(f"checkpoint {restored.path} was written with another config; continuing with this one "
+             f"({'; '.join(differences)}). train.steps sets the length of the learning-rate schedule")
+
+
+def initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | None, run_dir: pathlib.Path,
+                  fresh: bool) -> Start:
+    """The run's first state (see the module docstring). ``fresh``: a ConfigError when ``run_dir``
+    already holds checkpoints. Bad input is found before anything is compiled."""
+    own = run_dir / CHECKPOINT_DIR
+    if fresh and own.is_dir() and any(p.name.isdigit() for p in own.iterdir()):
+        latest = max(int(p.name) for p in own.iterdir() if p.name.isdigit())
+        raise ConfigError("--fresh", f"{run_dir} already holds checkpoints (latest: step {latest}); use "
+                          "another run.dir, or drop --fresh to resume from them")
+    config = to_dict(cfg)
+    restored = None
+    if checkpoints is not None and not fresh:
+        restored = checkpoints.restore_latest(trainer.abstract_state(), field="run.dir", config=config,
+                                              layer_order=trainer.layer_order, move_unreadable=True)
+    if restored is None and cfg.checkpoint.restore_from is not None:
+        restored = _restore_from(cfg, trainer, config)
+    if restored is not None:
+        _check_resumed(cfg, restored, config)
+        note = (f"resumed from {restored.path} (step {restored.step}, written on mesh "
+                f"{restored.meta.get('mesh')} with {restored.meta.get('devices')} devices)")
+        return Start(restored.state, restored.step, restored, note)
+    init_from = cfg.checkpoint.init_from
+    load = None
+    if init_from is not None and init_from.startswith(hf.INIT_PREFIX):  # checked before anything compiles
+        load = hf.init_loader(init_from.removeprefix(hf.INIT_PREFIX), trainer)
+    elif init_from is not None:  # checked before anything compiles
+        target = check_params(init_from, trainer.abstract_params, trainer.param_shardings,
+                              model_config=config["model"])
+        load = functools.partial(load_params, init_from, target)
+    state = trainer.init_state(cfg.train.seed)
+    if load is None:
+        return Start(state, 0, None, None)
+    jax.tree.map(lambda array: array.delete(), state.params)  # free the fresh ones before loading
+    nnx.replace_by_pure_dict(state.params, load())
+    # Exported parameters are in model order; an interleaved pipeline stores stage order.
+    state = reorder_layers(state, LayerOrder(num_layers=cfg.model.num_layers), trainer.layer_order)
+    return Start(state, 0, None, f"parameters initialised from {init_from}")

@@ -1,0 +1,134 @@
+"""The import graph of the house, read from the source (every import, also inside functions):
+no cycles, no upward imports, no module importing a command-line module, and scripts and tests
+never importing each other.
+
+``LAYERS`` is the architecture as data, lowest first: a module may import its own layer and the
+layers below. A new module must be placed here, or the test names it.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections.abc import Collection
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+LAYERS: list[tuple[str, ...]] = [
+    # The family interface and the families (they import nothing of the framework).
+    ("models",),
+    # Leaves: errors, devices and mesh, precision, the typed sections no other section depends on,
+    # and what every command line shares.
+    ("meshtrain.errors", "meshtrain.precision", "meshtrain.mesh", "meshtrain.train_config", "meshtrain.optim",
+     "meshtrain.flops", "meshtrain.metrics", "meshtrain.xla_flags", "meshtrain.run_lock", "meshtrain.distributed",
+     "meshtrain.cli", "meshtrain.hlo"),
+    # One file per parallelism concern; the data pipeline.
+    ("meshtrain.parallel", "meshtrain.data"),
+    # What is built from a layout: the step, checkpoints, HF files, evaluation, the memory model.
+    ("meshtrain.trainer", "meshtrain.checkpoint", "meshtrain.hf", "meshtrain.evaluation", "meshtrain.memory_model"),
+    # The config of every section.
+    ("meshtrain.config",),
+    # What a run and the tools are made of.
+    ("meshtrain.loading", "meshtrain.resume", "meshtrain.policies"),
+    ("meshtrain.loop",),
+    # Command-line modules (``python -m ...``): nothing imports them.
+    ("meshtrain.train", "meshtrain.plan", "meshtrain.convert", "meshtrain.export", "meshtrain.logits",
+     "meshtrain.generate", "meshtrain.data.__main__"),
+]
+COMMAND_LINES = set(LAYERS[-1])
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package_modules() -> dict[str, pathlib.Path]:
+    return {_module_name(path): path for package in ("meshtrain", "models") for path in (ROOT / package).rglob("*.py")}
+
+
+def _imports(path: pathlib.Path, modules: Collection[str] = ()) -> set[str]:
+    """Every absolute module name ``path`` imports: ``from a import b`` gives ``a.b`` when that is one
+    of ``modules``, else ``a``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                found.add(name if name in modules else node.module)
+    return found
+
+
+def _extends_sys_path(path: pathlib.Path) -> bool:
+    """Whether ``path`` calls ``sys.path.insert`` or ``sys.path.append``."""
+    return any(isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append")
+               for node in ast.walk(ast.parse(path.read_text(), str(path))))
+
+
+def _layer(module: str) -> int:
+    """The index in LAYERS of the longest prefix naming ``module``."""
+    best, best_length = None, -1
+    for index, layer in enumerate(LAYERS):
+        for prefix in layer:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_length:
+                best, best_length = index, len(prefix)
+    assert best is not None, f"{module} has no layer: place it in tests/test_imports.py's LAYERS"
+    return best
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _package_modules()
+    return {name: {target for target in _imports(path, modules) if target in modules and target != name}
+            for name, path in modules.items()}
+
+
+def test_every_module_has_a_layer_and_imports_only_its_own_or_lower_ones():
+    upward = [(module, target) for module, targets in _graph().items() for target in targets
+              if _layer(target) > _layer(module)]
+    assert upward == []
+
+
+def test_no_module_imports_a_command_line_module():
+    assert [(m, t) for m, targets in _graph().items() for t in targets if t in COMMAND_LINES] == []
+
+
+def test_no_import_cycles():
+    graph, state, cycles = _graph(), {}, []
+
+    def visit(module: str, stack: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                cycles.append([*stack[stack.index(target):], target])
+            elif target not in state:
+                visit(target, [*stack, target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_the_graph_is_read_for_real():
+    """The readers above see the edges that exist (a reader that saw nothing would pass them all)."""
+    graph = _graph()
+    assert "meshtrain.trainer" in graph["meshtrain.loop"] and "meshtrain.config" in graph["meshtrain.loop"]
+    assert _layer("meshtrain.parallel.layout") == 2 and _layer("meshtrain.train") == len(LAYERS) - 1
+
+
+def test_scripts_and_tests_do_not_import_each_other():
+    scripts = {path.stem for path in (ROOT / "scripts").glob("*.py")}
+    tests = {path.stem for path in (ROOT / "tests").glob("*.py")}
+    found = []
+    for path in (ROOT / "tests").glob("*.py"):
+        found += [(path.name, name) for name in _imports(path) if name.split(".")[0] in scripts]
+        if _extends_sys_path(path):
+            found.append((path.name, "sys.path"))
+    for path in (ROOT / "scripts").glob("*.py"):
+        found += [(path.name, name) for name in _imports(path) if name.split(".")[0] in tests]
+        if _extends_sys_path(path):
+            found.append((path.name, "sys.path"))
+    assert found == []
