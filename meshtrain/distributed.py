@@ -40,11 +40,10 @@ import jax
 
 from meshtrain.errors import ConfigError
 
-# Variables meshtrain reads for JAX (JAX 0.10 reads only the coordinator and the local device ids).
+# Variables meshtrain reads for JAX (JAX 0.10 reads only the coordinator and JAX_LOCAL_DEVICE_IDS).
 NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
 PROCESS_ID_ENV = "JAX_PROCESS_ID"
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
-LOCAL_DEVICE_IDS_ENV = "JAX_LOCAL_DEVICE_IDS"
 _DETECTION_METHODS = ("ompi", "slurm", "mpi4py", "gke_tpu_cluster", "gce_tpu_cluster", "k8s", "deactivate")
 
 

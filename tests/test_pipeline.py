@@ -84,7 +84,9 @@ def test_1f1b_with_gradient_accumulation_and_remat(reference):
     _assert_matches(reference, _loss_and_grads(trainer))
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+# The fast tier runs one schedule (1F1B); the full suite every one.
+@pytest.mark.parametrize("schedule", [schedule if schedule == "1f1b" else pytest.param(schedule, marks=pytest.mark.slow)
+                                      for schedule in SCHEDULES])
 def test_bf16_pipelines_run_on_cpu_and_track_fp32(reference, schedule):
     """Stage-crossing values stay fp32, so no bf16 psum reaches XLA:CPU inside the shard_map."""
     loss, _ = _loss_and_grads(_trainer((1, 2, 1, 4), SCHEDULES[schedule], precision=Precision.BF16))
@@ -171,8 +173,9 @@ def test_three_cli_steps_of_each_schedule_equal_one_device(tmp_path):
     pipelined = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.stage=2", "pipeline.microbatches=4"]
     table = tmp_path / "table.json"
     table.write_text(one_f_one_b(2, 4).to_json())
-    for schedule, extra in [("gpipe", []), ("1f1b", []), ("interleaved", ["pipeline.virtual_stages=2"]),
-                            ("zb_h1", []), ("custom", [f"pipeline.table={table}"])]:
+    # Interleaved (stored in stage order) and a user's table through the CLI; each built-in schedule's
+    # gradients equal one device's in test_schedule_gradients_equal_the_sequential_model.
+    for schedule, extra in [("interleaved", ["pipeline.virtual_stages=2"]), ("custom", [f"pipeline.table={table}"])]:
         result = losses(schedule, *pipelined, f"pipeline.schedule={schedule}", *extra)
         np.testing.assert_allclose(result, single, rtol=1e-5, err_msg=schedule)
 
@@ -188,10 +191,10 @@ def _temp_bytes(schedule: Schedule, stages: int, micro: int, virtual: int = 1) -
 @pytest.mark.parametrize("schedule, virtual", [(Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED, 2),
                                                (Schedule.ZB_H1, 1)], ids=["1f1b", "interleaved", "zb_h1"])
 def test_activation_memory_is_flat_in_microbatches(schedule, virtual):
-    """M = 4 -> 16 on 2 stages (the stash holds at most 2S-1 = 3 microbatches there, fewer than 4);
+    """M = 4 -> 8 on 2 stages (the stash holds at most 2S-1 = 3 microbatches there, fewer than 4);
     on 4 stages the stash fills up to 2S-1 = 7 (stage 0 in lock step), flat from M = 8 (to 16).
-    GPipe's grows 4x over the same M = 4 -> 16 (below)."""
-    two_stages = _temp_bytes(schedule, 2, 16, virtual) / _temp_bytes(schedule, 2, 4, virtual)
+    GPipe's grows 4x over M = 4 -> 16 (below)."""
+    two_stages = _temp_bytes(schedule, 2, 8, virtual) / _temp_bytes(schedule, 2, 4, virtual)
     four_stages = _temp_bytes(schedule, 4, 16, virtual) / _temp_bytes(schedule, 4, 8, virtual)
     assert two_stages < 1.25 and four_stages < 1.25, (two_stages, four_stages)
 

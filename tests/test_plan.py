@@ -132,6 +132,7 @@ def test_the_offloaded_7b_update_phase_matches_the_compiler():
     assert est.temp_bytes == pytest.approx(xla["temp"], rel=0.01)
 
 
+@pytest.mark.slow
 def test_70b_on_64x80gb_fits_with_zero3_and_a_smaller_batch():
     plan = _plan("llama_70b.yaml", 64, 80 * GB, overrides=["train.batch_size=64"])
     fit, _, _ = plan.ranked()

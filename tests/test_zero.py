@@ -81,9 +81,9 @@ def test_zero_stages_compose_with_tensor_and_pipeline_parallelism():
     model = dataclasses.replace(MODEL, num_layers=4)
     pipeline = PipelineConfig(4, Schedule.ONE_F_ONE_B)
     reference = run_steps(_trainer(0, (1, 1, 1, 1), model=model))
-    for stage in (1, 2):
-        result = run_steps(_trainer(stage, (1, 2, 2, 2), pipeline=pipeline, model=model))
-        np.testing.assert_allclose(result.losses, reference.losses, rtol=1e-5, err_msg=str(stage))
+    # ZeRO-2: gradients leave the pipeline split over fsdp (ZeRO-1 changes only the update, outside it).
+    result = run_steps(_trainer(2, (1, 2, 2, 2), pipeline=pipeline, model=model))
+    np.testing.assert_allclose(result.losses, reference.losses, rtol=1e-5)
 
 
 def test_offloaded_optimizer_state_rests_in_host_memory_and_trains_identically(trainers):

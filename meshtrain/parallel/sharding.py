@@ -24,10 +24,6 @@ from models.common import ActivationSharding, LogicalAxes, full_attention, logic
 BATCH_AXES: LogicalAxes = ("batch", None)  # token arrays: rows split, each row whole on its devices
 
 
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
 def _param_name(path: tuple) -> str:
     return ".".join(str(key) for key in path)
 
