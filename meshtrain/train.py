@@ -24,7 +24,7 @@ import yaml
 
 from meshtrain import distributed
 from meshtrain.checkpoint import SaveFailed
-from meshtrain.cli import EXIT_USER_ERROR, HOST_MEMORY_MESSAGE, ArgumentParser, use_host_devices
+from meshtrain.cli import EXIT_USER_ERROR, ArgumentParser, run, use_host_devices
 from meshtrain.config import load_config, to_dict
 from meshtrain.errors import ConfigError
 from meshtrain.loop import train
@@ -67,7 +67,8 @@ def _distributed_flags(args: argparse.Namespace, cfg: distributed.DistributedCon
         raise ConfigError("--" + err.field.replace("_", "-"), err.message) from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None) -> int:
+    """The command; ``cli.run`` turns a ConfigError or MemoryError into one line and exit 2."""
     try:
         args = _parse_args(argv)
         command = "python -m meshtrain.train"
@@ -89,19 +90,16 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             os._exit(EXIT_USER_ERROR)
         return EXIT_USER_ERROR
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USER_ERROR
     except NonFiniteStop as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_NONFINITE
-    except MemoryError:
-        print(f"error: memory: {HOST_MEMORY_MESSAGE}", file=sys.stderr)
-        return EXIT_USER_ERROR
     except BrokenPipeError:  # --print-config / --print-sharding piped into `head`: the reader is done
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return 0
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(_main, argv)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from models.api import FRAMEWORK_AXES, families
 from models.common import RematPolicy
 from toy_family import FAMILY as TOY_FAMILY
 from toy_family import ToyGPTConfig
-from utils import loss_grads_and_statistics, make_trainer, trainer_of_config
+from utils import loss_and_grads, make_trainer, trainer_of_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -83,19 +83,13 @@ def _trainer(mesh_shape, pipeline=PipelineConfig(), model=TOY_MODEL):
     return make_trainer(mesh_shape, model, pipeline=pipeline)
 
 
-def _loss_and_grads(trainer):
-    """Loss and per-parameter gradients (logical layer order) at init on the step-0 batch."""
-    loss, grads, _ = loss_grads_and_statistics(trainer)
-    return loss, grads
-
-
 @pytest.fixture(scope="module")
 def sequential():
-    return _loss_and_grads(_trainer((1, 1, 1, 1)))
+    return loss_and_grads(_trainer((1, 1, 1, 1)))
 
 
 def test_the_auxiliary_loss_is_part_of_the_objective(sequential):
-    without, _ = _loss_and_grads(_trainer((1, 1, 1, 1), model=dataclasses.replace(TOY_MODEL, aux_loss_weight=0.0)))
+    without, _ = loss_and_grads(_trainer((1, 1, 1, 1), model=dataclasses.replace(TOY_MODEL, aux_loss_weight=0.0)))
     assert abs(sequential[0] - without) / without > 1e-3
 
 
@@ -105,7 +99,7 @@ def test_the_auxiliary_loss_is_part_of_the_objective(sequential):
     ((2, 1, 1, 2), PipelineConfig(2, Schedule.INTERLEAVED, virtual_stages=2)),
 ], ids=["gpipe", "1f1b", "interleaved"])
 def test_aux_losses_reach_every_pipeline_schedule(sequential, mesh_shape, pipeline):
-    loss, grads = _loss_and_grads(_trainer(mesh_shape, pipeline))
+    loss, grads = loss_and_grads(_trainer(mesh_shape, pipeline))
     ref_loss, ref_grads = sequential
     assert abs(loss - ref_loss) / ref_loss <= 1e-5
     for name, expected in ref_grads.items():

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from meshtrain.parallel.rules import AxisRule, Preset, ShardingRules
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from models.api import family_named
-from utils import MODEL, collective_counts, loss_grads_and_statistics, make_trainer
+from utils import MODEL, collective_counts, loss_and_grads, make_trainer
 
 # 8 query heads / 4 kv heads and mlp 72 split by tensor 2 and 4; seq 32 split by up to 8.
 LONG = dataclasses.replace(MODEL, seq_len=32)
@@ -25,15 +25,9 @@ def _trainer(mesh_shape, preset, model=LONG, batch_size=8, pipeline=PipelineConf
     return make_trainer(mesh_shape, model, rules=rules, pipeline=pipeline, batch_size=batch_size)
 
 
-def _loss_and_grads(trainer):
-    """Loss and per-parameter gradients (logical layer order) at init on the step-0 batch."""
-    loss, grads, _ = loss_grads_and_statistics(trainer)
-    return loss, grads
-
-
 @pytest.fixture(scope="module")
 def reference():
-    return _loss_and_grads(_trainer((1, 1, 1, 1), Preset.FSDP_TP))
+    return loss_and_grads(_trainer((1, 1, 1, 1), Preset.FSDP_TP))
 
 
 # Ring attention with tensor parallelism inside: fsdp_tp_cp with the keys kept split.
@@ -64,7 +58,7 @@ LAYOUTS = [layout if layout in FAST else pytest.param(*layout, marks=pytest.mark
                               for m, p in (getattr(x, "values", x) for x in LAYOUTS)])
 def test_loss_and_gradients_equal_one_device(reference, mesh_shape, preset):
     ref_loss, ref_grads = reference
-    loss, grads = _loss_and_grads(_trainer(mesh_shape, preset))
+    loss, grads = loss_and_grads(_trainer(mesh_shape, preset))
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     for name, grad in grads.items():
         error = np.linalg.norm(grad - ref_grads[name]) / np.linalg.norm(ref_grads[name])
@@ -147,9 +141,9 @@ def test_positions_that_do_not_divide_are_one_line_errors():
 def test_context_parallel_inside_pipeline_stages(reference):
     """CP over fsdp and TP inside each stage of a 2-stage 1F1B pipeline (4 layers)."""
     four = dataclasses.replace(LONG, num_layers=4)
-    ref_loss, ref_grads = _loss_and_grads(_trainer((1, 1, 1, 1), Preset.FSDP_TP, four))
+    ref_loss, ref_grads = loss_and_grads(_trainer((1, 1, 1, 1), Preset.FSDP_TP, four))
     trainer = _trainer((1, 2, 2, 2), Preset.FSDP_TP_CP, four, pipeline=PipelineConfig(2, Schedule.ONE_F_ONE_B))
-    loss, grads = _loss_and_grads(trainer)
+    loss, grads = loss_and_grads(trainer)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     for name, grad in grads.items():
         assert np.linalg.norm(grad - ref_grads[name]) / np.linalg.norm(ref_grads[name]) <= 1e-5, name

@@ -21,7 +21,7 @@ from meshtrain.parallel.schedules import one_f_one_b
 from meshtrain.precision import Precision
 from meshtrain.train import main
 from models.common import RematPolicy
-from utils import MODEL, TRAIN, collective_counts, loss_grads_and_statistics, make_trainer
+from utils import MODEL, TRAIN, collective_counts, loss_and_grads, make_trainer
 
 EIGHT_LAYERS = dataclasses.replace(MODEL, num_layers=8)
 SCHEDULES = {"gpipe": PipelineConfig(4, Schedule.GPIPE), "1f1b": PipelineConfig(4, Schedule.ONE_F_ONE_B),
@@ -40,15 +40,9 @@ def _trainer(mesh_shape, pipeline=PipelineConfig(), model=EIGHT_LAYERS, **train_
     return make_trainer(mesh_shape, model, pipeline=pipeline, **train_fields)
 
 
-def _loss_and_grads(trainer):
-    """Loss and per-parameter gradients (logical layer order) at init on the step-0 batch."""
-    loss, grads, _ = loss_grads_and_statistics(trainer)
-    return loss, grads
-
-
 @pytest.fixture(scope="module")
 def reference():
-    return _loss_and_grads(_trainer((1, 1, 1, 1)))
+    return loss_and_grads(_trainer((1, 1, 1, 1)))
 
 
 def _assert_matches(reference, result):
@@ -64,7 +58,7 @@ def _assert_matches(reference, result):
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, mesh_shape", LAYOUTS, ids=[f"{s}-{'x'.join(map(str, m))}" for s, m in LAYOUTS])
 def test_schedule_gradients_equal_the_sequential_model(reference, schedule, mesh_shape):
-    _assert_matches(reference, _loss_and_grads(_trainer(mesh_shape, SCHEDULES[schedule])))
+    _assert_matches(reference, loss_and_grads(_trainer(mesh_shape, SCHEDULES[schedule])))
 
 
 @pytest.mark.slow
@@ -73,15 +67,15 @@ def test_eight_stages_equal_the_sequential_model(schedule):
     """S = 8 (16 layers: one per stage, or two chunks of one under interleaving), M = 8."""
     model = dataclasses.replace(MODEL, num_layers=16)
     pipeline = dataclasses.replace(SCHEDULES[schedule], microbatches=8)
-    _assert_matches(_loss_and_grads(_trainer((1, 1, 1, 1), model=model)),
-                    _loss_and_grads(_trainer((1, 1, 1, 8), pipeline, model=model)))
+    _assert_matches(loss_and_grads(_trainer((1, 1, 1, 1), model=model)),
+                    loss_and_grads(_trainer((1, 1, 1, 8), pipeline, model=model)))
 
 
 @pytest.mark.slow
 def test_1f1b_with_gradient_accumulation_and_remat(reference):
     trainer = _trainer((1, 2, 1, 4), SCHEDULES["1f1b"], grad_accum=2,
                        model=dataclasses.replace(EIGHT_LAYERS, remat=RematPolicy.FULL))
-    _assert_matches(reference, _loss_and_grads(trainer))
+    _assert_matches(reference, loss_and_grads(trainer))
 
 
 # The fast tier runs one schedule (1F1B); the full suite every one.
@@ -89,7 +83,7 @@ def test_1f1b_with_gradient_accumulation_and_remat(reference):
                                       for schedule in SCHEDULES])
 def test_bf16_pipelines_run_on_cpu_and_track_fp32(reference, schedule):
     """Stage-crossing values stay fp32, so no bf16 psum reaches XLA:CPU inside the shard_map."""
-    loss, _ = _loss_and_grads(_trainer((1, 2, 1, 4), SCHEDULES[schedule], precision=Precision.BF16))
+    loss, _ = loss_and_grads(_trainer((1, 2, 1, 4), SCHEDULES[schedule], precision=Precision.BF16))
     assert abs(loss - reference[0]) / reference[0] < 2e-2
 
 

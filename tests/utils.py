@@ -92,6 +92,12 @@ def loss_grads_and_statistics(trainer: Trainer, batch=None) -> tuple[float, dict
             {name: np.asarray(value) for name, value in statistics.items()})
 
 
+def loss_and_grads(trainer: Trainer) -> tuple[float, dict]:
+    """Loss and per-parameter gradients (logical layer order) at init on the step-0 batch."""
+    loss, grads, _ = loss_grads_and_statistics(trainer)
+    return loss, grads
+
+
 def relative_l2(actual: np.ndarray, expected: np.ndarray) -> float:
     """||actual - expected|| / ||expected|| (0 when both are 0)."""
     norm = np.linalg.norm(expected)
