@@ -19,7 +19,9 @@ import math
 
 import jax
 
-from meshtrain.data import DataConfig, FileDataset, Packing, TokenDataset, global_batch, make_held_out_dataset
+from meshtrain.data import DataConfig, Packing, global_batch, make_held_out_dataset
+from meshtrain.data.dataset import TokenDataset
+from meshtrain.data.sources import FileDataset
 from meshtrain.errors import ConfigError
 
 

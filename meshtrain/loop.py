@@ -24,7 +24,8 @@ import yaml
 from meshtrain import distributed
 from meshtrain.checkpoint import CHECKPOINT_DIR, RunCheckpoints
 from meshtrain.config import Config, to_dict
-from meshtrain.data import DataChanged, Packing, global_batch, make_dataset
+from meshtrain.data import Packing, global_batch, make_dataset
+from meshtrain.data.sources import DataChanged
 from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.errors import ConfigError
 from meshtrain.evaluation import Evaluator

@@ -28,7 +28,7 @@ import numpy as np
 
 from meshtrain.checkpoint import RunCheckpoints, checkpoint_meta
 from meshtrain.config import Config, to_dict
-from meshtrain.data import DataChanged
+from meshtrain.data.sources import DataChanged
 from meshtrain.errors import ConfigError
 from meshtrain.evaluation import Evaluator
 from meshtrain.metrics import MetricsLogger, mfu

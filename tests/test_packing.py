@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshtrain.data import ArrayStream, FileDataset, StreamInfo, global_batch
+from meshtrain.data import global_batch
+from meshtrain.data.sources import ArrayStream, FileDataset, StreamInfo
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule, documents_of
 from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.sharding import activation_sharding
