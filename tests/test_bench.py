@@ -166,7 +166,8 @@ def test_model_attention_picks_the_dot_product_attention_implementation():
     import jax.numpy as jnp
     from flax import nnx
 
-    from models.llama import AttentionKernel, Llama, LlamaConfig
+    from models.blocks import AttentionKernel
+    from models.llama import Llama, LlamaConfig
 
     tokens = jnp.zeros((1, 8), jnp.int32)
     logits = dict.fromkeys(AttentionKernel)

@@ -33,8 +33,9 @@ from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.layout import abstract_model
 from meshtrain.parallel.sharding import named_shardings
+from models.blocks import RopeScaling, RopeScalingConfig
 from models.llama import FAMILY as LLAMA
-from models.llama import Llama, LlamaConfig, RopeScaling, RopeScalingConfig
+from models.llama import Llama, LlamaConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RULES = Preset.FSDP_TP.rules

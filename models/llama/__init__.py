@@ -2,9 +2,8 @@
 
 from models.api import AxisRole, ModelFamily, register
 from models.llama.hf import LlamaHF
-from models.llama.model import (CHECKPOINT_NAMES, AttentionKernel, KVCache, Llama, LlamaConfig, RopeScaling,
-                                RopeScalingConfig, activation_bytes, apply_rotary, flops_per_token,
-                                recompute_flops_per_token, rotary_frequencies, rotary_tables)
+from models.llama.model import (CHECKPOINT_NAMES, Llama, LlamaConfig, activation_bytes, flops_per_token,
+                                recompute_flops_per_token)
 
 FAMILY = register(ModelFamily(
     name="llama", config_class=LlamaConfig, model_class=Llama,
@@ -13,5 +12,4 @@ FAMILY = register(ModelFamily(
     flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops_per_token,
     activation_bytes=activation_bytes, hf=LlamaHF()))
 
-__all__ = ["CHECKPOINT_NAMES", "FAMILY", "AttentionKernel", "KVCache", "Llama", "LlamaConfig", "RopeScaling",
-           "RopeScalingConfig", "apply_rotary", "rotary_frequencies", "rotary_tables"]
+__all__ = ["CHECKPOINT_NAMES", "FAMILY", "Llama", "LlamaConfig"]

@@ -19,7 +19,7 @@ Weight mapping (HF ``nn.Linear`` weights are ``[out_features, in_features]``; ``
     lm_head.weight                           [vocab, embed]        -> head [embed, vocab] (absent when tied)
 
 No rotary permutation is needed: HF stores q/k rows in the layout its ``rotate_half`` (half-split)
-expects, which is the convention of ``models.llama.model.apply_rotary``.
+expects, which is the convention of ``models.blocks.apply_rotary``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 from models.api import TensorSpec
+from models.blocks import RopeScaling, RopeScalingConfig
 from models.common import InvalidField
-from models.llama.model import LlamaConfig, RopeScaling, RopeScalingConfig
+from models.llama.model import LlamaConfig
 
 LAYER_TENSORS: dict[tuple[str, ...], TensorSpec] = {
     ("attn_norm", "scale"): TensorSpec("input_layernorm.weight", (("embed",),)),

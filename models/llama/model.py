@@ -15,88 +15,29 @@ stacked and run with ``lax.scan`` so compile time does not grow with depth):
     final_norm.scale         [embed]
     head           [embed, vocab]   (absent when ``tie_embeddings``: the embedding is reused)
 
-Compute runs in the dtype of the parameters handed in (the trainer casts fp32 master weights to
-bf16/fp16); norms, rotary embeddings and the softmax run in fp32.
+The attention, norms, rotary embeddings, MLP and the decoder around the layers are the shared
+blocks of ``models/blocks.py``; this module holds the config, the layer that combines them and the
+FLOPs and activation-memory formulas. Compute runs in the dtype of the parameters handed in (the
+trainer casts fp32 master weights to bf16/fp16); norms, rotary embeddings and the softmax run in fp32.
 
-Generation uses ``Llama.cached_forward`` with a ``KVCache`` (``init_cache``): keys and values of
-earlier positions are kept per layer, so each new token costs one position's compute.
+Generation uses ``Llama.cached_forward`` with a ``blocks.KVCache`` (``init_cache``): keys and values
+of earlier positions are kept per layer, so each new token costs one position's compute.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import math
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
-from models.api import Documents, LayerAux, forward, no_aux, positions_of
-from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param, matmul,
-                           palm_train_flops_per_token, stacked_layers, unconstrained)
+from models.api import RESIDUAL_AXES
+from models.blocks import (BLOCK_CHECKPOINT_NAMES, Attention, AttentionKernel, Decoder, PreNormLayer, RMSNorm,
+                           RopeScalingConfig, SwiGLU, check_attention_fields)
+from models.common import ActivationSharding, InvalidField, RematPolicy, palm_train_flops_per_token
 
-# Activations a NAMED remat policy may keep (tagged with ``checkpoint_name`` in the layer).
-CHECKPOINT_NAMES = ("query", "key", "value", "attention", "mlp_hidden")
-
-# The residual stream (embedding output, residual adds, norms) runs along ``sequence``; inside the
-# attention and MLP blocks the positions are ``length`` (queries, hidden units) and ``kv_length``
-# (keys, values). Rules may split them differently: sequence parallelism splits ``sequence`` over
-# ``tensor`` only; context parallelism splits all but ``kv_length`` (keys and values gathered).
-RESIDUAL_AXES = ("batch", "sequence", "embed")
-KV_AXES = ("batch", "kv_length", "kv_heads", "head_dim")
-
-
-class AttentionKernel(str, enum.Enum):
-    """The ``implementation`` of ``jax.nn.dot_product_attention`` for training.
-
-    AUTO: JAX's choice (cuDNN's fused kernel on GPUs where it supports the shapes, else XLA).
-    XLA: the plain XLA einsum-softmax-einsum. CUDNN: cuDNN's fused kernel, an error where unsupported.
-    """
-
-    AUTO = "auto"
-    XLA = "xla"
-    CUDNN = "cudnn"
-
-    @property
-    def implementation(self) -> str | None:
-        return None if self is AttentionKernel.AUTO else self.value
-
-
-class RopeScaling(str, enum.Enum):
-    """How rotary frequencies are rescaled for long contexts.
-
-    NONE: the plain frequencies ``theta ** (-2i / head_dim)``.
-    LLAMA3: Llama 3.1's rule: wavelengths above ``original_max_len / low_freq_factor`` are divided
-    by ``factor``, those below ``original_max_len / high_freq_factor`` kept, and those in between
-    interpolated smoothly.
-    """
-
-    NONE = "none"
-    LLAMA3 = "llama3"
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScalingConfig:
-    """``model.rope_scaling``: the rotary frequency rescaling (Llama 3.1); ``kind: none`` = off."""
-
-    kind: RopeScaling = RopeScaling.NONE
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_len: int = 8192
-
-    def __post_init__(self):
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            if getattr(self, name) <= 0:
-                raise InvalidField(f"rope_scaling.{name}", f"must be > 0, got {getattr(self, name)}")
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise InvalidField("rope_scaling.high_freq_factor", f"must be > low_freq_factor="
-                               f"{self.low_freq_factor}, got {self.high_freq_factor}")
-        if self.original_max_len <= 0:
-            raise InvalidField("rope_scaling.original_max_len",
-                               f"must be a positive integer, got {self.original_max_len}")
+# Activations a NAMED remat policy may keep: the blocks' (tagged with ``checkpoint_name``).
+CHECKPOINT_NAMES = BLOCK_CHECKPOINT_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,20 +95,6 @@ class LlamaConfig:
         return self.num_layers * per_layer + self.embed_dim * self.vocab_size
 
 
-def check_attention_fields(cfg, checkpoint_names: tuple[str, ...]) -> None:
-    """``InvalidField`` for the first invalid attention, rotary, norm or remat field of ``cfg`` (a
-    config with Llama's field names: this family's, or one built on its attention)."""
-    if cfg.num_heads % cfg.num_kv_heads:
-        raise InvalidField("num_kv_heads", f"must divide num_heads={cfg.num_heads}, got {cfg.num_kv_heads}")
-    if cfg.head_dim % 2:
-        raise InvalidField("head_dim", f"must be even for rotary embeddings, got {cfg.head_dim}")
-    for name in ("rope_theta", "norm_eps", "init_std"):
-        if getattr(cfg, name) <= 0:
-            raise InvalidField(name, f"must be > 0, got {getattr(cfg, name)}")
-    unknown = sorted(set(cfg.remat_names) - set(checkpoint_names))
-    if unknown:
-        raise InvalidField("remat_names", f"unknown names {unknown}; valid: {list(checkpoint_names)}")
-
 
 def flops_per_token(cfg: LlamaConfig) -> float:
     """Training FLOPs per token (PaLM convention, ``models.common.palm_train_flops_per_token``)."""
@@ -216,253 +143,25 @@ def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_
     return saved, working
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
-    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
 
-
-class RMSNorm(nnx.Module):
-    """x / rms(x) * scale over the last axis (logical ``axis``: ``embed``, or ``head_dim`` for a
-    per-head query/key norm), in fp32."""
-
-    def __init__(self, dim: int, eps: float, axis: str = "embed"):
-        self.scale = logical_param(jnp.ones((dim,), jnp.float32), (axis,))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
-
-
-def rotary_frequencies(head_dim: int, theta: float,
-                       scaling: RopeScalingConfig = RopeScalingConfig()) -> jax.Array:
-    """[head_dim // 2] fp32 angular frequencies, rescaled as ``scaling`` says."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    if scaling.kind is RopeScaling.NONE:
-        return inv_freq
-    wavelength = 2 * math.pi / inv_freq
-    long_limit = scaling.original_max_len / scaling.low_freq_factor  # longer: divided by factor
-    short_limit = scaling.original_max_len / scaling.high_freq_factor  # shorter: kept
-    smooth = ((scaling.original_max_len / wavelength - scaling.low_freq_factor)
-              / (scaling.high_freq_factor - scaling.low_freq_factor))
-    between = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    return jnp.where(wavelength > long_limit, inv_freq / scaling.factor,
-                     jnp.where(wavelength < short_limit, inv_freq, between))
-
-
-def rotary_tables(positions: jax.Array, head_dim: int, theta: float,
-                  scaling: RopeScalingConfig = RopeScalingConfig()) -> tuple[jax.Array, jax.Array]:
-    """cos, sin: [batch or 1, length, head_dim // 2] in fp32 for positions int [batch or 1, length]."""
-    angles = positions.astype(jnp.float32)[..., None] * rotary_frequencies(head_dim, theta, scaling)
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates x: [batch, length, heads, head_dim] by position (half-split convention, as HF Llama);
-    cos, sin: [batch or 1, length, head_dim // 2]."""
-    x32 = x.astype(jnp.float32)
-    first, second = jnp.split(x32, 2, axis=-1)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return rotated.astype(x.dtype)
-
-
-class Attention(nnx.Module):
-    """Grouped-query causal self-attention with rotary embeddings."""
-
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        in_std, out_std = d ** -0.5, (n * h) ** -0.5 / math.sqrt(2 * cfg.num_layers)
-        self.query = logical_param(_normal(rngs, (d, n, h), in_std), ("embed", "heads", "head_dim"))
-        self.key = logical_param(_normal(rngs, (d, k, h), in_std), ("embed", "kv_heads", "head_dim"))
-        self.value = logical_param(_normal(rngs, (d, k, h), in_std), ("embed", "kv_heads", "head_dim"))
-        self.out = logical_param(_normal(rngs, (n, h, d), out_std), ("heads", "head_dim", "embed"))
-        self.implementation = cfg.attention.implementation
-
-    def _project(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
-                 shard: ActivationSharding) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x: [batch, length, embed] -> rotated q [batch, length, heads, head_dim], rotated k and
-        v [batch, length, kv_heads, head_dim]."""
-        q = shard(matmul("btd,dnh->btnh", x, self.query[...]), ("batch", "length", "heads", "head_dim"))
-        k = shard(matmul("btd,dkh->btkh", x, self.key[...]), KV_AXES)
-        v = shard(matmul("btd,dkh->btkh", x, self.value[...]), KV_AXES)
-        q, k = self._normalize_heads(q, k)
-        q = checkpoint_name(apply_rotary(q, *rotary), "query")
-        k = checkpoint_name(apply_rotary(k, *rotary), "key")
-        return q, k, checkpoint_name(v, "value")
-
-    def _output(self, attended: jax.Array, shard: ActivationSharding) -> jax.Array:
-        attended = checkpoint_name(shard(attended, ("batch", "length", "heads", "head_dim")), "attention")
-        return matmul("btnh,nhd->btd", attended, self.out[...])
-
-    def _normalize_heads(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Queries and keys before the rotary embedding (Llama: unchanged; a subclass may norm them)."""
-        return q, k
-
-    def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], positions: jax.Array,
-                 segments: jax.Array | None, shard: ActivationSharding) -> jax.Array:
-        """x: [batch, length, embed] -> [batch, length, embed]: causal attention over the row (by
-        ``positions``, int [batch or 1, length]), within each document of ``segments`` (int [batch,
-        length]) when given, by the framework's scheme (``shard.attend``:
-        ``models.common.full_attention`` or ring attention)."""
-        q, k, v = self._project(x, rotary, shard)
-        return self._output(shard.attend(q, k, v, positions, segments, self.implementation), shard)
-
-    def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
-               values: jax.Array, start: jax.Array, shard: ActivationSharding
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x: [batch, length, embed] at positions start.. ; keys, values: this layer's cache
-        [batch, max_len, kv_heads, head_dim]. Writes the new keys/values at ``start`` and attends
-        causally over the cache. Returns (output [batch, length, embed], keys, values)."""
-        q, k, v = self._project(x, rotary, shard)
-        keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, start, 0, 0))
-        values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (0, start, 0, 0))
-        query_pos = start + jnp.arange(x.shape[1])
-        visible = jnp.arange(keys.shape[1])[None, :] <= query_pos[:, None]  # [length, max_len]
-        attended = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
-                                                mask=visible[None, None])
-        return self._output(attended, shard), keys, values
-
-
-class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(x @ gate) * (x @ up))."""
-
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        d, m = cfg.embed_dim, cfg.mlp_dim
-        self.gate = logical_param(_normal(rngs, (d, m), d ** -0.5), ("embed", "mlp"))
-        self.up = logical_param(_normal(rngs, (d, m), d ** -0.5), ("embed", "mlp"))
-        self.down = logical_param(_normal(rngs, (m, d), m ** -0.5 / math.sqrt(2 * cfg.num_layers)),
-                                  ("mlp", "embed"))
-
-    def __call__(self, x: jax.Array, shard: ActivationSharding) -> jax.Array:
-        """x: [batch, length, embed] -> [batch, length, embed]."""
-        hidden = jax.nn.silu(matmul("btd,dm->btm", x, self.gate[...])) * matmul("btd,dm->btm", x, self.up[...])
-        hidden = checkpoint_name(shard(hidden, ("batch", "length", "mlp")), "mlp_hidden")
-        return matmul("btm,md->btd", hidden, self.down[...])
-
-
-class DecoderLayer(nnx.Module):
+class DecoderLayer(PreNormLayer):
     """Pre-norm residual layer: x + attention(norm(x)), then + mlp(norm(x))."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.attention = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = SwiGLU(cfg, cfg.mlp_dim, rngs)
 
-    def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], positions: jax.Array,
-                 segments: jax.Array | None, shard: ActivationSharding) -> tuple[jax.Array, dict]:
-        """-> (x, this layer's statistics: none)."""
-        x = shard(x + self.attention(self.attn_norm(x), rotary, positions, segments, shard), RESIDUAL_AXES)
+    def feed_forward(self, x: jax.Array, shard: ActivationSharding, generating: bool = False
+                     ) -> tuple[jax.Array, dict]:
+        """-> (x + mlp(mlp_norm(x)), this layer's statistics: none)."""
+        del generating
         return shard(x + self.mlp(self.mlp_norm(x), shard), RESIDUAL_AXES), {}
 
-    def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
-               values: jax.Array, start: jax.Array, shard: ActivationSharding
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The layer at positions start.. with this layer's KV cache (see ``Attention.cached``)."""
-        attended, keys, values = self.attention.cached(self.attn_norm(x), rotary, keys, values, start, shard)
-        x = shard(x + attended, RESIDUAL_AXES)
-        return shard(x + self.mlp(self.mlp_norm(x), shard), RESIDUAL_AXES), keys, values
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class KVCache:
-    """Keys and values of the positions seen so far: [layers, batch, max_len, kv_heads, head_dim]."""
-
-    keys: jax.Array
-    values: jax.Array
-
-
-class Llama(nnx.Module):
-    """Token ids [batch, length] -> logits [batch, length, vocab] (fp32: the head's sums are kept).
-
-    ``layer_class(cfg, rngs)`` builds each layer: ``layer(x, rotary, positions, segments, shard) ->
-    (x, statistics)`` and ``layer.cached(...)`` as ``DecoderLayer``'s (a subclass may swap it).
-    """
+class Llama(Decoder):
+    """Token ids [batch, length] -> logits [batch, length, vocab]: ``blocks.Decoder`` over
+    ``DecoderLayer``s (no auxiliary terms)."""
 
     layer_class = DecoderLayer
-
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.embedding = logical_param(_normal(rngs, (cfg.vocab_size, cfg.embed_dim), cfg.init_std),
-                                       ("vocab", "embed"))
-
-        self.layers = stacked_layers(lambda layer_rngs: self.layer_class(cfg, layer_rngs), cfg.num_layers, rngs)
-        self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.head = None if cfg.tie_embeddings else logical_param(
-            _normal(rngs, (cfg.embed_dim, cfg.vocab_size), cfg.embed_dim ** -0.5), ("embed", "vocab"))
-
-    def __call__(self, tokens: jax.Array, shard: ActivationSharding = unconstrained,
-                 documents: Documents | None = None) -> jax.Array:
-        """tokens: [batch, length] -> logits [batch, length, vocab]."""
-        return forward(self, tokens, shard, documents)
-
-    # The three pieces of ``models.api.DecoderModel``: a pipeline runs the stacked layers over
-    # stages while the embedding and the head stay outside the stage loop.
-
-    def embed(self, tokens: jax.Array, shard: ActivationSharding = unconstrained,
-              documents: Documents | None = None) -> jax.Array:
-        """tokens: [batch, length] -> x: [batch, length, embed] (``documents`` unused: positions
-        enter through the rotary embeddings)."""
-        del documents
-        return shard.lookup(self.embedding[...], tokens, RESIDUAL_AXES)
-
-    def run_layers(self, x: jax.Array, shard: ActivationSharding = unconstrained,
-                   documents: Documents | None = None) -> tuple[jax.Array, LayerAux]:
-        """Applies every layer this module holds (``layers`` may be a pipeline stage's slice) in
-        order with ``lax.scan`` and the configured remat policy: [batch, length, embed] -> same,
-        and the auxiliary terms (Llama has none: ``no_aux()``). With ``documents``, rotary positions restart
-        at each document and attention stays within it."""
-        x, _ = self._scan_layers(x, shard, documents)
-        return x, no_aux()
-
-    def _scan_layers(self, x: jax.Array, shard: ActivationSharding, documents: Documents | None
-                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """x through the layers -> (x, each layer's statistics stacked on a leading layers axis)."""
-        cfg = self.cfg
-        positions = positions_of(documents, x.shape[1])
-        rotary = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        segments = None if documents is None else documents.segments
-        layer_def, layer_state = nnx.split(self.layers)
-
-        def run_layer(x: jax.Array, one_layer_state) -> tuple[jax.Array, dict[str, jax.Array]]:
-            return nnx.merge(layer_def, one_layer_state)(x, rotary, positions, segments, shard)
-
-        # Per-layer statistics are scan outputs, not a carry (a carry would not be stage-varying).
-        return jax.lax.scan(cfg.remat.wrap(run_layer, cfg.remat_names), x, layer_state)
-
-    def logits(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
-        """x: [batch, length, embed] -> logits [batch, length, vocab] in fp32 (the head's fp32 sums,
-        not rounded to the compute dtype: the loss takes them in fp32)."""
-        head = self.embedding[...].T if self.head is None else self.head[...]
-        x = shard(x, ("batch", "length", "embed"))  # whole positions: the vocabulary may split over tensor
-        logits = matmul("btd,dv->btv", self.final_norm(x), head, result_dtype=jnp.float32)
-        return shard(logits, ("batch", "length", "vocab"))
-
-    def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
-        """An empty cache for ``batch`` sequences of up to ``max_len`` positions."""
-        cfg = self.cfg
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-    def cached_forward(self, tokens: jax.Array, cache: KVCache, start: jax.Array,
-                       shard: ActivationSharding = unconstrained) -> tuple[jax.Array, KVCache]:
-        """tokens: [batch, length] at positions start..start+length-1, attending to the cache's
-        positions < start and causally among themselves -> (logits [batch, length, vocab], the
-        cache with these positions written). A prompt is one call at ``start=0``; each generated
-        token is one call of length 1."""
-        cfg = self.cfg
-        x = self.embed(tokens, shard)
-        rotary = rotary_tables(start + jnp.arange(tokens.shape[1])[None], cfg.head_dim, cfg.rope_theta,
-                               cfg.rope_scaling)
-        layer_def, layer_state = nnx.split(self.layers)
-
-        def run_layer(x: jax.Array, layer_and_cache) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-            one_layer_state, keys, values = layer_and_cache
-            x, keys, values = nnx.merge(layer_def, one_layer_state).cached(x, rotary, keys, values,
-                                                                           start, shard)
-            return x, (keys, values)
-
-        x, (keys, values) = jax.lax.scan(run_layer, x, (layer_state, cache.keys, cache.values))
-        return self.logits(x, shard), KVCache(keys, values)

@@ -1,14 +1,15 @@
 """A mixture-of-experts decoder (Mixtral, Qwen3-MoE shapes) in Flax NNX, annotated with logical axes only.
 
-Each layer is Llama's pre-norm attention (optionally with Qwen3's per-head RMSNorm of queries and
-keys) followed by a sparse feed-forward block: a router picks ``top_k`` of ``num_experts`` SwiGLU
-experts per token, and optional shared experts (a dense SwiGLU) run on every token.
+Each layer is the shared pre-norm attention of ``models/blocks.py`` (optionally with Qwen3's
+per-head RMSNorm of queries and keys) followed by a sparse feed-forward block: a router picks
+``top_k`` of ``num_experts`` SwiGLU experts per token, and optional shared experts (a dense
+``blocks.SwiGLU``) run on every token.
 
 Parameters (logical axes in brackets, ``layers`` leading every per-layer parameter)::
 
     embedding                 [vocab, embed]
     layers.attn_norm.scale    [layers, embed]
-    layers.attention.query/key/value/out   as Llama's (models/llama/model.py)
+    layers.attention.query/key/value/out   as Llama's (models/blocks.py: Attention)
     layers.attention.query_norm.scale, key_norm.scale   [layers, head_dim]   (qk_norm only)
     layers.mlp_norm.scale     [layers, embed]
     layers.moe.router         [layers, embed, expert_logits]               replicated, run in fp32
@@ -53,16 +54,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.api import AUX_LOSS, Documents, LayerAux
+from models.api import AUX_LOSS, RESIDUAL_AXES, Documents, LayerAux
+from models.blocks import (BLOCK_CHECKPOINT_NAMES, Attention, AttentionKernel, Decoder, PreNormLayer, RMSNorm,
+                           RopeScalingConfig, SwiGLU, check_attention_fields, normal)
 from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param, matmul,
                            palm_train_flops_per_token, unconstrained)
-from models.llama.model import CHECKPOINT_NAMES as LLAMA_CHECKPOINT_NAMES
-from models.llama.model import (RESIDUAL_AXES, AttentionKernel, Llama, RMSNorm, RopeScalingConfig,
-                                check_attention_fields)
-from models.llama.model import Attention as LlamaAttention
 
-# Activations a NAMED remat policy may keep: Llama's, and the experts' hidden units.
-CHECKPOINT_NAMES = LLAMA_CHECKPOINT_NAMES + ("expert_hidden",)
+# Activations a NAMED remat policy may keep: the blocks', and the experts' hidden units.
+CHECKPOINT_NAMES = BLOCK_CHECKPOINT_NAMES + ("expert_hidden",)
 # Expert inputs and outputs: experts, batch rows (over the batch's axes the experts leave free),
 # groups of a row, slots, hidden.
 EXPERT_AXES = ("experts", "expert_rows", None, None, "expert_embed")
@@ -222,12 +221,8 @@ def activation_bytes(cfg: MoEConfig, tensor: int, remat: RematPolicy, compute_by
     return saved, working
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
-    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
-
-
-class Attention(LlamaAttention):
-    """Llama's attention, with Qwen3's RMSNorm of each query and key head (over ``head_dim``,
+class QKNormAttention(Attention):
+    """The shared attention, with Qwen3's RMSNorm of each query and key head (over ``head_dim``,
     before the rotary embedding) when ``qk_norm``."""
 
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
@@ -288,33 +283,17 @@ def router_z_loss(routing: Routing) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(routing.logits, axis=-1) ** 2, axis=2)
 
 
-class SwiGLU(nnx.Module):
-    """A dense SwiGLU, down(silu(x @ gate) * (x @ up)), over [embed, mlp]: the shared experts."""
-
-    def __init__(self, cfg: MoEConfig, hidden: int, rngs: nnx.Rngs):
-        d = cfg.embed_dim
-        self.gate = logical_param(_normal(rngs, (d, hidden), d ** -0.5), ("embed", "mlp"))
-        self.up = logical_param(_normal(rngs, (d, hidden), d ** -0.5), ("embed", "mlp"))
-        self.down = logical_param(_normal(rngs, (hidden, d), hidden ** -0.5 / math.sqrt(2 * cfg.num_layers)),
-                                  ("mlp", "embed"))
-
-    def __call__(self, x: jax.Array, shard: ActivationSharding) -> jax.Array:
-        hidden = jax.nn.silu(matmul("btd,dm->btm", x, self.gate[...])) * matmul("btd,dm->btm", x, self.up[...])
-        return matmul("btm,md->btd", checkpoint_name(shard(hidden, ("batch", "length", "mlp")), "mlp_hidden"),
-                      self.down[...])
-
-
 class SparseMoE(nnx.Module):
     """Router + ``num_experts`` SwiGLU experts, dispatched GShard-style (module docstring)."""
 
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         d, e, f = cfg.embed_dim, cfg.num_experts, cfg.expert_mlp_dim
         self.cfg = cfg
-        self.router = logical_param(_normal(rngs, (d, e), d ** -0.5), ("embed", "expert_logits"))
+        self.router = logical_param(normal(rngs, (d, e), d ** -0.5), ("embed", "expert_logits"))
         expert_in = ("experts", "expert_embed", "expert_mlp")
-        self.gate = logical_param(_normal(rngs, (e, d, f), d ** -0.5), expert_in)
-        self.up = logical_param(_normal(rngs, (e, d, f), d ** -0.5), expert_in)
-        self.down = logical_param(_normal(rngs, (e, f, d), f ** -0.5 / math.sqrt(2 * cfg.num_layers)),
+        self.gate = logical_param(normal(rngs, (e, d, f), d ** -0.5), expert_in)
+        self.up = logical_param(normal(rngs, (e, d, f), d ** -0.5), expert_in)
+        self.down = logical_param(normal(rngs, (e, f, d), f ** -0.5 / math.sqrt(2 * cfg.num_layers)),
                                   ("experts", "expert_mlp", "expert_embed"))
 
     def __call__(self, x: jax.Array, shard: ActivationSharding, dropless: bool = False
@@ -353,41 +332,30 @@ class SparseMoE(nnx.Module):
         return y, stats
 
 
-class MoELayer(nnx.Module):
+class MoELayer(PreNormLayer):
     """Pre-norm residual layer: x + attention(norm(x)), then + (experts + shared experts)(norm(x))."""
 
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.attention = Attention(cfg, rngs)
+        self.attention = QKNormAttention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.moe = SparseMoE(cfg, rngs)
         self.shared = SwiGLU(cfg, cfg.shared_mlp_dim, rngs) if cfg.shared_mlp_dim else None
 
-    def _feed_forward(self, x: jax.Array, shard: ActivationSharding, dropless: bool = False
-                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def feed_forward(self, x: jax.Array, shard: ActivationSharding, generating: bool = False
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """-> (x + experts(mlp_norm(x)) + shared(mlp_norm(x)), the experts' statistics); generating
+        (the KV-cache path) routes dropless (nothing dropped)."""
         normed = self.mlp_norm(x)
-        y, stats = self.moe(normed, shard, dropless)
+        y, stats = self.moe(normed, shard, generating)
         if self.shared is not None:
             y = y + self.shared(normed, shard)
         return shard(x + y, RESIDUAL_AXES), stats
 
-    def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], positions: jax.Array,
-                 segments: jax.Array | None, shard: ActivationSharding) -> tuple[jax.Array, dict[str, jax.Array]]:
-        x = shard(x + self.attention(self.attn_norm(x), rotary, positions, segments, shard), RESIDUAL_AXES)
-        return self._feed_forward(x, shard)
 
-    def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
-               values: jax.Array, start: jax.Array, shard: ActivationSharding
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The layer at positions start.. with its KV cache; experts dropless (nothing dropped)."""
-        attended, keys, values = self.attention.cached(self.attn_norm(x), rotary, keys, values, start, shard)
-        x, _ = self._feed_forward(shard(x + attended, RESIDUAL_AXES), shard, dropless=True)
-        return x, keys, values
-
-
-class MoE(Llama):
-    """Token ids [batch, length] -> logits [batch, length, vocab]: Llama's embedding, head and
-    generation path over ``MoELayer``s."""
+class MoE(Decoder):
+    """Token ids [batch, length] -> logits [batch, length, vocab]: ``blocks.Decoder`` (embedding,
+    head, generation path) over ``MoELayer``s, with the experts' auxiliary terms."""
 
     layer_class = MoELayer
 
