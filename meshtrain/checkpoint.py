@@ -41,7 +41,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.pipeline import LayerOrder
+from meshtrain.parallel.layer_order import LayerOrder
 
 CHECKPOINT_DIR = "checkpoints"  # under run.dir
 PARAMS_DIR = "params"  # under an export directory

@@ -26,7 +26,7 @@ from meshtrain.config import Config, config_from_dict, load_config, model_dict, 
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh
 from meshtrain.parallel.layout import Layout, abstract_model
-from meshtrain.parallel.pipeline import LayerOrder
+from meshtrain.parallel.layer_order import LayerOrder
 from meshtrain.parallel.rules import ShardingRules
 from meshtrain.parallel.sharding import activation_sharding, named_shardings
 from meshtrain.train_config import TrainConfig

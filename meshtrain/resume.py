@@ -22,7 +22,7 @@ from meshtrain.checkpoint import (CHECKPOINT_DIR, Restored, RunCheckpoints, Unre
                                   config_differences, load_params, reorder_layers, resolve_restore_path, warn)
 from meshtrain.config import Config, to_dict
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.pipeline import LayerOrder
+from meshtrain.parallel.layer_order import LayerOrder
 from meshtrain.trainer import Trainer, TrainState
 
 # Sections whose changes between a checkpoint and the resumed run change the numbers (warned about).

@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshtrain.parallel.pipeline import LayerOrder, PipelineConfig, Schedule
+from meshtrain.hlo import collective_counts
+from meshtrain.parallel.layer_order import LayerOrder
+from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.schedules import one_f_one_b
 from meshtrain.precision import Precision
 from meshtrain.train import main
 from models.common import RematPolicy
-from utils import MODEL, TRAIN, collective_counts, loss_and_grads, make_trainer
+from utils import MODEL, TRAIN, loss_and_grads, make_trainer
 
 EIGHT_LAYERS = dataclasses.replace(MODEL, num_layers=8)
 SCHEDULES = {"gpipe": PipelineConfig(4, Schedule.GPIPE), "1f1b": PipelineConfig(4, Schedule.ONE_F_ONE_B),

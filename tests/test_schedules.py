@@ -52,17 +52,18 @@ def test_in_flight_microbatches_and_buffer_sizes():
     # Interleaved: chunk 0's activations live 2VS - 2 ticks, chunk 1's 2S - 2: 11 chunks (5.5
     # microbatches' worth of a stage) at S = 4, V = 2, whatever M.
     assert [interleaved_1f1b(4, m, 2).peak_in_flight for m in (8, 32)] == [11, 11]
-    fields, sizes = one_f_one_b(4, 32).buffers()
+    columns, sizes = one_f_one_b(4, 32).buffers()
     assert sizes.stash == 7 and sizes.inputs == 1 and sizes.gradients == 1
-    assert fields["F_stash"].shape == (len(one_f_one_b(4, 32).ticks), 4)
+    assert columns.forward.stash.shape == (len(one_f_one_b(4, 32).ticks), 4)
     # Every forward's stash slot is later released by its own backward, in the same slot.
     table = one_f_one_b(4, 8)
-    fields, _ = table.buffers()
+    columns, _ = table.buffers()
+    forward, backward = columns.forward, columns.backward
     for stage in range(4):
-        forwards = {int(fields["F_microbatch"][t, stage]): int(fields["F_stash"][t, stage])
-                    for t in range(len(table.ticks)) if fields["F_stash"][t, stage] >= 0}
-        backwards = {int(fields["B_microbatch"][t, stage]): int(fields["B_stash"][t, stage])
-                     for t in range(len(table.ticks)) if fields["B_stash"][t, stage] >= 0}
+        forwards = {int(forward.microbatch[t, stage]): int(forward.stash[t, stage])
+                    for t in range(len(table.ticks)) if forward.stash[t, stage] >= 0}
+        backwards = {int(backward.microbatch[t, stage]): int(backward.stash[t, stage])
+                     for t in range(len(table.ticks)) if backward.stash[t, stage] >= 0}
         assert forwards == backwards and len(forwards) == 8
 
 

@@ -5,10 +5,11 @@
                     model family's TENSOR-role axes over ``tensor``), sequence parallel (the
                     residual stream's ``sequence`` over ``tensor``), context parallel (positions over
                     ``fsdp``, the batch over ``data``). Presets compose these.
-2. ``pipeline.py`` - pipeline parallelism over ``stage`` (GPipe, 1F1B, interleaved): adds the
-                    rule ``layers -> stage`` for parameters, fixes the layers' storage order, and runs
-                    each (accumulation) microbatch through a ``shard_map`` schedule manual over
-                    ``stage`` only, the layers' auxiliary losses included.
+2. ``pipeline.py`` - pipeline parallelism over ``stage`` (GPipe, 1F1B, interleaved, ZB-H1): adds
+                    the rule ``layers -> stage`` for parameters and runs each (accumulation)
+                    microbatch through its schedule's table (``schedules.py``) with the executor
+                    (``executor.py``: a ``shard_map`` manual over ``stage`` only), the layers'
+                    auxiliary losses included; ``layer_order.py`` fixes the layers' storage order.
 3. ``layout.py``  - ``Layout``: the rules completed for the family, every feasibility check and
                     the at-rest specs; the one object the trainer and the planner share.
 4. ``zero.py``    - the ZeRO stage: which of optimizer state, gradients and parameters keep the

@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec
 from meshtrain.errors import ConfigError, Infeasible
 from meshtrain.mesh import MESH_AXES
 from meshtrain.parallel.offload import OffloadConfig
-from meshtrain.parallel.pipeline import STAGE, LayerOrder, PipelineConfig, pipeline_rules
+from meshtrain.parallel.layer_order import LayerOrder
+from meshtrain.parallel.pipeline import STAGE, PipelineConfig, pipeline_rules
 from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
 from meshtrain.parallel.sharding import data_parallel_size, ring_axis
 from meshtrain.parallel.zero import StateLayout, ZeroConfig, ZeroStage, zero_layout
@@ -83,7 +84,7 @@ class Layout:
     @property
     def layer_order(self) -> LayerOrder:
         """How the stacked layers are stored (interleaved pipelines: in stage order)."""
-        return LayerOrder.of_run(self.stages, self.pipeline, self.model.num_layers)
+        return LayerOrder.of_run(self.stages, self.pipeline.chunks_per_stage, self.model.num_layers)
 
     def ways(self, spec: PartitionSpec) -> list[int]:
         """How many ways each dimension of ``spec`` is split."""

@@ -5,7 +5,7 @@ work (``F`` forward, ``B`` backward, ``I`` input-gradient half of a backward, ``
 weight-gradient half) with, per stage, the task it runs there (``(microbatch, chunk)``) or nothing.
 Stage s holds ``chunks`` (virtual stages) of layers; its local chunk v is logical chunk ``v*S + s``,
 so a microbatch goes round the ring of stages ``chunks`` times. One SPMD executor
-(``meshtrain.parallel.pipeline``) runs any valid table in lock step: within a tick every stage runs
+(``meshtrain.parallel.executor``) runs any valid table in lock step: within a tick every stage runs
 its task of each slot (or idles), the head follows the forward slot whose last stage finishes a
 microbatch, and activations (gradients) move one stage forward (back) between ticks.
 
@@ -37,6 +37,7 @@ import enum
 import json
 from collections.abc import Iterable
 
+import jax
 import numpy as np
 
 from meshtrain.errors import ConfigError
@@ -96,6 +97,76 @@ class Buffers:
     gradients: int
     stash: int
     cut: int
+
+
+# The columns of ``ScheduleTable.buffers``: per kind of work, [ticks, stages] int32 arrays, -1 where
+# a stage runs no such task. Pytrees, so the executor scans and indexes them as they are.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Tasks:
+    """The task of each (tick, stage): its ``microbatch`` and stage-local ``chunk``."""
+
+    microbatch: np.ndarray
+    chunk: np.ndarray
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardTasks(Tasks):
+    """A forward reads its ``input`` slot (-1 for the first chunk: it embeds) and stores its
+    ``stash`` slot."""
+
+    input: np.ndarray
+    stash: np.ndarray
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BackwardTasks(Tasks):
+    """A backward (or its input-gradient half) reads its output's ``gradient`` slot and its
+    forward's ``stash`` slot (a whole backward releases it)."""
+
+    gradient: np.ndarray
+    stash: np.ndarray
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class InputGradTasks(BackwardTasks):
+    """An input-gradient half also stores what its weight-gradient half needs in its ``cut`` slot."""
+
+    cut: np.ndarray
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WeightGradTasks(Tasks):
+    """A weight-gradient half reads (and releases) its forward's ``stash`` and its input-gradient
+    half's ``cut`` slot."""
+
+    stash: np.ndarray
+    cut: np.ndarray
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """Every column of a table: the tasks of each kind of work; ``receive_input`` /
+    ``receive_gradient``, where what arrives at the tick's end goes; ``head_gradient``, on the last
+    stage, where the head's output gradient goes."""
+
+    forward: ForwardTasks
+    backward: BackwardTasks
+    input_grad: InputGradTasks
+    weight_grad: WeightGradTasks
+    receive_input: np.ndarray
+    receive_gradient: np.ndarray
+    head_gradient: np.ndarray
+
+    def of(self, work: Work) -> Tasks:
+        """The tasks of ``work``."""
+        return {Work.FORWARD: self.forward, Work.BACKWARD: self.backward, Work.INPUT_GRAD: self.input_grad,
+                Work.WEIGHT_GRAD: self.weight_grad}[work]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,22 +314,14 @@ class ScheduleTable:
         return found
 
     # ----- buffers -----
-    def buffers(self) -> tuple[dict[str, np.ndarray], Buffers]:
-        """Static buffer slots for every task (lowest free slot at each allocation).
-
-        Returns per-field [ticks, stages] int32 arrays (-1 where unused): ``{F,B,I,W}_microbatch``
-        and ``_chunk`` (the task of each kind of work),
-        ``F_input`` / ``F_stash`` (where a forward reads its input and stores its stash),
-        ``B_gradient`` / ``B_stash`` (and the same for ``I``; ``I_cut``), ``W_stash`` / ``W_cut``,
-        ``receive_input`` / ``receive_gradient`` (where what arrives at the tick's end goes),
-        ``head_gradient`` (on the last stage, where the head's output gradient goes); and the
-        number of slots of each buffer.
-        """
+    def buffers(self) -> tuple[Columns, Buffers]:
+        """Static buffer slots for every task (lowest free slot at each allocation): the table's
+        ``Columns`` (-1 where unused) and the number of slots of each buffer."""
         ticks, stages = len(self.ticks), self.stages
-        names = ["F_input", "F_stash", "B_gradient", "B_stash", "I_gradient", "I_stash", "I_cut", "W_stash", "W_cut",
-                 "receive_input", "receive_gradient", "head_gradient"]
-        names += [f"{w.value}_{what}" for w in Work for what in ("microbatch", "chunk")]
-        fields = {name: np.full((ticks, stages), -1, np.int32) for name in names}
+        new = lambda: np.full((ticks, stages), -1, np.int32)
+        columns = Columns(ForwardTasks(new(), new(), new(), new()), BackwardTasks(new(), new(), new(), new()),
+                          InputGradTasks(new(), new(), new(), new(), new()),
+                          WeightGradTasks(new(), new(), new(), new()), new(), new(), new())
         free: dict[str, list[set[int]]] = {b: [set() for _ in range(stages)]
                                            for b in ("inputs", "gradients", "stash", "cut")}
         size = dict.fromkeys(free, 0)
@@ -285,33 +348,33 @@ class ScheduleTable:
                         continue
                     c = self.logical_chunk(stage, task.chunk)
                     key = (task.microbatch, c)
-                    w = slot.work.value
-                    fields[f"{w}_microbatch"][t, stage], fields[f"{w}_chunk"][t, stage] = task.microbatch, task.chunk
+                    tasks = columns.of(slot.work)
+                    tasks.microbatch[t, stage], tasks.chunk[t, stage] = task.microbatch, task.chunk
                     if slot.work is Work.FORWARD:
                         if c > 0:
-                            fields["F_input"][t, stage] = release("inputs", stage, key)
-                        fields["F_stash"][t, stage] = take("stash", stage, key)
+                            columns.forward.input[t, stage] = release("inputs", stage, key)
+                        columns.forward.stash[t, stage] = take("stash", stage, key)
                         if c < self.last_chunk:
                             arriving_inputs.append(((stage + 1) % stages, (task.microbatch, c + 1)))
                         else:
-                            fields["head_gradient"][t, stage] = take("gradients", stage, key)
+                            columns.head_gradient[t, stage] = take("gradients", stage, key)
                     elif slot.work in SENDS_GRADIENT:
-                        fields[f"{w}_gradient"][t, stage] = release("gradients", stage, key)
+                        tasks.gradient[t, stage] = release("gradients", stage, key)
                         if slot.work is Work.BACKWARD:
-                            fields["B_stash"][t, stage] = release("stash", stage, key)
+                            tasks.stash[t, stage] = release("stash", stage, key)
                         else:
-                            fields["I_stash"][t, stage] = held[("stash", stage, *key)]
-                            fields["I_cut"][t, stage] = take("cut", stage, key)
+                            tasks.stash[t, stage] = held[("stash", stage, *key)]
+                            tasks.cut[t, stage] = take("cut", stage, key)
                         if c > 0:
                             arriving_gradients.append(((stage - 1) % stages, (task.microbatch, c - 1)))
                     else:
-                        fields["W_stash"][t, stage] = release("stash", stage, key)
-                        fields["W_cut"][t, stage] = release("cut", stage, key)
+                        tasks.stash[t, stage] = release("stash", stage, key)
+                        tasks.cut[t, stage] = release("cut", stage, key)
             for stage, key in arriving_inputs:
-                fields["receive_input"][t, stage] = take("inputs", stage, key)
+                columns.receive_input[t, stage] = take("inputs", stage, key)
             for stage, key in arriving_gradients:
-                fields["receive_gradient"][t, stage] = take("gradients", stage, key)
-        return fields, Buffers(**{name: max(n, 1) for name, n in size.items()})
+                columns.receive_gradient[t, stage] = take("gradients", stage, key)
+        return columns, Buffers(**{name: max(n, 1) for name, n in size.items()})
 
     # ----- files -----
     def to_json(self) -> str:
