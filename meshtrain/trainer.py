@@ -22,7 +22,8 @@ from meshtrain.optim import OptimizerConfig, make_optimizer
 from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_microbatches
 from meshtrain.parallel.offload import DEVICE, HOST, check_host_memory, with_memory_kind
 from meshtrain.parallel.layout import Layout
-from meshtrain.parallel.pipeline import Objective, make_loss, make_value_and_grad
+from meshtrain.parallel.executor import Objective
+from meshtrain.parallel.pipeline import make_loss, make_value_and_grad
 from meshtrain.parallel.ring_attention import balanced_order
 from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, named_shardings, optimizer_shardings,
                                          ring_axis)

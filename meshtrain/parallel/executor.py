@@ -16,7 +16,7 @@ the stage (XLA:CPU aborts on a bf16 psum inside a partially manual shard_map).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from collections.abc import Callable
 
 import jax
@@ -31,10 +31,8 @@ from meshtrain.parallel.layer_order import with_layers
 from meshtrain.parallel.schedules import (BackwardTasks, Buffers, Columns, ForwardTasks, InputGradTasks,
                                           ScheduleTable, WeightGradTasks, Work)
 from meshtrain.precision import cast_floating
-from models.api import RESIDUAL_AXES, Documents, LayerAux
+from models.api import AUX_LOSS, RESIDUAL_AXES, Documents, LayerAux
 
-if TYPE_CHECKING:
-    from meshtrain.parallel.pipeline import Objective
 
 STAGE = "stage"
 
@@ -42,6 +40,24 @@ STAGE = "stage"
 ModelOf = Callable[[nnx.State], Any]
 # Values crossing stages are fp32; each stage computes in the compute dtype.
 CROSSING_DTYPE = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The two (linear) terms of one microbatch's scaled, normalised loss.
+
+    of_logits: (logits [batch, length, vocab], microbatch) -> the token loss (a sum over tokens, so
+    any split of the tokens adds up to it).
+    of_aux: the layers' auxiliary-loss sum over the microbatch's rows (``aux[AUX_LOSS]`` of
+    ``DecoderModel.run_layers``) -> its share of the loss.
+    """
+
+    of_logits: Callable[[jax.Array, Batch], jax.Array]
+    of_aux: Callable[[jax.Array], jax.Array]
+
+    def of_layers(self, aux: LayerAux) -> jax.Array:
+        """The share of the loss of the layers' aux terms ``aux``."""
+        return self.of_aux(aux[AUX_LOSS])
 
 
 def documents_of(batch: Batch) -> Documents | None:

@@ -40,35 +40,17 @@ from jax.sharding import Mesh
 
 from meshtrain.errors import ConfigError, Infeasible
 from meshtrain.parallel.accumulate import Batch
-from meshtrain.parallel.executor import STAGE, ModelOf, documents_of, run_table
+from meshtrain.parallel.executor import STAGE, ModelOf, Objective, documents_of, run_table
 from meshtrain.parallel.rules import AxisRule, ShardingRules
 from meshtrain.parallel.schedules import ScheduleTable, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from meshtrain.precision import cast_floating
-from models.api import AUX_LOSS, LayerAux
+from models.api import LayerAux
 
 # (params, microbatch) -> ((scaled loss, the layers' aux terms summed over its rows), grads); grads
 # have the structure of params.
 ValueAndGrad = Callable[[nnx.State, Batch], tuple[tuple[jax.Array, LayerAux], nnx.State]]
 # (params, microbatch) -> (its scaled loss, the layers' aux terms), forward only.
 Loss = Callable[[nnx.State, Batch], tuple[jax.Array, LayerAux]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Objective:
-    """The two (linear) terms of one microbatch's scaled, normalised loss.
-
-    of_logits: (logits [batch, length, vocab], microbatch) -> the token loss (a sum over tokens, so
-    any split of the tokens adds up to it).
-    of_aux: the layers' auxiliary-loss sum over the microbatch's rows (``aux[AUX_LOSS]`` of
-    ``DecoderModel.run_layers``) -> its share of the loss.
-    """
-
-    of_logits: Callable[[jax.Array, Batch], jax.Array]
-    of_aux: Callable[[jax.Array], jax.Array]
-
-    def of_layers(self, aux: LayerAux) -> jax.Array:
-        """The share of the loss of the layers' aux terms ``aux``."""
-        return self.of_aux(aux[AUX_LOSS])
 
 
 class Schedule(str, enum.Enum):
