@@ -204,6 +204,7 @@ class _ChunkProgram:
                                    *jax.tree.leaves((list(stash), layers, rest, cotangent)))
         return jax.tree.unflatten(jax.tree.structure((layers, cotangent[0])), flat)
 
+
 @struct.dataclass
 class Carry:
     """What the ticks carry, per stage: the buffers (``inputs`` received and awaiting their forward,
