@@ -34,7 +34,7 @@ from collections.abc import Mapping
 
 from flax import nnx
 
-from meshtrain.mesh import MESH_AXES
+from meshtrain.mesh import LAYOUT_ORDER, MESH_AXES
 from meshtrain.parallel.layout import Layout
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.ring_attention import sub_block_length
@@ -43,9 +43,6 @@ from meshtrain.parallel.schedules import SENDS_GRADIENT, ScheduleTable, Work
 from meshtrain.parallel.sharding import ring_axis
 from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
 from models.common import RematPolicy
-# Device order, slowest to fastest varying (meshtrain.mesh): an axis is inside one node when it and
-# every faster axis together fit in a node.
-LAYOUT_ORDER = ("data", "stage", "fsdp", "tensor")
 FP32 = 4
 BATCH_BYTES_PER_TOKEN = 3 * 4  # inputs, targets (int32) and mask (f32)
 STATE_SCALAR_BYTES = 64  # step, skipped_steps, loss scale, Adam/schedule counts (rounded up)

@@ -19,9 +19,10 @@ from jax.sharding import Mesh
 from meshtrain.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor", "stage")
-# Device-array order (slowest to fastest varying), and its permutation back to MESH_AXES.
-_LAYOUT_ORDER = ("data", "stage", "fsdp", "tensor")
-_TO_MESH_AXES = tuple(_LAYOUT_ORDER.index(axis) for axis in MESH_AXES)
+# Device-array order (slowest to fastest varying), and its permutation back to MESH_AXES. The memory
+# model reads it too: an axis is inside one node when it and every faster axis together fit in a node.
+LAYOUT_ORDER = ("data", "stage", "fsdp", "tensor")
+_TO_MESH_AXES = tuple(LAYOUT_ORDER.index(axis) for axis in MESH_AXES)
 DCN_AXES = ("data", "fsdp", "stage")  # axes that may cross hosts (never tensor)
 
 
@@ -87,7 +88,7 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     """A mesh over ``devices`` (default: all) with axes ``MESH_AXES``, tensor varying fastest."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = cfg.resolve(len(devices))
-    layout_shape = tuple(sizes[axis] for axis in _LAYOUT_ORDER)
+    layout_shape = tuple(sizes[axis] for axis in LAYOUT_ORDER)
     if cfg.hybrid:
         device_array = _hybrid_device_array(cfg, sizes, devices)
     else:
@@ -121,14 +122,14 @@ def _hybrid_device_array(cfg: MeshConfig, sizes: dict[str, int], devices: list[j
     if len(set(hosts.values())) > 1:
         raise ConfigError("mesh", f"a hybrid mesh needs the same number of devices on every host; "
                           f"devices per {unit[:-2] if unit == 'processes' else unit[:-1]}: {hosts}")
-    ici = tuple(sizes[axis] // dcn[axis] for axis in _LAYOUT_ORDER)
+    ici = tuple(sizes[axis] // dcn[axis] for axis in LAYOUT_ORDER)
     per_host = next(iter(hosts.values()))
     if math.prod(ici) != per_host:
-        raise ConfigError("mesh", f"within a host the axes are {dict(zip(_LAYOUT_ORDER, ici))} = "
+        raise ConfigError("mesh", f"within a host the axes are {dict(zip(LAYOUT_ORDER, ici))} = "
                           f"{math.prod(ici)} devices, but each host has {per_host}")
     try:
         return mesh_utils.create_hybrid_device_mesh(
-            ici, tuple(dcn[axis] for axis in _LAYOUT_ORDER), devices,
+            ici, tuple(dcn[axis] for axis in LAYOUT_ORDER), devices,
             process_is_granule=key == "process_index", allow_split_physical_axes=True)
     except ValueError as err:
         raise ConfigError("mesh", f"cannot lay the mesh over the hosts: {err}") from None
