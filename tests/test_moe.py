@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshtrain.hlo import collective_counts
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.rules import AxisRule, Preset
@@ -25,7 +26,7 @@ from meshtrain.trainer import Trainer
 from models.common import RematPolicy, unconstrained
 from models.moe import Dispatch, MoEConfig
 from models.moe.model import SparseMoE
-from utils import collective_counts, loss_grads_and_statistics, make_trainer, relative_l2
+from utils import loss_grads_and_statistics, make_trainer, relative_l2
 
 # Distinct sizes so that a swapped axis cannot pass: 8 experts, expert hidden 24, embed 40.
 MOE = MoEConfig(vocab_size=96, embed_dim=40, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=6,
@@ -250,8 +251,8 @@ def expert_parallel_step():
 def test_expert_parallelism_compiles_to_all_to_all_and_never_gathers_expert_weights(expert_parallel_step):
     _, compiled = expert_parallel_step
     hlo = compiled.as_text()
-    # Dispatch and combine, forward and backward (the layer scan's body appears once).
-    assert collective_counts(hlo)["all-to-all"] >= 4
+    # Dispatch and combine, forward and backward (the layer scan's body appears once): exactly 4.
+    assert collective_counts(hlo)["all-to-all"] == 4
     assert _gathered_expert_weights(hlo, MOE) == []
 
 

@@ -69,16 +69,6 @@ def run_steps(trainer: Trainer) -> RunResult:
     return RunResult(np.array(losses), params, trainer)
 
 
-def collective_counts(hlo_text: str) -> dict[str, int]:
-    """Occurrences of each collective op in optimized HLO text (async ``-start`` forms included)."""
-    ops = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
-    counts = {}
-    for op in ops:
-        counts[op] = sum(1 for line in hlo_text.splitlines()
-                         if f" {op}(" in line or f" {op}-start(" in line)
-    return counts
-
-
 def loss_grads_and_statistics(trainer: Trainer, batch=None) -> tuple[float, dict, dict]:
     """Loss, per-parameter gradients (logical layer order) and the layers' statistics at init,
     on the step-0 batch of the embedded data unless ``batch`` is given."""
