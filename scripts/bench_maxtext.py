@@ -1,6 +1,6 @@
 """Time MaxText's train step on a Llama shape, offline on simulated CPU devices, in MaxText's own venv.
 
-    python scripts/bench_maxtext.py [--shape issue|large] [--steps 20] [--warmup 3] [--log FILE] [--json FILE]
+    python scripts/bench_maxtext.py [--shape issue|large|tiny] [--steps 20] [--warmup 3] [--log FILE] [--json FILE]
 
 MaxText (0.2.5, Python >= 3.12, jax 0.11.2) lives in ``.maxtext-venv`` (``scripts/install_maxtext.sh``;
 ``MAXTEXT_VENV`` points elsewhere). :func:`run_maxtext` runs ``maxtext.trainers.pre_train.train`` with that
@@ -65,10 +65,12 @@ class Shape:
         return self.kv_heads or self.heads
 
 
-# The shapes of issue #13: its 20.6M-parameter Llama and a larger one.
+# The shapes of issue #13: its 20.6M-parameter Llama and a larger one; and a smoke-test shape that
+# compiles and runs in seconds on CPU devices (the test suite's, against a stand-in MaxText).
 SHAPES = {
     "issue": Shape(embed=256, layers=4, mlp=1024, heads=4, head_dim=64),
     "large": Shape(embed=512, layers=8, mlp=2048, heads=8, head_dim=64),
+    "tiny": Shape(embed=32, layers=1, mlp=64, heads=2, head_dim=16, vocab=256, seq=32),
 }
 
 

@@ -34,7 +34,7 @@
 
 9. overhead: issue 13's 20.6M Llama (bf16, full remat, batch 8 x 256, XLA attention) on one device:
    meshtrain's step interleaved with the hand-written one and with the hand-written one plus the same
-   non-finite guard (``bench.py --vs-baseline``: the update in a ``lax.cond`` on finite loss and
+   non-finite guard (``scripts/bench.py --vs-baseline``: the update in a ``lax.cond`` on finite loss and
    gradients, then every new parameter and moment checked): ``overhead_ratio``,
    ``guarded_overhead_ratio`` and ``guard_ratio`` (what the guard costs on this device), and each
    step's bytes accessed per device (XLA's cost analysis: ``guard_bytes`` is the guard's extra
@@ -53,10 +53,6 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-
 # (remat, global batch) tried in order on the device: fastest first.
 CANDIDATES = (("none", 16), ("dots", 16), ("full", 32), ("full", 16), ("full", 8), ("full", 4))
 TINY_1B = ["model.num_layers=2", "model.embed_dim=64", "model.num_heads=4", "model.num_kv_heads=2",
@@ -68,7 +64,7 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def loss_check(load_config, bench, steps: int, tol: float, dry_run: bool) -> dict:
+def loss_check(load_config, benchmark, steps: int, tol: float, dry_run: bool) -> dict:
     """Tiny model, fp32: per-step losses on the accelerator vs the host CPU."""
     import jax
     import numpy as np
@@ -83,9 +79,9 @@ def loss_check(load_config, bench, steps: int, tol: float, dry_run: bool) -> dic
                 losses[name] = losses["reference (cpu)"]
                 log("loss check, device: the reference CPU itself (dry run), not run twice")
                 continue
-            trainer, compiled, _ = bench.prepare(cfg, [device])
+            trainer, compiled, _ = benchmark.prepare(cfg, [device])
             state = trainer.init_state(seed=0)
-            batch = bench.random_batch(trainer)
+            batch = benchmark.random_batch(trainer)
             values = []
             for _ in range(steps):
                 state, metrics = compiled(state, batch)
@@ -98,7 +94,7 @@ def loss_check(load_config, bench, steps: int, tol: float, dry_run: bool) -> dic
     return {"losses": losses, "max_abs_diff": diff, "tolerance": tol, "passed": ok}
 
 
-def checkpoint_check(load_config, bench) -> dict:
+def checkpoint_check(load_config, benchmark) -> dict:
     """Save and restore the tiny state on the device; the checksums recorded at save must verify."""
     import tempfile
 
@@ -110,8 +106,8 @@ def checkpoint_check(load_config, bench) -> dict:
 
     cfg = load_config("configs/tiny.yaml", ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.stage=1",
                                             "train.batch_size=8"])
-    trainer, compiled, _ = bench.prepare(cfg, [jax.devices()[0]])
-    state, _ = compiled(trainer.init_state(seed=0), bench.random_batch(trainer))
+    trainer, compiled, _ = benchmark.prepare(cfg, [jax.devices()[0]])
+    state, _ = compiled(trainer.init_state(seed=0), benchmark.random_batch(trainer))
     with tempfile.TemporaryDirectory() as root:
         checkpoints = RunCheckpoints(f"{root}/checkpoints", keep=1)
         start = time.perf_counter()
@@ -276,15 +272,33 @@ def moe_check(tol: float, dry_run: bool) -> dict:
             "shape": {"rows": rows, "length": length, "embed": width, "expert_mlp": hidden, "experts": 8, "top_k": 2}}
 
 
+# The pipeline schedules against the sequential model, in a CPU subprocess with 8 simulated devices:
+# tests/test_pipeline.py's property on this machine's jax (the tests' small Llama, 8 layers).
 PIPELINE_EQUIVALENCE = """
-import dataclasses, math, sys
+import math
 import jax, numpy as np
-sys.path.insert(0, "tests")
-from utils import MODEL, loss_grads_and_statistics, make_trainer
+from flax import nnx
+from meshtrain.data import DataConfig, global_batch, make_dataset
+from meshtrain.mesh import MeshConfig, make_mesh
+from meshtrain.optim import OptimizerConfig
+from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
-model = dataclasses.replace(MODEL, num_layers=8)
+from meshtrain.parallel.rules import Preset
+from meshtrain.train_config import TrainConfig
+from meshtrain.trainer import Trainer
+from models.llama import LlamaConfig
+model = LlamaConfig(vocab_size=96, embed_dim=40, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=6, mlp_dim=72,
+                    seq_len=32)
+train = TrainConfig(steps=1, batch_size=16)
+data = make_dataset(DataConfig(), vocab_size=model.vocab_size, seq_len=model.seq_len)
 def run(shape, pipeline=PipelineConfig()):
-    return loss_grads_and_statistics(make_trainer(shape, model, pipeline=pipeline))[:2]
+    mesh = make_mesh(MeshConfig(*shape), jax.devices()[:math.prod(shape)])
+    layout = Layout.of(model, mesh.shape, Preset.FSDP_TP.rules, train, pipeline)
+    trainer = Trainer(layout, mesh, OptimizerConfig(learning_rate=3e-3, warmup_steps=0, eps=1e-6))
+    batch = global_batch(data, 0, train.batch_size, trainer.batch_sharding)
+    loss, grads, _, _ = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
+    grads = nnx.to_flat_state(trainer.layer_order.to_logical(grads))
+    return float(loss), {path: np.asarray(value.get_value()) for path, value in grads}
 ref_loss, ref = run((1, 1, 1, 1))
 worst = 0.0
 for schedule, virtual in ((Schedule.ZB_H1, 1), (Schedule.INTERLEAVED, 2)):
@@ -351,9 +365,9 @@ def pipeline_check(dry_run: bool, tol: float) -> dict:
 
 
 def fits(compiled, limit: int | None) -> tuple[bool, int]:
-    memory = compiled.memory_analysis()
-    need = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-            + memory.temp_size_in_bytes)
+    from meshtrain.hlo import footprint_bytes, memory_of
+
+    need = footprint_bytes(memory_of(compiled))
     return (limit is None or need <= limit), need
 
 
@@ -374,7 +388,7 @@ def planner_estimate(cfg, xla_temp: int) -> dict:
     return out
 
 
-def throughput(load_config, bench, args, limit: int | None, attention: str) -> dict:
+def throughput(load_config, benchmark, args, limit: int | None, attention: str) -> dict:
     """The ~1B model on one device: first fitting (remat, batch), then timed steps."""
     import jax
 
@@ -385,13 +399,13 @@ def throughput(load_config, bench, args, limit: int | None, attention: str) -> d
     device = jax.devices()[:1]
     for remat, batch in candidates:
         cfg = load_config("configs/llama_1b.yaml", [*base, f"model.remat={remat}", f"train.batch_size={batch}"])
-        prepared = bench.prepare(cfg, device)
+        prepared = benchmark.prepare(cfg, device)
         ok, need = fits(prepared[1], limit)
         log(f"candidate remat={remat} batch={batch}: compiled in {prepared[2]:.1f} s, needs "
             f"{need / 2**30:.2f} GiB of {'?' if limit is None else f'{limit / 2**30:.1f}'} GiB: "
             f"{'fits' if ok else 'too big'}")
         if ok:
-            result = bench.run(cfg, steps=args.steps, prepared=prepared)
+            result = benchmark.run(cfg, steps=args.steps, prepared=prepared)
             result.update(remat=remat, batch_size=batch)
             result["planner"] = planner_estimate(cfg, result["memory_per_device"]["temp_bytes"])
             mfu = result["mfu"]
@@ -404,7 +418,7 @@ def throughput(load_config, bench, args, limit: int | None, attention: str) -> d
     raise SystemExit("error: no (remat, batch) candidate fits this device")
 
 
-def offload(load_config, bench, args, batch: int) -> dict:
+def offload(load_config, benchmark, args, batch: int) -> dict:
     """The same model with optimizer-state and activation offload to pinned host memory."""
     import jax
 
@@ -412,7 +426,7 @@ def offload(load_config, bench, args, batch: int) -> dict:
         "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.stage=1", "train.precision=bf16",
         "model.seq_len=2048" if not args.dry_run else "model.seq_len=64", *args.dry_overrides,
         "offload.optimizer=true", "model.remat=offload", f"train.batch_size={batch}"])
-    result = bench.run(cfg, steps=max(2, args.steps // 3), devices=jax.devices()[:1])
+    result = benchmark.run(cfg, steps=max(2, args.steps // 3), devices=jax.devices()[:1])
     memory = result["memory_per_device"]
     log("offload (optimizer + remat=offload), memory_analysis: "
         + ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in memory.items() if v is not None))
@@ -421,16 +435,17 @@ def offload(load_config, bench, args, batch: int) -> dict:
     return result
 
 
-def overhead_check(load_config, bench, args) -> dict:
+def overhead_check(load_config, benchmark, args) -> dict:
     """Step 9: meshtrain against the plain and the guarded hand-written step on one device."""
     import dataclasses
 
-    import bench_maxtext
     import jax
+    from bench_maxtext import SHAPES
+    from bench_vs_maxtext import maxtext_overrides
 
-    shape = dataclasses.replace(bench_maxtext.SHAPES["issue"], fsdp=1, tensor=1)
-    cfg = load_config("configs/tiny.yaml", [*bench.maxtext_overrides(shape), *args.dry_overrides])
-    result = bench.run(cfg, steps=2 if args.dry_run else 30, vs_baseline=True, devices=jax.devices()[:1])
+    shape = dataclasses.replace(SHAPES["issue"], fsdp=1, tensor=1)
+    cfg = load_config("configs/tiny.yaml", [*maxtext_overrides(shape), *args.dry_overrides])
+    result = benchmark.run(cfg, steps=2 if args.dry_run else 30, vs_baseline=True, devices=jax.devices()[:1])
     keys = ("overhead_ratio", "guarded_overhead_ratio", "guard_ratio")
     log(f"overhead: meshtrain {result['step_time_s_median'] * 1e3:.2f} ms, baseline "
         f"{result['baseline']['step_time_s_median'] * 1e3:.2f} ms, guarded "
@@ -472,9 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         added = xla_flags.apply_recommended()
         log(f"XLA_FLAGS += {' '.join(added) or '(nothing: not a CUDA run, or already set)'}")
-    import bench
     import jax
 
+    from meshtrain import benchmark
     from meshtrain.config import load_config
 
     device = jax.devices()[0]
@@ -488,24 +503,24 @@ def main(argv: list[str] | None = None) -> int:
               "dry_run": args.dry_run, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
     phase = time.perf_counter()
-    report["loss_check"] = loss_check(load_config, bench, 3, args.loss_tol, args.dry_run)
+    report["loss_check"] = loss_check(load_config, benchmark, 3, args.loss_tol, args.dry_run)
     report["attention"] = "cudnn" if device.platform == "gpu" else "xla"
     report["loss_check"]["wall_s"] = time.perf_counter() - phase
     phase = time.perf_counter()
     try:
-        report["throughput"] = throughput(load_config, bench, args, limit, report["attention"])
+        report["throughput"] = throughput(load_config, benchmark, args, limit, report["attention"])
     except Exception as err:
         if report["attention"] != "cudnn":
             raise
         log(f"cuDNN attention failed ({type(err).__name__}: {str(err)[:300]}); retrying with XLA attention")
         report["attention"] = "xla (cudnn failed)"
-        report["throughput"] = throughput(load_config, bench, args, limit, "xla")
+        report["throughput"] = throughput(load_config, benchmark, args, limit, "xla")
     report["throughput"]["wall_s"] = time.perf_counter() - phase
     if not args.skip_offload:
         phase = time.perf_counter()
-        report["offload"] = offload(load_config, bench, args, max(1, report["throughput"]["batch_size"] // 2))
+        report["offload"] = offload(load_config, benchmark, args, max(1, report["throughput"]["batch_size"] // 2))
         report["offload"]["wall_s"] = time.perf_counter() - phase
-    report["checkpoint"] = checkpoint_check(load_config, bench)
+    report["checkpoint"] = checkpoint_check(load_config, benchmark)
     report["packing"] = packing_check(load_config, args.packing_tol)
     phase = time.perf_counter()
     report["moe"] = moe_check(args.moe_tol, args.dry_run)
@@ -517,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     report["ring_tiles"] = ring_tiles_check(args.dry_run, args.ring_tol)
     report["ring_tiles"]["wall_s"] = time.perf_counter() - phase
     phase = time.perf_counter()
-    report["overhead"] = overhead_check(load_config, bench, args)
+    report["overhead"] = overhead_check(load_config, benchmark, args)
     report["overhead"]["wall_s"] = time.perf_counter() - phase
     report["wall_s"] = time.perf_counter() - started
     log(f"gpu_check done in {report['wall_s']:.1f} s")

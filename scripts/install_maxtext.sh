@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install MaxText 0.2.5 (CPU) in its own virtual environment for scripts/bench_maxtext.py and
-# `scripts/bench.py --vs-maxtext`. Idempotent: a second run with the same package list does nothing.
+# `scripts/bench_vs_maxtext.py`. Idempotent: a second run with the same package list does nothing.
 #
 #   scripts/install_maxtext.sh                 # -> .maxtext-venv/ in the repository root (gitignored)
 #   MAXTEXT_VENV=DIR MAXTEXT_PYTHON=python3.12 scripts/install_maxtext.sh
