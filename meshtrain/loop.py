@@ -11,6 +11,7 @@ steps (logging, saving, checks, evaluation, preemption, profiling, and whatever 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pathlib
 import shlex
@@ -26,6 +27,7 @@ from meshtrain.checkpoint import CHECKPOINT_DIR, RunCheckpoints
 from meshtrain.config import Config, to_dict
 from meshtrain.data import Packing, global_batch, make_dataset
 from meshtrain.data.sources import DataChanged
+from meshtrain.data.dataset import TokenDataset
 from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.errors import ConfigError
 from meshtrain.evaluation import Evaluator
@@ -107,8 +109,8 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
               f"{trainer.rules.name}, {cfg.model.num_params:,} parameters, precision {cfg.train.precision.value}",
               trainer.pipeline_description, dataset.describe(), evaluator and evaluator.describe(),
               DOCUMENT_ATTENTION_NOTE if cfg.data.packing is Packing.DOCUMENTS else ""]
-
-    run_dir = pathlib.Path(cfg.run.dir)
+    setup = _Setup(cfg, trainer, dataset, evaluator, pathlib.Path(cfg.run.dir), banner)
+    run_dir = setup.run_dir
     lock = _hold(run_dir)  # before anything is written there
     checkpoints = None
     try:
@@ -116,8 +118,7 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
             checkpoints = RunCheckpoints(run_dir / CHECKPOINT_DIR, keep=cfg.checkpoint.keep,
                                          async_save=cfg.checkpoint.async_save)
         with Preemption() as preemption:
-            return _run(cfg, trainer, dataset, evaluator, run_dir, checkpoints, preemption, policies, fresh=fresh,
-                        command=command, banner=banner)
+            return _run(setup, checkpoints, preemption, policies, fresh=fresh, command=command)
     finally:
         try:
             if checkpoints is not None:
@@ -140,7 +141,7 @@ def _hold(run_dir: pathlib.Path) -> RunLock:
     return lock
 
 
-def _record_tokenizer(dataset, run_dir: pathlib.Path) -> None:
+def _record_tokenizer(dataset: TokenDataset, run_dir: pathlib.Path) -> None:
     """Copies the tokenizer the data was made with to ``run_dir/tokenizer.json`` (where
     ``meshtrain.generate --tokenizer auto`` looks), replacing an older copy only by a new file."""
     if dataset.tokenizer_file is None:
@@ -152,12 +153,25 @@ def _record_tokenizer(dataset, run_dir: pathlib.Path) -> None:
         os.replace(partial, target)
 
 
-def _run(cfg: Config, trainer: Trainer, dataset, evaluator: Evaluator | None, run_dir: pathlib.Path,
-         checkpoints: RunCheckpoints | None, preemption: Preemption, extra: Sequence[Policy], *, fresh: bool,
-         command: str, banner: list[str]) -> dict[str, object]:
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What a run is built from, checked before anything is written."""
+
+    cfg: Config
+    trainer: Trainer
+    dataset: TokenDataset
+    evaluator: Evaluator | None
+    run_dir: pathlib.Path
+    banner: list[str]  # the lines logged once the first state is known
+
+
+def _run(setup: _Setup, checkpoints: RunCheckpoints | None, preemption: Preemption, extra: Sequence[Policy], *,
+         fresh: bool, command: str) -> dict[str, object]:
+    """The first state, the compiled step, the policies and the loop; the run's summary."""
+    cfg, trainer, dataset, evaluator, run_dir = setup.cfg, setup.trainer, setup.dataset, setup.evaluator, setup.run_dir
     steps, batch_size = cfg.train.steps, cfg.train.batch_size
     start = initial_state(cfg, trainer, checkpoints, run_dir, fresh)
-    for line in [*banner, start.note]:
+    for line in [*setup.banner, start.note]:
         if line:
             log(line)
     if start.step == steps:

@@ -43,17 +43,21 @@ def _trainer(mesh_shape, model=MOE, pipeline=PipelineConfig(), **fields):
 
 # --- the layer against a for-loop reference ---------------------------------------------------------
 
-def _reference_layer(weights: dict, x: jax.Array, cfg: MoEConfig) -> jax.Array:
+def _reference_choices(weights: dict, x: jax.Array, cfg: MoEConfig) -> np.ndarray:
+    """int [rows, length, top_k]: each token's experts by router probability, read as concrete values."""
+    probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, weights["router"]), axis=-1)
+    return np.argsort(-np.asarray(probs), axis=-1)[..., :cfg.top_k]
+
+
+def _reference_layer(weights: dict, x: jax.Array, cfg: MoEConfig, choices: np.ndarray) -> jax.Array:
     """Each group, each token's choices by rank then position, each chosen expert while it has a
-    free slot: the gate-weighted sum of the experts' SwiGLU outputs. Routing decisions (which
-    experts, which choices are dropped) are read from concrete values; the weights stay
-    differentiable, so gradients are those of the same piecewise function."""
+    free slot: the gate-weighted sum of the experts' SwiGLU outputs. The routing decisions (which
+    experts, which choices are dropped) are the concrete ``choices``; the weights stay
+    differentiable, so gradients are those of the same piecewise function (and it can be jitted)."""
     rows, length, _ = x.shape
     group = cfg.group_size or length
     slots = cfg.slots(group)
-    logits = jnp.einsum("btd,de->bte", x, weights["router"])
-    probs = jax.nn.softmax(logits, axis=-1)
-    choices = np.argsort(-np.asarray(jax.lax.stop_gradient(probs)), axis=-1)[..., :cfg.top_k]
+    probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, weights["router"]), axis=-1)
     out = jnp.zeros_like(x)
     for row in range(rows):
         for start in range(0, length, group):
@@ -92,7 +96,9 @@ def test_the_layer_equals_a_for_loop_reference(cfg):
         return nnx.merge(graphdef, nnx.State({name: nnx.Param(weights[name]) for name in names}))(x, unconstrained)
 
     y, stats = ours(weights, x)
-    expected = _reference_layer(weights, x, cfg)
+    choices = _reference_choices(weights, x, cfg)
+    reference = jax.jit(lambda w, x: _reference_layer(w, x, cfg, choices))
+    expected = reference(weights, x)
     np.testing.assert_allclose(y, expected, rtol=0, atol=1e-5)
     if cfg.dispatch is Dispatch.CAPACITY:
         assert float(stats["dropped"]) > 0  # the capacity really binds
@@ -100,8 +106,7 @@ def test_the_layer_equals_a_for_loop_reference(cfg):
         assert float(stats["dropped"]) == 0
     cotangent = jax.random.normal(jax.random.key(2), y.shape)
     grads = jax.grad(lambda w, x: jnp.sum(ours(w, x)[0] * cotangent), argnums=(0, 1))(weights, x)
-    reference_grads = jax.grad(lambda w, x: jnp.sum(_reference_layer(w, x, cfg) * cotangent),
-                               argnums=(0, 1))(weights, x)
+    reference_grads = jax.jit(jax.grad(lambda w, x: jnp.sum(reference(w, x) * cotangent), argnums=(0, 1)))(weights, x)
     for name in weights:
         assert relative_l2(np.asarray(grads[0][name]), np.asarray(reference_grads[0][name])) < 1e-5, name
     assert relative_l2(np.asarray(grads[1]), np.asarray(reference_grads[1])) < 1e-5

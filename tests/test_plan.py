@@ -3,6 +3,7 @@ verdicts, infeasibility reasons and the CLI's bad input."""
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import pytest
@@ -44,9 +45,10 @@ def _estimate_and_compile(overrides, mesh, zero, remat, micro):
     return est, xla
 
 
-@pytest.fixture(scope="module")
-def measured():
-    return {name: _estimate_and_compile(*case) for name, case in CASES.items()}
+@functools.cache
+def measured(name: str):
+    """(estimate, XLA's memory analysis) of one case, compiled once per test process."""
+    return _estimate_and_compile(*CASES[name])
 
 
 def assert_state_matches(est, xla, tolerance=STATE_TOLERANCE):
@@ -63,22 +65,18 @@ def assert_temp_within(name, est, xla, tolerance=TEMP_TOLERANCE):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_state_bytes_match_the_compiler(measured, name):
-    assert_state_matches(*measured[name])
+def test_state_and_temp_bytes_against_the_compiler(name):
+    """State bytes exactly (within STATE_TOLERANCE), temp bytes within the stated tolerance."""
+    assert_state_matches(*measured(name))
+    assert_temp_within(name, *measured(name))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_temp_bytes_within_the_stated_tolerance(measured, name):
-    assert_temp_within(name, *measured[name])
-
-
-@pytest.mark.slow
-def test_the_update_of_a_replicated_state_is_in_place(measured):
+def test_the_update_of_a_replicated_state_is_in_place():
     """ZeRO-0: every device holds all of the fp32 gradients; the update writes params and moments in
     place (the non-finite check only reads them), so XLA's temp is the backward phase's, well below
     the 16 B per parameter a select between the old and the new state would hold."""
-    est, xla = measured["small-zero0-inplace"]
+    est, xla = measured("small-zero0-inplace")
     num_params = load_config(REPO / "configs" / "tiny.yaml", CASES["small-zero0-inplace"][0]).model.num_params
     assert est.update == 0 and est.temp_bytes == est.backward_bytes
     assert est.temp_bytes == pytest.approx(xla["temp"], rel=0.01)
