@@ -152,7 +152,7 @@ def _trainer_verdict(config: str, overrides: list[str], est) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("config", ["tiny.yaml", "llama_10b.yaml"])
+@pytest.mark.parametrize("config", ["tiny.yaml", pytest.param("llama_10b.yaml", marks=pytest.mark.slow)])
 def test_planner_and_trainer_agree_on_feasibility_of_every_layout(config):
     path = str(REPO / "configs" / config)
     plan = planner.make_plan(load_config(path), 8, 1e15)
