@@ -36,7 +36,7 @@ from meshtrain.metrics import MetricsLogger, format_bytes, peak_bf16_tflops
 from meshtrain.parallel.accumulate import Batch
 from meshtrain.parallel.sharding import parameter_table, replicated_parameters
 from meshtrain.policies import (PROFILE_DIR, AppliedStateCheck, Evaluation, NonFiniteGuard, Policy, Preemption,
-                                Profiler, Reporter, Run, Saver, StepOutput, any_process, data_changed, log)
+                                Profiler, Reporter, Run, Saver, SkipLimit, StepOutput, any_process, data_changed, log)
 from meshtrain.resume import initial_state
 from meshtrain.run_lock import RunLock
 from meshtrain.train_config import NonFinitePolicy
@@ -205,7 +205,9 @@ def _run(setup: _Setup, checkpoints: RunCheckpoints | None, preemption: Preempti
         on_exit.callback(logger.close, {"stopped_by_error": True}, print_summary=False)
         policies = [Profiler(cfg.train.profile_range, run_dir / PROFILE_DIR, start.step), reporter,
                     AppliedStateCheck(checkpoints),
-                    NonFiniteGuard() if cfg.train.on_nonfinite is NonFinitePolicy.STOP else None,
+                    NonFiniteGuard() if cfg.train.on_nonfinite is NonFinitePolicy.STOP
+                    else SkipLimit(cfg.train.max_consecutive_skips, checkpoints) if cfg.train.max_consecutive_skips
+                    else None,
                     evaluation, preemption, saver, *extra]
         policies = [policy for policy in policies if policy is not None]
         for policy in reversed(policies):

@@ -6,7 +6,7 @@ Every policy sees the loop through ``Run`` and implements what it needs of ``Pol
 new behaviour (a tracker, a sample generator) is a new ``Policy`` passed to ``meshtrain.loop.train``,
 not an edit of the loop. ``train`` calls the built-in ones in this order:
 
-    Profiler -> Reporter -> AppliedStateCheck -> NonFiniteGuard -> Evaluation -> Preemption -> Saver
+    Profiler -> Reporter -> AppliedStateCheck -> NonFiniteGuard | SkipLimit -> Evaluation -> Preemption -> Saver
 
 so a step's log line is written before the check or the evaluation that follows it, and the saver
 sees every stop the others asked for.
@@ -48,9 +48,10 @@ class StepOutput:
 @dataclasses.dataclass
 class Stop:
     """Why a run ends before ``train.steps``: the state the last step left is saved (``what`` names
-    it in messages), then the run returns (``error`` None) or raises ``error(where it was saved)``."""
+    it in messages; None: nothing is saved), then the run returns (``error`` None) or raises
+    ``error(where it was saved)``."""
 
-    what: str
+    what: str | None
     error: Callable[[str], Exception] | None = None
     preempted: bool = False
 
@@ -156,6 +157,18 @@ class Reporter(Policy):
         self.report(run.current)
 
 
+def skipped(step: StepOutput) -> bool:
+    """Whether ``step`` skipped its update (a non-finite loss or gradient norm); waits for it."""
+    return bool(jax.device_get(step.metrics["update_skipped"]))
+
+
+def newest_checkpoint(checkpoints: RunCheckpoints | None) -> str:
+    """Where the last good state is, for the line a stopped run ends with."""
+    steps = [] if checkpoints is None else checkpoints.steps()
+    return (f"the newest checkpoint, {checkpoints.path(steps[-1])}, holds the last good state" if steps
+            else "no checkpoint was saved")
+
+
 def check_applied(step: StepOutput, checkpoints: RunCheckpoints | None) -> None:
     """NonFiniteStop, with nothing saved, when ``step`` left a non-finite parameter or moment (waits
     for that step). Its loss and gradients were finite, so the update was applied in place: the
@@ -163,12 +176,9 @@ def check_applied(step: StepOutput, checkpoints: RunCheckpoints | None) -> None:
     branch."""
     if bool(jax.device_get(step.metrics["state_finite"])):
         return
-    steps = [] if checkpoints is None else checkpoints.steps()
-    kept = (f"the newest checkpoint, {checkpoints.path(steps[-1])}, holds the last good state"
-            if steps else "no checkpoint was saved")
     raise NonFiniteStop(f"step {step.done} left non-finite parameters or optimizer moments from a finite loss "
                         f"and gradients (the optimizer's arithmetic overflowed: check the optimizer.* "
-                        f"values); its state was not saved and {kept}")
+                        f"values); its state was not saved and {newest_checkpoint(checkpoints)}")
 
 
 class AppliedStateCheck(Policy):
@@ -200,6 +210,27 @@ class NonFiniteGuard(Policy):
             found = ", ".join(f"{key} {value}" for key, value in bad.items()) or "non-finite values"
             run.request_stop(Stop("the last good state", lambda where: NonFiniteStop(
                 f"train.on_nonfinite=stop: step {done} had {found}; its update was skipped and {where}")))
+
+
+class SkipLimit(Policy):
+    """``train.on_nonfinite=skip`` goes on over non-finite steps, but not forever: once
+    ``train.max_consecutive_skips`` steps in a row skipped their update (read while the next one
+    runs), the run stops, exit 3, saving nothing. The saver writes no checkpoint of a skipped step,
+    so checkpoint rotation keeps those from before the run of skips."""
+
+    def __init__(self, limit: int, checkpoints: RunCheckpoints | None):
+        self.limit, self.checkpoints, self.in_a_row = limit, checkpoints, 0
+
+    def after_step(self, run: Run) -> None:
+        if run.previous is None:
+            return
+        self.in_a_row = self.in_a_row + 1 if skipped(run.previous) else 0
+        if self.in_a_row >= self.limit:
+            last, first, limit = run.previous.done, run.previous.done - self.in_a_row + 1, self.limit
+            run.request_stop(Stop(None, lambda where: NonFiniteStop(
+                f"train.max_consecutive_skips={limit}: steps {first}-{last} all skipped their update (non-finite "
+                f"loss or gradients); nothing was saved and {where}; check the data and optimizer.* (or raise "
+                "the limit, 0 for none)")))
 
 
 def data_changed(err: DataChanged, done: int) -> Stop:
@@ -356,6 +387,7 @@ class Saver(Policy):
         self.last_time = time.monotonic()
         self.last_step: int | None = None
         self.saved: pathlib.Path | None = None  # the newest checkpoint this run wrote
+        self.deferred = False  # a save fell on a skipped step: it waits for the next applied one
 
     def due(self, done: int) -> bool:
         every, minutes = self.cfg.checkpoint.every, self.cfg.checkpoint.every_minutes
@@ -376,11 +408,23 @@ class Saver(Policy):
         return self.saved
 
     def after_step(self, run: Run) -> None:
-        if run.stop is None and (run.current.done == run.steps or self.due(run.current.done)):
+        """Saves when due, except a step that skipped its update: its save waits for the next step
+        that applies one (so a run of skipped steps rotates no checkpoint out)."""
+        done = run.current.done
+        if run.stop is not None or not (self.deferred or done == run.steps or self.due(done)):
+            return
+        self.deferred = self.checkpoints is not None and skipped(run.current)
+        if self.deferred:
+            log(f"step {done} skipped its update: its checkpoint waits for the next step that applies one")
+        else:
             self.save(run.current)
 
     def on_stop(self, run: Run) -> None:
-        """Saves the state the last step left and waits for it; ``run.where_saved`` says where."""
+        """Saves the state the last step left (unless the stop says not to) and waits for it;
+        ``run.where_saved`` says where."""
+        if run.stop.what is None:
+            run.where_saved = newest_checkpoint(self.checkpoints)
+            return
         path = self.save(run.current)
         if path is None:
             run.where_saved = "nothing was saved (checkpoint.enabled=false)"
@@ -389,5 +433,7 @@ class Saver(Policy):
         run.where_saved = f"{run.stop.what} was saved to {path}"
 
     def finish(self, run: Run) -> None:
+        if self.deferred:
+            log(f"the last step skipped its update: not saved; {newest_checkpoint(self.checkpoints)}")
         if self.checkpoints is not None:
             self.checkpoints.wait()

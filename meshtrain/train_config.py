@@ -8,6 +8,7 @@ import re
 
 from meshtrain.errors import ConfigError
 from meshtrain.precision import Precision
+from models.common import coerce_enums
 
 
 class NonFinitePolicy(str, enum.Enum):
@@ -29,6 +30,9 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.SKIP
+    # Consecutive skipped steps after which a run stops (exit 3) with its checkpoints as they were
+    # before them; 0 = no limit. fp16's loss scale starts at 2**15 and halves per skipped step.
+    max_consecutive_skips: int = 10
     # Steps to trace with jax.profiler into run.dir/profile: "5-8" (first-last, 1-based) or 5; None = off.
     profile_steps: str | int | None = None
 
@@ -49,9 +53,12 @@ class TrainConfig:
         return self.dynamic_loss_scale
 
     def __post_init__(self):
+        coerce_enums(self, ConfigError)
         for name in ("steps", "batch_size", "grad_accum", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be a positive integer, got {getattr(self, name)}")
+        if self.max_consecutive_skips < 0:
+            raise ConfigError("max_consecutive_skips", f"must be >= 0 (0: no limit), got {self.max_consecutive_skips}")
         if self.profile_steps is not None:
             text = str(self.profile_steps)
             if not re.fullmatch(r"[1-9][0-9]*(-[1-9][0-9]*)?", text) or self.profile_range[1] < self.profile_range[0]:

@@ -229,7 +229,8 @@ class Trainer:
             skipped_steps=state.skipped_steps + (~inputs_finite).astype(jnp.int32))
         metrics = {"loss": loss, "grad_norm": grad_norm, "state_finite": all_finite((params, opt_state)),
                    "lr": self.schedule(state.step), "loss_scale": state.loss_scale.scale,
-                   "skipped_steps": new_state.skipped_steps, "target_tokens": target_count, **statistics}
+                   "skipped_steps": new_state.skipped_steps, "update_skipped": ~inputs_finite,
+                   "target_tokens": target_count, **statistics}
         return new_state, metrics
 
 

@@ -31,8 +31,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.api import RESIDUAL_AXES, Documents, LayerAux, forward, no_aux, positions_of
-from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param, matmul, stacked_layers,
-                           unconstrained)
+from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, logical_param, matmul,
+                           stacked_layers, unconstrained)
 
 # Activations the blocks tag with ``checkpoint_name``, which a NAMED remat policy may keep.
 BLOCK_CHECKPOINT_NAMES = ("query", "key", "value", "attention", "mlp_hidden")
@@ -84,6 +84,7 @@ class RopeScalingConfig:
     original_max_len: int = 8192
 
     def __post_init__(self):
+        coerce_enums(self)
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             if getattr(self, name) <= 0:
                 raise InvalidField(f"rope_scaling.{name}", f"must be > 0, got {getattr(self, name)}")

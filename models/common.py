@@ -7,10 +7,12 @@ mean on a mesh and hands the model an ``ActivationSharding`` callable; a model n
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
+import typing
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,25 @@ class InvalidField(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field, self.message = field, message
+
+
+def coerce_enums(config: Any, error: Callable[[str, str], Exception] = InvalidField) -> None:
+    """Turns every field of the frozen dataclass ``config`` that is typed as an ``enum.Enum`` but holds
+    a plain value (``LlamaConfig(remat="full")`` from Python; YAML is converted on loading) into its
+    member, in place; ``error(field, message)`` naming the valid values for a value that is none of
+    them (the framework's configs pass their ``ConfigError``). Call it first in ``__post_init__``:
+    the checks after it may then compare members with ``is``."""
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        kind = hints.get(field.name)
+        value = getattr(config, field.name)
+        if not (isinstance(kind, type) and issubclass(kind, enum.Enum)) or isinstance(value, kind):
+            continue
+        try:
+            member = kind(value)
+        except ValueError:
+            raise error(field.name, f"got {value!r}; valid: {', '.join(repr(m.value) for m in kind)}") from None
+        object.__setattr__(config, field.name, member)
 
 
 def matmul(equation: str, x: jax.Array, w: jax.Array, result_dtype: jnp.dtype | None = None) -> jax.Array:

@@ -139,13 +139,13 @@ def test_restore_onto_another_mesh(reference, interrupted, tmp_path, mesh, devic
     np.testing.assert_allclose([got[s] for s in got], [expected[s] for s in got], rtol=1e-5, atol=0)
 
 
-def _inject_nan(monkeypatch, bad_index: int) -> None:
-    """The batch of step index ``bad_index`` gets a NaN mask: NaN loss and gradients (a test hook)."""
+def _inject_nan(monkeypatch, *bad_indices: int) -> None:
+    """The batches of step indices ``bad_indices`` get a NaN mask: NaN loss and gradients (a test hook)."""
     original = loop.global_batch
 
     def batch(dataset, step, batch_size, sharding):
         result = original(dataset, step, batch_size, sharding)
-        if step == bad_index:
+        if step in bad_indices:
             result["mask"] = jax.device_put(np.full(result["mask"].shape, np.nan, np.float32), sharding)
         return result
 
@@ -157,18 +157,33 @@ BAD = 2  # step index with the NaN batch: steps 1-2 are good, step 3 is bad (1-b
 
 @pytest.mark.slow
 def test_nonfinite_skip_leaves_state_unchanged(tmp_path, monkeypatch):
+    """The skipped step's state equals the one before it (read by a test-only policy before the next
+    step takes it); no checkpoint is written of a skipped step, the next applied one is saved."""
     _inject_nan(monkeypatch, BAD)
-    summary = train(config(tmp_path, "checkpoint.every=1", "checkpoint.keep=10"))
+
+    class KeepParams(policies.Policy):
+        def __init__(self):
+            self.params = {}
+
+        def after_step(self, run):
+            self.params[run.current.done] = flat_params(run.current.state)
+
+    kept = KeepParams()
+    summary = train(config(tmp_path, "checkpoint.every=1", "checkpoint.keep=10"), policies=[kept])
     assert summary["skipped_steps"] == 1
     logged = {r["step"]: r for r in records(tmp_path)}
     assert logged[BAD + 1]["loss"] == "nan" and logged[BAD + 1]["skipped_steps"] == 1
+    assert logged[BAD + 1]["update_skipped"] == 1.0 and logged[BAD]["update_skipped"] == 0.0
     assert all(np.isfinite(logged[s]["loss"]) for s in range(1, STEPS + 1) if s != BAD + 1)
-    cfg = config(tmp_path)
-    before, bad, after = (restore(tmp_path, s, cfg) for s in (BAD, BAD + 1, BAD + 2))
-    for name, value in flat_params(before.state).items():
-        np.testing.assert_array_equal(flat_params(bad.state)[name], value, err_msg=name)  # unchanged
-    assert any(not np.array_equal(flat_params(after.state)[n], v) for n, v in flat_params(bad.state).items())
-    assert int(bad.state.skipped_steps) == 1 and int(bad.state.step) == BAD + 1
+    before, bad, after = (kept.params[s] for s in (BAD, BAD + 1, BAD + 2))
+    for name, value in before.items():
+        np.testing.assert_array_equal(bad[name], value, err_msg=name)  # unchanged
+    assert any(not np.array_equal(after[n], v) for n, v in bad.items())
+    assert complete_steps(tmp_path) == [s for s in range(1, STEPS + 1) if s != BAD + 1]
+    saved = restore(tmp_path, BAD + 2, config(tmp_path))
+    assert int(saved.state.skipped_steps) == 1 and int(saved.state.step) == BAD + 2
+    for name, value in flat_params(saved.state).items():
+        np.testing.assert_array_equal(after[name], value, err_msg=name)
 
 
 @pytest.mark.slow
@@ -187,6 +202,27 @@ def test_nonfinite_stop_saves_last_good_state(tmp_path, monkeypatch, capsys):
     for name, value in flat_params(good.state).items():
         np.testing.assert_array_equal(flat_params(saved.state)[name], value, err_msg=name)
     assert all(np.isfinite(v).all() for v in flat_params(saved.state).values())
+
+
+@pytest.mark.slow
+def test_a_run_of_skipped_steps_stops_and_rotates_no_checkpoint_out(tmp_path, monkeypatch, capsys):
+    """Under ``skip``, steps 4-8 are non-finite: checkpoints every step, keep 2. The saver writes no
+    skipped step (before, 5 and 6 rotated 2 and 3 out, holding the state step 3 left), and after
+    ``train.max_consecutive_skips=3`` skipped steps in a row the run stops, exit 3, one line."""
+    _inject_nan(monkeypatch, *range(3, 8))
+    rc = main(["--config", TINY, *overrides(tmp_path, "checkpoint.every=1", "checkpoint.keep=2",
+                                            "train.max_consecutive_skips=3")])
+    assert rc == EXIT_NONFINITE
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "steps 4-6 all skipped their update" in error[0], error
+    assert str(tmp_path / CHECKPOINT_DIR / "3") in error[0]
+    assert complete_steps(tmp_path) == [2, 3]
+    assert [r["step"] for r in records(tmp_path)][-1] >= 6  # the skipped steps were logged
+
+
+def test_max_consecutive_skips_is_checked():
+    with pytest.raises(ConfigError, match=r"train\.max_consecutive_skips: must be >= 0"):
+        load_config(TINY, ["train.max_consecutive_skips=-1"])
 
 
 def _largest_file(directory: pathlib.Path) -> pathlib.Path:

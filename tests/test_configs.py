@@ -129,3 +129,54 @@ def test_mesh_fill_that_cannot_divide():
     with pytest.raises(ConfigError) as err:
         MeshConfig(data=3, fsdp=-1).resolve(8)
     assert err.value.field == "mesh.fsdp"
+
+
+def _config_classes() -> list[type]:
+    """Every config dataclass a run is built from: the sections, the families' configs and the
+    dataclasses nested in them."""
+    import dataclasses
+    import typing
+
+    from meshtrain.config import SECTIONS
+    from models.api import families, family_named
+
+    found, todo = [], [*SECTIONS.values(), *(family_named(name).config_class for name in families())]
+    while todo:
+        cls = todo.pop()
+        if dataclasses.is_dataclass(cls) and cls not in found:
+            found.append(cls)
+            todo += [hint for hint in typing.get_type_hints(cls).values() if isinstance(hint, type)]
+    return found
+
+
+def test_enum_fields_given_as_plain_values_become_members_in_every_config_class():
+    """Library users build configs in Python: ``MoEConfig(dispatch="dropless")`` must mean the
+    member (a plain string compared with ``is`` would silently pick another branch)."""
+    import dataclasses
+    import enum
+    import typing
+
+    from models.common import InvalidField
+    from models.moe.model import Dispatch
+
+    checked = []
+    for cls in _config_classes():
+        for field in dataclasses.fields(cls):
+            kind = typing.get_type_hints(cls).get(field.name)
+            if not (isinstance(kind, type) and issubclass(kind, enum.Enum)):
+                continue
+            for member in kind:
+                try:
+                    cls(**{field.name: member})
+                except (ConfigError, ValueError):
+                    continue  # not valid with the other fields' defaults
+                built = cls(**{field.name: member.value})
+                assert getattr(built, field.name) is member, (cls.__name__, field.name, member)
+                checked.append(f"{cls.__name__}.{field.name}")
+            with pytest.raises((InvalidField, ConfigError), match=f"got 'nonsense'; valid: {next(iter(kind)).value!r}"):
+                cls(**{field.name: "nonsense"})
+    assert {"MoEConfig.dispatch", "LlamaConfig.remat", "PipelineConfig.schedule", "TrainConfig.precision",
+            "DataConfig.source", "ZeroConfig.stage", "RopeScalingConfig.kind"} <= set(checked)
+    # The issue's case: capacity mode would drop tokens where dropless keeps all 16 of a group.
+    assert MoEConfig(dispatch="dropless", group_size=16).slots(16) == 16
+    assert MoEConfig(dispatch="dropless").dispatch is Dispatch.DROPLESS

@@ -164,7 +164,7 @@ def test_errors(tmp_path, token_file):
     for kwargs, field in [({"source": DataSource.TEXT}, "path"),
                           ({"source": DataSource.TOKENS}, "path"),
                           ({"path": "x.bin"}, "path"),
-                          ({"source": "markov"}, "source"),
+                          ({"source": "nonsense"}, "source"),
                           ({"token_dtype": "float32"}, "token_dtype"),
                           ({"seed": -1}, "seed"),
                           ({"markov_noise": 0.0}, "markov_noise"),

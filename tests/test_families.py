@@ -94,8 +94,9 @@ def test_the_auxiliary_loss_is_part_of_the_objective(sequential):
 
 
 @pytest.mark.parametrize("mesh_shape, pipeline", [
-    ((1, 2, 1, 2), PipelineConfig(4, Schedule.GPIPE)),
-    ((1, 1, 2, 2), PipelineConfig(4, Schedule.ONE_F_ONE_B)),
+    # The fast tier runs interleaved (two chunks per stage); the full suite every schedule.
+    pytest.param((1, 2, 1, 2), PipelineConfig(4, Schedule.GPIPE), marks=pytest.mark.slow),
+    pytest.param((1, 1, 2, 2), PipelineConfig(4, Schedule.ONE_F_ONE_B), marks=pytest.mark.slow),
     ((2, 1, 1, 2), PipelineConfig(2, Schedule.INTERLEAVED, virtual_stages=2)),
 ], ids=["gpipe", "1f1b", "interleaved"])
 def test_aux_losses_reach_every_pipeline_schedule(sequential, mesh_shape, pipeline):

@@ -137,6 +137,7 @@ def test_70b_on_64x80gb_fits_with_zero3_and_a_smaller_batch():
     assert fit and all(e.candidate.zero == 3 for e in fit[:5])
 
 
+@pytest.mark.slow
 def test_layouts_that_cannot_run_say_why():
     kwargs = dict(remats=[RematPolicy.FULL], zero_stages=[3])
     plan = _plan("llama_70b.yaml", 64, 80 * GB, meshes=[(1, 1, 16, 4), (1, 1, 2, 32)], **kwargs)

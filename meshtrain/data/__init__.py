@@ -32,6 +32,7 @@ from meshtrain.data.markov import MarkovDataset
 from meshtrain.data.sources import (TOKEN_DTYPES, TRAIN_SPLIT, FileDataset, MixtureDataset, StreamInfo,
                                     TokenStream, file_dataset, given_tokenizer, id_stream, text_stream)
 from meshtrain.errors import ConfigError
+from models.common import coerce_enums
 
 
 class DataSource(str, enum.Enum):
@@ -92,9 +93,7 @@ class DataConfig:
     mixture: tuple[MixtureEntry, ...] = ()
 
     def __post_init__(self):
-        valid_sources = ", ".join(repr(s.value) for s in DataSource)
-        if not isinstance(self.source, DataSource):
-            raise ConfigError("source", f"got {self.source!r}; valid: {valid_sources}")
+        coerce_enums(self, ConfigError)
         if self.source is DataSource.MARKOV and self.path:
             raise ConfigError(
                 "path", "must be empty when source is 'markov' (it reads no files); "

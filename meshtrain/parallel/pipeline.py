@@ -45,6 +45,7 @@ from meshtrain.parallel.rules import AxisRule, ShardingRules
 from meshtrain.parallel.schedules import ScheduleTable, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from meshtrain.precision import cast_floating
 from models.api import LayerAux
+from models.common import coerce_enums
 
 # (params, microbatch) -> ((scaled loss, the layers' aux terms summed over its rows), grads); grads
 # have the structure of params.
@@ -73,6 +74,7 @@ class PipelineConfig:
     table: str = ""
 
     def __post_init__(self):
+        coerce_enums(self, ConfigError)
         if self.microbatches < 1:
             raise ConfigError("microbatches", f"must be a positive integer, got {self.microbatches}")
         if self.virtual_stages < 1:

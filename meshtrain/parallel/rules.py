@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import MESH_AXES
 from models.api import FRAMEWORK_AXES, AxisRole
+from models.common import coerce_enums
 
 # Mesh axes one logical axis maps to: none (replicated), one, or several (split over their product).
 MeshAxes = str | tuple[str, ...] | None
@@ -245,6 +246,7 @@ class ShardingConfig:
     ring_block: int = 512
 
     def __post_init__(self):
+        coerce_enums(self, ConfigError)
         if self.replicated_warning_bytes < 0:
             raise ConfigError("replicated_warning_bytes", f"must be >= 0, got {self.replicated_warning_bytes}")
         if self.ring_block < 0:

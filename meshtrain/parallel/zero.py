@@ -28,9 +28,9 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from meshtrain.errors import ConfigError
 from meshtrain.parallel.rules import drop_axes
-from models.common import logical_axes_of
+from meshtrain.errors import ConfigError
+from models.common import coerce_enums, logical_axes_of
 
 ZERO_AXIS = "fsdp"
 
@@ -49,8 +49,7 @@ class ZeroConfig:
     stage: ZeroStage = ZeroStage.PARAMETERS
 
     def __post_init__(self):
-        if self.stage not in tuple(ZeroStage):
-            raise ConfigError("stage", f"must be 0, 1, 2 or 3, got {self.stage}")
+        coerce_enums(self, ConfigError)  # InvalidField unless 0, 1, 2 or 3
 
 
 @dataclasses.dataclass(frozen=True)

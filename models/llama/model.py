@@ -34,7 +34,7 @@ from flax import nnx
 from models.api import RESIDUAL_AXES
 from models.blocks import (BLOCK_CHECKPOINT_NAMES, Attention, AttentionKernel, Decoder, PreNormLayer, RMSNorm,
                            RopeScalingConfig, SwiGLU, check_attention_fields)
-from models.common import ActivationSharding, InvalidField, RematPolicy, palm_train_flops_per_token
+from models.common import ActivationSharding, InvalidField, RematPolicy, coerce_enums, palm_train_flops_per_token
 
 # Activations a NAMED remat policy may keep: the blocks' (tagged with ``checkpoint_name``).
 CHECKPOINT_NAMES = BLOCK_CHECKPOINT_NAMES
@@ -62,6 +62,7 @@ class LlamaConfig:
     remat_names: tuple[str, ...] = ("attention", "mlp_hidden")
 
     def __post_init__(self):
+        coerce_enums(self)
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "mlp_dim", "seq_len"):
             if getattr(self, name) <= 0:

@@ -57,7 +57,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models.api import AUX_LOSS, RESIDUAL_AXES, Documents, LayerAux
 from models.blocks import (BLOCK_CHECKPOINT_NAMES, Attention, AttentionKernel, Decoder, PreNormLayer, RMSNorm,
                            RopeScalingConfig, SwiGLU, check_attention_fields, normal)
-from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param, matmul,
+from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, logical_param, matmul,
                            palm_train_flops_per_token, unconstrained)
 
 # Activations a NAMED remat policy may keep: the blocks', and the experts' hidden units.
@@ -112,6 +112,7 @@ class MoEConfig:
     remat_names: tuple[str, ...] = ("attention", "mlp_hidden", "expert_hidden")
 
     def __post_init__(self):
+        coerce_enums(self)
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "num_experts", "expert_mlp_dim", "seq_len"):
             if getattr(self, name) <= 0:
