@@ -132,15 +132,18 @@ def test_mesh_fill_that_cannot_divide():
 
 
 def _config_classes() -> list[type]:
-    """Every config dataclass a run is built from: the sections, the families' configs and the
-    dataclasses nested in them."""
+    """Every config dataclass a run is built from: the sections, the built-in families' configs (a
+    plugin's are its own, and which plugins are registered depends on what this process imported)
+    and the dataclasses nested in them."""
     import dataclasses
     import typing
 
     from meshtrain.config import SECTIONS
     from models.api import families, family_named
 
-    found, todo = [], [*SECTIONS.values(), *(family_named(name).config_class for name in families())]
+    built_in = [family_named(name).config_class for name in families()
+                if family_named(name).config_class.__module__.startswith("models.")]
+    found, todo = [], [*SECTIONS.values(), *built_in]
     while todo:
         cls = todo.pop()
         if dataclasses.is_dataclass(cls) and cls not in found:
