@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.schedules import (OpCosts, ScheduleTable, Slot, Task, Work, gpipe, interleaved_1f1b,
                                           one_f_one_b, zb_h1)
 
@@ -96,3 +97,9 @@ def test_user_table_json_errors_name_the_field():
         ScheduleTable.from_json('{"stages": 2, "ticks": []}')
     with pytest.raises(ConfigError, match=r"pipeline.table"):
         ScheduleTable.from_json("not json")
+
+
+def test_a_custom_schedule_reads_the_table_of_its_file(tmp_path):
+    table = tmp_path / "table.json"
+    table.write_text(one_f_one_b(2, 4).to_json())
+    assert PipelineConfig(4, Schedule.CUSTOM, table=str(table)).schedule_table(2) == one_f_one_b(2, 4)
