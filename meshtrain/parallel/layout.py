@@ -57,10 +57,14 @@ class Layout:
     def of(cls, model: Any, mesh_shape: Mapping[str, int], rules: ShardingRules, train: TrainConfig,
            pipeline: PipelineConfig = PipelineConfig(), zero: ZeroConfig = ZeroConfig(),
            offload: OffloadConfig = OffloadConfig(), abstract_params: nnx.State | None = None) -> Layout:
+        graphdef = None
         if abstract_params is None:
-            abstract_params = abstract_model(model)[1]
-        return cls(model, abstract_params, {axis: int(mesh_shape[axis]) for axis in MESH_AXES}, rules, train,
-                   pipeline, zero, offload)
+            graphdef, abstract_params = abstract_model(model)
+        layout = cls(model, abstract_params, {axis: int(mesh_shape[axis]) for axis in MESH_AXES}, rules, train,
+                     pipeline, zero, offload)
+        if graphdef is not None:  # the same trace gave it: fill the cached property (no second eval_shape)
+            layout.__dict__["graphdef"] = graphdef
+        return layout
 
     @property
     def family(self) -> ModelFamily:
