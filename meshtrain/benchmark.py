@@ -21,11 +21,12 @@ import optax
 from flax import nnx
 
 from meshtrain.hlo import bytes_accessed, collective_counts, memory_of
+from meshtrain.loss import cross_entropy_sum
 from meshtrain.mesh import make_mesh, mesh_shape
 from meshtrain.metrics import mfu, peak_bf16_tflops
 from meshtrain.parallel.sharding import activation_sharding
 from meshtrain.precision import cast_floating
-from meshtrain.trainer import Trainer, all_finite, cross_entropy_sum
+from meshtrain.trainer import Trainer, all_finite
 from models.api import family_of, forward
 
 

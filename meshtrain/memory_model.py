@@ -15,8 +15,9 @@ cannot disagree on what runs or how it is split (see docs/memory.md for the deri
 * **Temporaries** (XLA's temp bytes): fp32 gradients in their ZeRO layout, the compute-dtype
   copy of the local parameters (bf16/fp16 only), the ZeRO-sharded weights of two layers gathered
   (experts are computed where they rest, never gathered), the activations the backward pass keeps
-  (by ``model.remat``), one layer's working set, and the logits' working set. The update follows,
-  after the activations are dead; it writes the new parameters and moments in place, so it adds
+  (by ``model.remat``), one layer's working set, and the working set of one chunk of the logits
+  (``train.loss_chunk`` positions per row, ``meshtrain.loss``). The update follows, after the
+  activations are dead; it writes the new parameters and moments in place, so it adds
   nothing unless the optimizer state is offloaded: then the step brings the moments to the device,
   8 B per local optimizer element (``Estimate.update``), and the temp bytes are the larger of the
   two phases.
@@ -37,6 +38,7 @@ from flax import nnx
 from meshtrain.mesh import LAYOUT_ORDER, MESH_AXES
 from meshtrain.parallel.layout import Layout
 from meshtrain.errors import ConfigError
+from meshtrain.loss import chunk_length
 from meshtrain.parallel.ring_attention import sub_block_length
 from meshtrain.parallel.rules import mesh_axes_of
 from meshtrain.parallel.schedules import SENDS_GRADIENT, ScheduleTable, Work
@@ -58,9 +60,9 @@ ACTIVATION_COEFFICIENTS: dict[RematPolicy, float] = {
     RematPolicy.FULL: 0.92,
     RematPolicy.DOTS: 0.75,
 }
-# The loss phase holds the logits in the compute dtype and three fp32 [tokens, vocab] buffers
-# (fp32 logits, softmax, their gradient); it is live before the layers' backward, so the peak
-# takes the larger of the two phases.
+# The loss phase holds one chunk's logits (``train.loss_chunk`` positions per row: ``meshtrain.loss``)
+# in the compute dtype and three fp32 [chunk tokens, vocab] buffers (fp32 logits, softmax, their
+# gradient); it is live before the layers' backward, so the peak takes the larger of the two phases.
 LOGITS_FP32_COPIES = 3
 
 
@@ -118,7 +120,7 @@ class Estimate:
     optimizer: int = 0  # resting on the device (0 when offloaded)
     optimizer_host: int = 0
     activations: int = 0  # kept for the backward pass
-    temporaries: int = 0  # compute copy, gathered weights, one layer's working set, logits
+    temporaries: int = 0  # compute copy, gathered weights, one layer's working set, a chunk of logits
     update: int = 0  # the update phase: an offloaded optimizer state's moments brought to the device
     batch: int = 0
     compute_s: float = 0.0
@@ -231,7 +233,7 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
 
     # Activations. Tokens per device per accumulation microbatch: context parallelism splits the
     # positions ``cp`` ways; sequence parallelism splits the residual stream ``sp`` ways more.
-    cp = layout.ways(layout.rules.activation_spec(("length",)))[0]
+    cp = layout.length_ways
     sp = max(1, layout.ways(layout.rules.activation_spec(("sequence",)))[0] // cp)
     tokens = rows * model.seq_len / cp
     layers_here = model.num_layers // stages if model.num_layers % stages == 0 else model.num_layers
@@ -264,7 +266,12 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     copy = compute_bytes * (p_local - (zero_sharded_local if gathering else 0.0)) if low_precision else 0.0
     gathered = 2 * layer_full * (FP32 + (compute_bytes if low_precision else 0)) if gathering else 0.0
     layer_phase = a_working * working_tokens * working
-    loss_phase = working_tokens * vocab_local * (compute_bytes + LOGITS_FP32_COPIES * FP32)
+    # The head runs on a stage's share of the positions (all of them without a pipeline), one chunk
+    # of them at a time.
+    head_length = model.seq_len // stages
+    head_chunk = chunk_length(head_length, layout.train.loss_chunk, cp)
+    loss_tokens = rows / micro * head_chunk / cp
+    loss_phase = loss_tokens * vocab_local * (compute_bytes + LOGITS_FP32_COPIES * FP32)
     est.temporaries = round(copy + gathered + max(layer_phase, loss_phase)
                             + working_tokens * model.embed_dim * FP32)
     if grad_accum > 1:
@@ -274,6 +281,8 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     # Roofline step time.
     global_tokens = batch_size * model.seq_len
     flops = family.flops_per_token(model) + family.recompute_flops_per_token(model, candidate.remat)
+    if head_chunk < head_length:  # the chunked head's backward recomputes its logits (meshtrain.loss)
+        flops += 2 * model.embed_dim * model.vocab_size
     if table is not None:
         est.bubble, est.in_flight = table.bubble(), table.peak_in_flight
     est.compute_s = global_tokens * flops / (candidate.devices * hw.peak_flops) / (1 - est.bubble)

@@ -3,13 +3,16 @@
 Order of application inside the step: ring attention's balanced permutation of the positions (only
 under ring attention) -> precision cast of the master weights -> forward/backward per
 accumulation microbatch, through the pipeline schedule when ``mesh.stage`` > 1 (activations
-constrained by the rules, layers rematerialised by the model's policy) -> gradient accumulation in
+constrained by the rules, layers rematerialised by the model's policy, the head and the loss in
+chunks of ``train.loss_chunk`` positions: ``meshtrain.loss``) -> gradient accumulation in
 the gradients' layout of the ZeRO stage (split over ``fsdp`` from ZeRO-2 on) -> unscale -> AdamW
 update in place, applied only where the loss and the gradient norm are finite -> the new parameters
 and moments checked for finiteness (``state_finite``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +21,11 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
+from meshtrain.loss import Objective, cross_entropy_sum
 from meshtrain.optim import OptimizerConfig, make_optimizer
 from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_microbatches
 from meshtrain.parallel.offload import DEVICE, HOST, check_host_memory, with_memory_kind
 from meshtrain.parallel.layout import Layout
-from meshtrain.parallel.executor import Objective
 from meshtrain.parallel.pipeline import make_loss, make_value_and_grad
 from meshtrain.parallel.ring_attention import balanced_order
 from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, named_shardings, optimizer_shardings,
@@ -43,16 +46,6 @@ class TrainState:
     opt_state: optax.OptState
     loss_scale: LossScale
     skipped_steps: jax.Array  # i32 []: steps whose gradients were not finite (update skipped)
-
-
-def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
-    """Sum over [batch, length] of masked token cross-entropy, in fp32."""
-    logits = logits.astype(jnp.float32)
-    # A one-hot contraction rather than a gather: it partitions cleanly when vocab is split over
-    # `tensor`, also inside a pipeline stage (XLA's partitioner aborts on the gather there).
-    target_logits = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
-    losses = jax.nn.logsumexp(logits, axis=-1) - target_logits
-    return jnp.sum(losses * mask)
 
 
 class Trainer:
@@ -152,14 +145,20 @@ class Trainer:
         weights once per step and differentiates through the cast)."""
         return nnx.merge(self.graphdef, params)
 
+    def _objective(self, of_logits: Callable[[jax.Array, Batch], jax.Array],
+                   of_aux: Callable[[jax.Array], jax.Array]) -> Objective:
+        """The objective of these token and aux terms, its head run in ``train.loss_chunk`` chunks
+        that keep the rules' split of ``length``."""
+        return Objective(of_logits, of_aux, self.layout.train.loss_chunk, self.layout.length_ways)
+
     def evaluate(self, params: nnx.State, batch: Batch) -> Metrics:
         """Forward only: the summed token cross-entropy of a global batch (``loss_sum``, fp32) and its
         target count (``target_tokens``), in ``train.grad_accum`` microbatches like a train step and
         through the same pipeline schedule's forward. Aux losses are not part of it."""
         compute_dtype = self.layout.train.precision.compute_dtype
         batch = self._ordered(batch)
-        objective = Objective(lambda logits, mb: cross_entropy_sum(logits, mb["targets"], mb["mask"]),
-                              lambda aux_sum: jnp.zeros((), jnp.float32))
+        objective = self._objective(lambda logits, mb: cross_entropy_sum(logits, mb["targets"], mb["mask"]),
+                                    lambda aux_sum: jnp.zeros((), jnp.float32))
         loss = make_loss(self.layout.pipeline, self.mesh, self._model_of, objective,
                          activation_sharding(self.rules, self.mesh), compute_dtype)
 
@@ -191,7 +190,8 @@ class Trainer:
             return state.loss_scale.scale_loss(aux_sum.astype(jnp.float32) / rows)
 
         value_and_grad = make_value_and_grad(self.layout.pipeline, self.mesh, self._model_of,
-                                             Objective(of_logits, of_aux), activation_sharding(self.rules, self.mesh),
+                                             self._objective(of_logits, of_aux),
+                                             activation_sharding(self.rules, self.mesh),
                                              compute_dtype)
 
         def constrain_grads(grads: nnx.State) -> nnx.State:

@@ -22,8 +22,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("meshtrain.errors", "meshtrain.precision", "meshtrain.mesh", "meshtrain.train_config", "meshtrain.optim",
      "meshtrain.flops", "meshtrain.metrics", "meshtrain.xla_flags", "meshtrain.run_lock", "meshtrain.distributed",
      "meshtrain.cli", "meshtrain.hlo"),
-    # One file per parallelism concern; the data pipeline.
-    ("meshtrain.parallel", "meshtrain.data"),
+    # One file per parallelism concern; the data pipeline; the objective and the chunked head's loss
+    # (the pipeline's head runs it).
+    ("meshtrain.parallel", "meshtrain.data", "meshtrain.loss"),
     # What is built from a layout: the step, checkpoints, HF files, evaluation, the memory model.
     ("meshtrain.trainer", "meshtrain.checkpoint", "meshtrain.hf", "meshtrain.evaluation", "meshtrain.memory_model"),
     # The config of every section.

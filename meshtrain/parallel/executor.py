@@ -25,13 +25,14 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh, PartitionSpec
 
+from meshtrain.loss import Objective, head_loss
 from meshtrain.parallel.accumulate import Batch, split_microbatches
 from meshtrain.parallel.backward_split import split_backward
 from meshtrain.parallel.layer_order import with_layers
 from meshtrain.parallel.schedules import (BackwardTasks, Buffers, Columns, ForwardTasks, InputGradTasks,
                                           ScheduleTable, WeightGradTasks, Work)
 from meshtrain.precision import cast_floating
-from models.api import AUX_LOSS, RESIDUAL_AXES, Documents, LayerAux
+from models.api import RESIDUAL_AXES, Documents, LayerAux
 
 
 STAGE = "stage"
@@ -40,24 +41,6 @@ STAGE = "stage"
 ModelOf = Callable[[nnx.State], Any]
 # Values crossing stages are fp32; each stage computes in the compute dtype.
 CROSSING_DTYPE = jnp.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class Objective:
-    """The two (linear) terms of one microbatch's scaled, normalised loss.
-
-    of_logits: (logits [batch, length, vocab], microbatch) -> the token loss (a sum over tokens, so
-    any split of the tokens adds up to it).
-    of_aux: the layers' auxiliary-loss sum over the microbatch's rows (``aux[AUX_LOSS]`` of
-    ``DecoderModel.run_layers``) -> its share of the loss.
-    """
-
-    of_logits: Callable[[jax.Array, Batch], jax.Array]
-    of_aux: Callable[[jax.Array], jax.Array]
-
-    def of_layers(self, aux: LayerAux) -> jax.Array:
-        """The share of the loss of the layers' aux terms ``aux``."""
-        return self.of_aux(aux[AUX_LOSS])
 
 
 def documents_of(batch: Batch) -> Documents | None:
@@ -271,11 +254,12 @@ class TableExecutor:
         return varying((y.astype(CROSSING_DTYPE), self.objective.of_layers(aux))), varying(aux)
 
     def head_loss(self, rest: nnx.State, y: jax.Array, m: jax.Array) -> jax.Array:
-        """The token loss of this stage's share (positions [stage * part, +part)) of microbatch m."""
+        """The token loss of this stage's share (positions [stage * part, +part)) of microbatch m,
+        ``y`` [rows, part, embed], in the objective's chunks of those positions (``meshtrain.loss``)."""
         mb = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, self.stage * self.part, self.part, axis=1),
                           self.microbatch(m))
-        logits = self.model_of(with_layers(rest, self.layers)).logits(y.astype(self.compute_dtype), self.shard)
-        return self.objective.of_logits(logits, mb)
+        return head_loss(self.model_of(with_layers(rest, self.layers)), y.astype(self.compute_dtype), mb,
+                         self.shard, self.objective)
 
     def backward(self, stash_and_params: tuple, cotangent: tuple) -> tuple[Any, jax.Array]:
         return self.program.run_backward(*stash_and_params, cotangent)

@@ -99,6 +99,11 @@ class Layout:
         return mesh_axes_of(self.rules.activation_spec(("batch",))[0])
 
     @property
+    def length_ways(self) -> int:
+        """Number of ways the rules split ``length`` (context parallelism's positions)."""
+        return self.ways(self.rules.activation_spec(("length",)))[0]
+
+    @property
     def data_parallel_size(self) -> int:
         """Number of ways the batch dimension is split."""
         return data_parallel_size(self.rules, self.mesh_shape)

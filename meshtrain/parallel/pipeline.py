@@ -40,7 +40,8 @@ from jax.sharding import Mesh
 
 from meshtrain.errors import ConfigError, Infeasible
 from meshtrain.parallel.accumulate import Batch
-from meshtrain.parallel.executor import STAGE, ModelOf, Objective, documents_of, run_table
+from meshtrain.loss import Objective, head_loss
+from meshtrain.parallel.executor import STAGE, ModelOf, documents_of, run_table
 from meshtrain.parallel.rules import AxisRule, ShardingRules
 from meshtrain.parallel.schedules import ScheduleTable, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from meshtrain.precision import cast_floating
@@ -150,12 +151,12 @@ def pipeline_rules(rules: ShardingRules) -> ShardingRules:
 
 
 def sequential_loss(model_of: ModelOf, objective: Objective, shard, compute_dtype) -> Loss:
-    """No pipeline: the whole model's loss."""
+    """No pipeline: the whole model's loss (the head's in the objective's chunks of positions)."""
 
     def loss(params: nnx.State, batch: Batch) -> tuple[jax.Array, LayerAux]:
         model, documents = model_of(cast_floating(params, compute_dtype)), documents_of(batch)
         x, aux = model.run_layers(model.embed(batch["inputs"], shard, documents), shard, documents)
-        return objective.of_logits(model.logits(x, shard), batch) + objective.of_layers(aux), aux
+        return head_loss(model, x, batch, shard, objective) + objective.of_layers(aux), aux
 
     return loss
 

@@ -1,0 +1,107 @@
+"""The training objective: the token cross-entropy, the ``Objective`` of a microbatch and ``head_loss``,
+the model's head and the token loss over chunks of positions (``train.loss_chunk``).
+
+``head_loss`` never holds the fp32 logits of every position: a ``lax.scan`` over chunks of
+positions runs ``model.logits`` and the objective's token loss on one chunk at a time and sums them,
+its body under ``jax.checkpoint``, so the backward recomputes one chunk's logits at a time too. At
+most one chunk's fp32 ``[rows, chunk, vocab]`` logits, softmax and gradient are live, in place of
+three ``[rows, length, vocab]`` arrays; the head's weight gradient accumulates through the scan as
+autodiff does (in the compute dtype). Chunk j holds positions j, j + n, j + 2n, ... of the n chunks
+(strided, as ``split_microbatches`` takes rows), so where the rules split ``length`` over devices
+each device keeps its share of every chunk and nothing moves; under tensor parallelism the logits
+stay split over ``vocab`` and the loss reduces over the split vocabulary (no device gathers it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from meshtrain.parallel.accumulate import Batch
+from models.api import AUX_LOSS, DecoderModel, LayerAux
+from models.common import ActivationSharding
+
+# The head's input: whole positions, as ``DecoderModel.logits`` takes them.
+HEAD_AXES = ("batch", "length", "embed")
+
+
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+    """Sum over [batch, length] of masked token cross-entropy, in fp32."""
+    logits = logits.astype(jnp.float32)
+    # A one-hot contraction rather than a gather: it partitions cleanly when vocab is split over
+    # `tensor`, also inside a pipeline stage (XLA's partitioner aborts on the gather there).
+    target_logits = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    losses = jax.nn.logsumexp(logits, axis=-1) - target_logits
+    return jnp.sum(losses * mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The two (linear) terms of one microbatch's scaled, normalised loss, and the chunks the token
+    term is computed in.
+
+    of_logits: (logits [batch, positions, vocab], the microbatch's [batch, positions] arrays at those
+    positions) -> the token loss (a sum over tokens, so any split of the tokens adds up to it).
+    of_aux: the layers' auxiliary-loss sum over the microbatch's rows (``aux[AUX_LOSS]`` of
+    ``DecoderModel.run_layers``) -> its share of the loss.
+    loss_chunk: positions per chunk and row (``train.loss_chunk``; 0: all positions at once).
+    length_ways: how many ways the rules split ``length`` over the mesh: each chunk keeps that split.
+    """
+
+    of_logits: Callable[[jax.Array, Batch], jax.Array]
+    of_aux: Callable[[jax.Array], jax.Array]
+    loss_chunk: int = 0
+    length_ways: int = 1
+
+    def of_layers(self, aux: LayerAux) -> jax.Array:
+        """The share of the loss of the layers' aux terms ``aux``."""
+        return self.of_aux(aux[AUX_LOSS])
+
+    def chunk_length(self, length: int) -> int:
+        """Positions per chunk of a head over ``length`` positions: see ``chunk_length``."""
+        return chunk_length(length, self.loss_chunk, self.length_ways)
+
+
+def chunk_length(length: int, loss_chunk: int, length_ways: int = 1) -> int:
+    """Positions per chunk: the largest divisor of ``length`` not above ``loss_chunk`` that is a
+    multiple of ``length_ways`` (every device then holds an equal share of each chunk; at least
+    ``length_ways`` positions); ``length`` when ``loss_chunk`` is 0 or at least ``length``. A length
+    with no divisor near ``loss_chunk`` (e.g. a prime) runs in many small chunks."""
+    if loss_chunk <= 0 or loss_chunk >= length:
+        return length
+    ways = length_ways if length % length_ways == 0 else 1
+    local = length // ways
+    return ways * max(d for d in range(1, max(loss_chunk // ways, 1) + 1) if local % d == 0)
+
+
+def _strided(x: jax.Array, chunks: int) -> jax.Array:
+    """[batch, length, ...] -> [chunks, batch, length / chunks, ...]: chunk j holds positions j,
+    j + chunks, j + 2 chunks, ... (a device holding a contiguous block of positions holds its block's
+    share of every chunk)."""
+    rows, length = x.shape[:2]
+    return jnp.moveaxis(x.reshape(rows, length // chunks, chunks, *x.shape[2:]), 2, 0)
+
+
+def head_loss(model: DecoderModel, x: jax.Array, batch: Batch, shard: ActivationSharding,
+              objective: Objective) -> jax.Array:
+    """The token loss ``objective.of_logits`` of the model's head on ``x`` [batch, length, embed]
+    (the layers' output), in chunks of ``objective.chunk_length(length)`` positions per row (see the
+    module docstring). ``batch``: the microbatch's [batch, length] arrays at the same positions."""
+    def chunk_loss(x_chunk: jax.Array, batch_chunk: Batch) -> jax.Array:
+        return objective.of_logits(model.logits(x_chunk, shard), batch_chunk)
+
+    length = x.shape[1]
+    chunks = length // objective.chunk_length(length)
+    if chunks == 1:
+        return chunk_loss(x, batch)
+    x_chunks = shard(_strided(shard(x, HEAD_AXES), chunks), (None, *HEAD_AXES))
+    # prevent_cse off: inside a scan nothing can merge the backward's recomputation with the forward.
+    # The chunks' losses are the scan's outputs, not a carry (inside a pipeline stage a fresh carry
+    # would not be varying over the stage axis).
+    remat_loss = jax.checkpoint(chunk_loss, prevent_cse=False)
+    _, losses = jax.lax.scan(lambda _, chunk: (None, remat_loss(*chunk)), None,
+                             (x_chunks, jax.tree.map(lambda a: _strided(a, chunks), batch)))
+    return jnp.sum(losses)
