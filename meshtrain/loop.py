@@ -34,7 +34,7 @@ from meshtrain.evaluation import Evaluator
 from meshtrain.mesh import make_mesh, mesh_shape
 from meshtrain.metrics import MetricsLogger, format_bytes, peak_bf16_tflops
 from meshtrain.parallel.accumulate import Batch
-from meshtrain.parallel.sharding import parameter_table, replicated_parameters
+from meshtrain.parallel.sharding import activation_sharding, parameter_table, replicated_parameters
 from meshtrain.policies import (PROFILE_DIR, AppliedStateCheck, Evaluation, NonFiniteGuard, Policy, Preemption,
                                 Profiler, Reporter, Run, Saver, SkipLimit, StepOutput, any_process, data_changed, log)
 from meshtrain.resume import initial_state
@@ -42,8 +42,6 @@ from meshtrain.run_lock import RunLock
 from meshtrain.train_config import NonFinitePolicy
 from meshtrain.trainer import Trainer, TrainState
 
-DOCUMENT_ATTENTION_NOTE = ("packing: documents: attention applies the document mask with XLA's kernel "
-                           "(cuDNN's fused kernel takes no segment ids through public JAX, so it is not used)")
 
 
 def run_loop(train_step: Callable, state: TrainState, batch: Batch, next_batch: Callable[[int], Batch],
@@ -99,6 +97,8 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
     for name in replicated_parameters(trainer.abstract_params, trainer.rules, mesh,
                                       cfg.sharding.replicated_warning_bytes):
         log(f"warning: {name} stays fully replicated on mesh {dict(mesh.shape)} under rules {trainer.rules.name}")
+    attention = activation_sharding(trainer.rules, mesh).describe_attention(
+        cfg.model.attention_spec, packed=cfg.data.packing is Packing.DOCUMENTS)
     dataset = make_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
     evaluator = (Evaluator(cfg.eval, cfg.data, dataset, trainer, vocab_size=cfg.model.vocab_size,
                            seq_len=cfg.model.seq_len) if cfg.eval.every > 0 else None)
@@ -107,8 +107,7 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
     banner = [f"meshtrain: process {jax.process_index()}/{jax.process_count()}, {len(devices)} x "
               f"{devices[0].device_kind}, mesh (data, fsdp, tensor, stage) = {mesh_shape(mesh)}, rules "
               f"{trainer.rules.name}, {cfg.model.num_params:,} parameters, precision {cfg.train.precision.value}",
-              trainer.pipeline_description, dataset.describe(), evaluator and evaluator.describe(),
-              DOCUMENT_ATTENTION_NOTE if cfg.data.packing is Packing.DOCUMENTS else ""]
+              attention, trainer.pipeline_description, dataset.describe(), evaluator and evaluator.describe()]
     setup = _Setup(cfg, trainer, dataset, evaluator, pathlib.Path(cfg.run.dir), banner)
     run_dir = setup.run_dir
     lock = _hold(run_dir)  # before anything is written there

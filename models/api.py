@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.common import ActivationSharding, RematPolicy, segment_mask
+from models.attention import AttentionSpec, attention_mask
+from models.common import ActivationSharding, RematPolicy
 
 # Logical axes the framework itself names: batch rows; positions in the residual stream
 # (``sequence``), in attention queries and block-internal activations (``length``) and in attention
@@ -78,6 +79,11 @@ class ModelConfig(Protocol):
     remat: RematPolicy
 
     @property
+    def attention_spec(self) -> AttentionSpec:
+        """The attention the model asks ``ActivationSharding.attend`` for (the start-up line says
+        which kernel runs it)."""
+
+    @property
     def num_params(self) -> int: ...
 
 
@@ -99,7 +105,8 @@ class Documents:
 
     def attention_mask(self) -> jax.Array:
         """bool [batch, 1, length, length]: query t may attend key s (causal, same segment)."""
-        return segment_mask(self.segments)
+        index = jnp.arange(self.segments.shape[1])
+        return attention_mask(index, index, self.segments)
 
 
 def positions_of(documents: Documents | None, length: int) -> jax.Array:

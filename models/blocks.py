@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from models.attention import AttentionKernel, AttentionSpec, attention_mask
 from models.api import RESIDUAL_AXES, Documents, LayerAux, forward, no_aux, positions_of
 from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, logical_param, matmul,
                            stacked_layers, unconstrained)
@@ -42,22 +43,6 @@ BLOCK_CHECKPOINT_NAMES = ("query", "key", "value", "attention", "mlp_hidden")
 # (``models.api.RESIDUAL_AXES``). Rules may split them differently: sequence parallelism splits
 # ``sequence`` only; context parallelism splits all but ``kv_length`` (keys and values gathered).
 KV_AXES = ("batch", "kv_length", "kv_heads", "head_dim")
-
-
-class AttentionKernel(str, enum.Enum):
-    """The ``implementation`` of ``jax.nn.dot_product_attention`` for training.
-
-    AUTO: JAX's choice (cuDNN's fused kernel on GPUs where it supports the shapes, else XLA).
-    XLA: the plain XLA einsum-softmax-einsum. CUDNN: cuDNN's fused kernel, an error where unsupported.
-    """
-
-    AUTO = "auto"
-    XLA = "xla"
-    CUDNN = "cudnn"
-
-    @property
-    def implementation(self) -> str | None:
-        return None if self is AttentionKernel.AUTO else self.value
 
 
 class RopeScaling(str, enum.Enum):
@@ -111,8 +96,13 @@ class BlockConfig(Protocol):
     tie_embeddings: bool
     init_std: float
     attention: AttentionKernel
+    attention_block: int
+    sliding_window: int
     remat: RematPolicy
     remat_names: tuple[str, ...]
+
+    @property
+    def attention_spec(self) -> AttentionSpec: ...
 
 
 def check_attention_fields(cfg, checkpoint_names: tuple[str, ...]) -> None:
@@ -122,6 +112,10 @@ def check_attention_fields(cfg, checkpoint_names: tuple[str, ...]) -> None:
         raise InvalidField("num_kv_heads", f"must divide num_heads={cfg.num_heads}, got {cfg.num_kv_heads}")
     if cfg.head_dim % 2:
         raise InvalidField("head_dim", f"must be even for rotary embeddings, got {cfg.head_dim}")
+    if cfg.attention_block < 1:
+        raise InvalidField("attention_block", f"must be a positive integer, got {cfg.attention_block}")
+    if cfg.sliding_window < 0:
+        raise InvalidField("sliding_window", f"must be >= 0 (0: no window), got {cfg.sliding_window}")
     for name in ("rope_theta", "norm_eps", "init_std"):
         if getattr(cfg, name) <= 0:
             raise InvalidField(name, f"must be > 0, got {getattr(cfg, name)}")
@@ -192,7 +186,7 @@ class Attention(nnx.Module):
         self.key = logical_param(normal(rngs, (d, k, h), in_std), ("embed", "kv_heads", "head_dim"))
         self.value = logical_param(normal(rngs, (d, k, h), in_std), ("embed", "kv_heads", "head_dim"))
         self.out = logical_param(normal(rngs, (n, h, d), out_std), ("heads", "head_dim", "embed"))
-        self.implementation = cfg.attention.implementation
+        self.spec = cfg.attention_spec
 
     def _project(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
                  shard: ActivationSharding) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -218,24 +212,23 @@ class Attention(nnx.Module):
                  segments: jax.Array | None, shard: ActivationSharding) -> jax.Array:
         """x: [batch, length, embed] -> [batch, length, embed]: causal attention over the row (by
         ``positions``, int [batch or 1, length]), within each document of ``segments`` (int [batch,
-        length]) when given, by the framework's scheme (``shard.attend``:
-        ``models.common.full_attention`` or ring attention)."""
+        length]) when given and the sliding window if any, by the framework's scheme
+        (``shard.attend``: ``models.attention.attend`` or ring attention)."""
         q, k, v = self._project(x, rotary, shard)
-        return self._output(shard.attend(q, k, v, positions, segments, self.implementation), shard)
+        return self._output(shard.attend(q, k, v, positions, segments, self.spec), shard)
 
     def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
                values: jax.Array, start: jax.Array, shard: ActivationSharding
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x: [batch, length, embed] at positions start.. ; keys, values: this layer's cache
         [batch, max_len, kv_heads, head_dim]. Writes the new keys/values at ``start`` and attends
-        causally over the cache. Returns (output [batch, length, embed], keys, values)."""
+        causally (and within the sliding window) over the cache. Returns (output [batch, length,
+        embed], keys, values)."""
         q, k, v = self._project(x, rotary, shard)
         keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, start, 0, 0))
         values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (0, start, 0, 0))
-        query_pos = start + jnp.arange(x.shape[1])
-        visible = jnp.arange(keys.shape[1])[None, :] <= query_pos[:, None]  # [length, max_len]
-        attended = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
-                                                mask=visible[None, None])
+        visible = attention_mask(start + jnp.arange(x.shape[1]), jnp.arange(keys.shape[1]), window=self.spec.window)
+        attended = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible)
         return self._output(attended, shard), keys, values
 
 

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from models.attention import AttentionSpec, attend
+
 LogicalAxes = tuple[str | None, ...]
 
 
@@ -98,30 +100,11 @@ def _mixed_precision_backward(lhs, rhs, out, result_dtype, residuals, grad):
 _mixed_precision_einsum.defvjp(_mixed_precision_forward, _mixed_precision_backward)
 
 
-def segment_mask(segments: jax.Array) -> jax.Array:
-    """bool [batch, 1, length, length]: query t may attend key s (s <= t, same segment id)."""
-    length = segments.shape[1]
-    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
-    return (causal[None] & (segments[:, :, None] == segments[:, None, :]))[:, None]
-
-
-def full_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segments: jax.Array | None,
-                   implementation: str | None) -> jax.Array:
-    """Causal self-attention with ``jax.nn.dot_product_attention``: q [batch, length, heads,
-    head_dim], k, v [batch, length, kv_heads, head_dim] -> [batch, length, heads, head_dim]. With
-    ``segments`` (int [batch, length]) a token attends only within its segment, through XLA's
-    kernel whatever ``implementation`` asks: cuDNN's fused kernel takes no segment ids through
-    public JAX. The rows are in position order (``positions`` is not read)."""
-    del positions
-    if segments is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-    return jax.nn.dot_product_attention(q, k, v, mask=segment_mask(segments), implementation="xla")
-
-
 class ActivationSharding(Protocol):
     """What the framework hands a model for its layout: constraints on activations (identity
     off-mesh), the lookup of token embeddings, and the causal self-attention its rules imply
-    (``full_attention``, or ring attention where the rules keep the keys split along the sequence)."""
+    (``models.attention.attend``, or ring attention where the rules keep the keys split along the
+    sequence)."""
 
     def __call__(self, x: jax.Array, axes: LogicalAxes) -> jax.Array: ...
 
@@ -130,9 +113,12 @@ class ActivationSharding(Protocol):
         [batch, length], as [batch, length, width] laid out by logical ``axes``."""
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-               segments: jax.Array | None, implementation: str | None) -> jax.Array:
-        """As ``full_attention``; ``positions`` (int [batch or 1, length]) order the tokens causally
-        where the framework has permuted the sequence (ring attention's load balancing)."""
+               segments: jax.Array | None, spec: AttentionSpec) -> jax.Array:
+        """Causal self-attention as ``spec`` asks (``models.attention.attend``): q [batch, length,
+        heads, head_dim], k, v [batch, length, kv_heads, head_dim] -> [batch, length, heads,
+        head_dim], within ``segments`` (int [batch, length]) when given; ``positions`` (int [batch
+        or 1, length]) order the tokens causally where the framework has permuted the sequence
+        (ring attention's load balancing)."""
 
 
 class Unconstrained:
@@ -146,7 +132,10 @@ class Unconstrained:
         del axes
         return jnp.take(table, ids, axis=0)
 
-    attend = staticmethod(full_attention)
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+               segments: jax.Array | None, spec: AttentionSpec) -> jax.Array:
+        del positions  # the rows are in sequence order
+        return attend(q, k, v, segments, spec)
 
 
 unconstrained = Unconstrained()

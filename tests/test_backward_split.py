@@ -234,7 +234,9 @@ def test_llama_stage_parts_under_jit_match_the_backward_and_defer_the_weight_mat
 
     tokens = STAGE_BATCH * cfg.seq_len
     weight_matmuls = 2 * tokens * (cfg.layer_params - 2 * cfg.embed_dim) * cfg.num_layers
-    attention_output_recompute = 2 * tokens * cfg.seq_len * cfg.attention_dim * cfg.num_layers
     assert input_flops + weight_flops == total
-    assert weight_flops == weight_matmuls + (attention_output_recompute if remat is RematPolicy.DOTS else 0)
+    # Under DOTS the attention output is recomputed (its matmuls have batch dimensions): the
+    # blockwise kernel's forward, whose log-sum-exp its backward needs too, so it runs with the
+    # input gradient and the weight pass stays the weight matmuls alone.
+    assert weight_flops == weight_matmuls
     assert input_flops <= total - weight_matmuls

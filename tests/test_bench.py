@@ -257,22 +257,22 @@ def test_xla_flags_known_to_xla():
     assert proc.returncode == 0 and proc.stdout.strip() == "3.0", proc.stderr[-2000:]
 
 
-def test_model_attention_picks_the_dot_product_attention_implementation():
-    """model.attention reaches jax.nn.dot_product_attention: 'cudnn' is rejected on CPU, 'xla' runs."""
-    import jax
+def test_model_attention_picks_the_kernel():
+    """model.attention reaches the kernel: auto (blockwise on CPU, blocks of 3 positions here) equals
+    xla (dense) within 1e-5; cudnn on a CPU is a one-line error, not a fallback."""
     import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
-    from models.blocks import AttentionKernel
+    from models.attention import AttentionKernel
     from models.llama import Llama, LlamaConfig
 
-    tokens = jnp.zeros((1, 8), jnp.int32)
-    logits = dict.fromkeys(AttentionKernel)
-    for kernel in (AttentionKernel.AUTO, AttentionKernel.XLA):
-        logits[kernel] = Llama(LlamaConfig(attention=kernel), rngs=nnx.Rngs(0))(tokens)
-    assert jnp.array_equal(logits[AttentionKernel.AUTO], logits[AttentionKernel.XLA])
-    with pytest.raises(RuntimeError, match="cuDNN"):  # no cuDNN on CPU
-        jax.block_until_ready(Llama(LlamaConfig(attention=AttentionKernel.CUDNN), rngs=nnx.Rngs(0))(tokens))
+    tokens = jnp.arange(8, dtype=jnp.int32)[None] % 5
+    logits = {kernel: Llama(LlamaConfig(attention=kernel, attention_block=3), rngs=nnx.Rngs(0))(tokens)
+              for kernel in (AttentionKernel.AUTO, AttentionKernel.XLA)}
+    np.testing.assert_allclose(logits[AttentionKernel.AUTO], logits[AttentionKernel.XLA], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="cudnn needs an NVIDIA GPU"):
+        Llama(LlamaConfig(attention=AttentionKernel.CUDNN), rngs=nnx.Rngs(0))(tokens)
 
 
 def test_xla_flags_applied_for_gpu_runs(monkeypatch):

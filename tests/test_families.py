@@ -30,7 +30,7 @@ from utils import loss_and_grads, make_trainer, trainer_of_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
-ALLOWED_MODEL_IMPORTS = {"models", "models.api", "models.common"}
+ALLOWED_MODEL_IMPORTS = {"models", "models.api", "models.common", "models.attention"}
 TOY = str(REPO / "tests" / "toy_gpt.yaml")  # the toy family, 4 layers, on the (2, 2, 2, 1) mesh
 TOY_MODEL = ToyGPTConfig(num_layers=4)
 PLUGIN = ["model.plugin=toy_family", "model.family=toy_gpt"]

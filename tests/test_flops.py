@@ -1,7 +1,9 @@
 """``meshtrain.flops``: matmul FLOPs of the traced train step with scan trip counts.
 
-On one device the count equals the family's analytic ``flops_per_token`` (the number MFU uses),
-plus exactly the recomputed forward under full remat. On a 4-stage pipeline it is what each device
+On one device the count equals the family's analytic ``flops_per_token`` (the number MFU uses: dense
+attention, PaLM's convention), plus exactly the recomputed forward under full remat; these models
+run the dense (``xla``) attention kernel, whose work that formula describes (the blockwise kernel's
+own count, about half for causal rows, is tests/test_attention.py's). On a 4-stage pipeline it is what each device
 executes: each schedule's count equals its table's lock-step time exactly, i.e. the ideal
 ``(single / S) / (1 - bubble)`` with the table's bubble.
 """
@@ -20,13 +22,14 @@ from meshtrain.flops import count_flops
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.layout import abstract_model
 from meshtrain.parallel.schedules import OpCosts
+from models.attention import AttentionKernel
 from models.common import RematPolicy
 from models.llama import FAMILY, LlamaConfig
 from utils import make_trainer
 
 # A vocabulary large enough that the head matters: 131,072 of the 425,984 matmul weights.
 MODEL = LlamaConfig(vocab_size=2048, embed_dim=64, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=16,
-                    mlp_dim=128, seq_len=32)
+                    mlp_dim=128, seq_len=32, attention=AttentionKernel.XLA)
 BATCH = 16
 TOKENS = BATCH * MODEL.seq_len
 STAGES, MICRO = 4, 8

@@ -49,6 +49,8 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq
 VARIANTS = {
     "gqa": {"tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}},
     "tied_llama3": {"tie_word_embeddings": True, "rope_parameters": LLAMA3},
+    # Mistral with a sliding window of 5 positions, shorter than the 24-token rows.
+    "mistral_window": {"tie_word_embeddings": False, "sliding_window": 5},
 }
 
 
@@ -58,6 +60,9 @@ def _mesh(shape: tuple[int, int, int, int]):
 
 def _hf_model(variant: str, seed: int = 0):
     torch.manual_seed(seed)
+    if variant == "mistral_window":
+        config = transformers.MistralConfig(**HF_SHAPE, **VARIANTS[variant], attn_implementation="eager")
+        return _random_norms(transformers.MistralForCausalLM(config).eval())
     config = transformers.LlamaConfig(**HF_SHAPE, **VARIANTS[variant])
     return _random_norms(transformers.LlamaForCausalLM(config).eval())
 
@@ -105,6 +110,7 @@ def test_logits_match_transformers(hf_dirs, variant, mesh_shape):
     model = loading.load_model(path, _mesh(mesh_shape), RULES)
     assert model.cfg.tie_embeddings is (variant == "tied_llama3")
     assert model.cfg.rope_scaling.kind is (RopeScaling.LLAMA3 if variant == "tied_llama3" else RopeScaling.NONE)
+    assert model.cfg.sliding_window == VARIANTS[variant].get("sliding_window", 0)
     logits = compute_logits(model, TOKENS)
     assert logits.dtype == np.float32 and logits.shape == reference.shape
     np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=0)
@@ -133,8 +139,9 @@ def _tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
     return {name: files.read(name, ()) for name in files.file_of}
 
 
-@pytest.mark.parametrize("variant", ["gqa", "bf16"])
+@pytest.mark.parametrize("variant", ["gqa", "bf16", "mistral_window"])
 def test_hf_to_meshtrain_to_hf_reproduces_the_tensors(hf_dirs, tmp_path, variant):
+    """Every tensor back bit for bit; the sliding window back as Mistral's ``sliding_window``."""
     path, _ = hf_dirs[variant]
     assert convert.main(["from-hf", "--hf", str(path), "--out", str(tmp_path / "mt")]) == 0
     assert convert.main(["to-hf", "--from", str(tmp_path / "mt"), "--out", str(tmp_path / "back"),
@@ -145,6 +152,9 @@ def test_hf_to_meshtrain_to_hf_reproduces_the_tensors(hf_dirs, tmp_path, variant
         assert after[name].dtype == value.dtype, name
         np.testing.assert_array_equal(after[name], value, err_msg=name)
     assert (tmp_path / "back" / "generation_config.json").is_file()  # side files travel along
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["sliding_window"] == VARIANTS.get(variant, {}).get("sliding_window")
+    assert config["model_type"] == ("mistral" if variant == "mistral_window" else "llama")
 
 
 def round_trip_through_hf(tmp_path: pathlib.Path, cfg, params: nnx.State, mesh) -> loading.LoadedModel:
@@ -176,8 +186,11 @@ def test_meshtrain_to_hf_to_meshtrain_is_bit_identical_and_loads_in_transformers
                                atol=1e-4, rtol=0)
 
 
-def test_kv_cache_generation_equals_full_recompute(hf_dirs):
-    model = loading.load_model(hf_dirs["tied_llama3"][0], _mesh((1, 1, 1, 1)), RULES)
+@pytest.mark.parametrize("variant", ["tied_llama3", "mistral_window"])
+def test_kv_cache_generation_equals_full_recompute(hf_dirs, variant):
+    """Greedy tokens from the KV cache equal the full model's; the windowed model's cache attends
+    only the window, as its full forward does."""
+    model = loading.load_model(hf_dirs[variant][0], _mesh((1, 1, 1, 1)), RULES)
     prompt = TOKENS[:2, :5]
     cached = generate.generate_tokens(model.graphdef, model.params, prompt, 12)
     # The full model on the growing sequence; causal, so zeros after it change nothing (one compile).
@@ -223,7 +236,10 @@ BASE = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermedia
     ({"model_type": "gpt2"}, "config.json:model_type"),
     ({"attention_bias": True}, "config.json:attention_bias"),
     ({"mlp_bias": True}, "config.json:mlp_bias"),
-    ({"model_type": "mistral", "sliding_window": 4096}, "config.json:sliding_window"),
+    ({"model_type": "mistral", "sliding_window": 0}, "config.json:sliding_window"),
+    ({"model_type": "mistral", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1},
+     "config.json:max_window_layers"),
+    ({"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}, "config.json:layer_types"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "config.json:rope_scaling.rope_type"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "config.json:rope_parameters.rope_type"),
     ({"hidden_act": "gelu"}, "config.json:hidden_act"),
@@ -237,7 +253,8 @@ def test_unsupported_configs_name_the_field(change, field):
 
 def test_supported_config_spellings():
     mistral = hf.model_config({**BASE, "model_type": "mistral", "sliding_window": None, "num_key_value_heads": 2})
-    assert (mistral.num_kv_heads, mistral.head_dim) == (2, 16)
+    assert (mistral.num_kv_heads, mistral.head_dim, mistral.sliding_window) == (2, 16, 0)
+    assert hf.model_config({**BASE, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 4096
     old_style = hf.model_config({**BASE, "rope_theta": 500000.0, "max_position_embeddings": 131072,
                                  "rope_scaling": {**LLAMA3, "original_max_position_embeddings": 8192}})
     assert old_style.rope_theta == 500000.0

@@ -160,10 +160,10 @@ def test_context_parallel_inside_pipeline_stages(reference):
 def test_ring_layout_passes_keys_round_the_ring_and_refuses_pipeline_stages():
     from meshtrain.errors import ConfigError
     compiled = _compiled(_trainer((1, 4, 1, 1), Preset.FSDP_CP_RING))
-    # The ring loop's body appears once in the HLO: 2 ppermutes of the key positions (int32, for the
-    # causal mask) and 2 of the keys and values in the forward, and the keys and values again in the
-    # backward's recomputation (2): 6.
-    assert collective_counts(compiled.as_text())["collective-permute"] == 6
+    # Each ring loop's body appears once in the HLO. The forward moves the keys, the values and their
+    # positions and segments (int32, for the mask: the balanced order makes both explicit): 4; the
+    # backward's ring moves those four again with the keys' and values' gradients: 6. 10 in all.
+    assert collective_counts(compiled.as_text())["collective-permute"] == 10
     with pytest.raises(ConfigError) as info:
         _trainer((1, 2, 1, 2), Preset.FSDP_CP_RING, dataclasses.replace(LONG, num_layers=4),
                  pipeline=PipelineConfig(2, Schedule.ONE_F_ONE_B))

@@ -312,8 +312,9 @@ def test_logits_cli_on_an_expert_parallel_mesh_matches_transformers(hf_dirs, tmp
 
 
 @pytest.mark.parametrize("variant, change, key", [
-    ("mixtral", {"sliding_window": 4096}, "sliding_window"),
-    ("qwen3", {"use_sliding_window": True, "sliding_window": 4096}, "sliding_window"),
+    ("mixtral", {"sliding_window": -1}, "sliding_window"),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1, "layer_types": None},
+     "max_window_layers"),
     ("qwen3", {"mlp_only_layers": [1]}, "mlp_only_layers"),
     ("qwen3", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
     ("qwen3", {"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention import AttentionKernel, AttentionSpec
 from models.api import AUX_LOSS, AxisRole, Documents, ModelFamily, positions_of, register
 from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
                            palm_train_flops_per_token, stacked_layers, unconstrained)
@@ -53,6 +54,10 @@ class ToyGPTConfig:
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "head_dim", "mlp_dim", "seq_len"):
             if getattr(self, name) <= 0:
                 raise InvalidField(name, f"must be a positive integer, got {getattr(self, name)}")
+
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        return AttentionSpec(AttentionKernel.XLA)  # its layers apply their own dense mask
 
     @property
     def matmul_params(self) -> int:

@@ -3,20 +3,18 @@
 Rank ``i`` of the ring axis (size N) holds block ``i`` of the queries, keys and values along with
 each token's position (``i * T .. (i+1) * T - 1`` in sequence order; any order when the sequence was
 permuted for load balancing, see ``balanced_order``). In N steps every rank attends its queries to
-each key/value block in turn, keeping a running maximum, normaliser and output (the online softmax
-of blockwise/flash attention), while the key/value blocks travel one rank along the ring
-(``lax.ppermute``) per step. A key is visible to a query when its position is not later (and, with
-document segments, which travel with their keys, when it is in the same segment); a block whose
-keys all lie after all the rank's queries contributes nothing and is skipped (``lax.cond``).
+each key/value block in turn while the key/value blocks travel one rank along the ring
+(``lax.ppermute``) per step. Each step is the blockwise kernel of ``models.attention`` (online
+softmax over sub-blocks of ``block`` positions, fp32 statistics) over the block the rank holds: a
+key is visible to a query when its position is not later, within the sliding window if any, and
+in the same document (segments travel with their keys); a sub-block pair no query of which sees
+any key is skipped at run time, so the causal skip also works in the balanced order.
 
-Within a step the rank's queries and the key block it holds are visited in sub-blocks of at most
-``block`` positions (the largest divisor of the block length not above it), each pair one
-online-softmax update, skipped when all its keys are later than all its queries (so the causal skip
-also works in the balanced order, where a rank's block holds an early and a late chunk): a step
-holds one ``[block, block]`` score block, and per-device memory grows linearly with the sequence,
-not with its square. Steps and pairs are rematerialised in the backward pass (``jax.checkpoint``),
-so the backward is blockwise too: what is kept is the carries and the key/value block, never a
-``[queries, keys]`` score block.
+The backward is a second ring (a ``custom_vjp``): the forward keeps only each query's output and
+log-sum-exp; the backward sends the key/value blocks round again, each with the gradient of its
+keys and values, to which every rank adds its queries' share, so that after N steps each block's
+gradient is home. Per-device memory is the rank's blocks and one ``[block, block]`` score block,
+and falls as 1 / N.
 
 The framework runs it for a model's ``shard.attend`` wherever the rules split the keys'
 ``kv_length`` over the same single mesh axis as the queries' ``length`` (``fsdp_cp_ring``;
@@ -33,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-# Added to masked scores: finite, so that a row masked in one block yields exp(...) = 0, not NaN.
-MASKED = -1e30
+from models.attention import (all_pairs, attend_pairs, attend_pairs_backward, finish, initial_state, input_gradients,
+                              output_cotangent, split_keys, split_queries, ungroup_heads, zero_gradients)
 
 
 def balanced_order(length: int, ring: int) -> np.ndarray:
@@ -54,7 +52,7 @@ def sub_block_length(length: int, block: int) -> int:
 
 
 def ring_attention_block(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-                         segments: jax.Array | None, *, axis: str, block: int = 0) -> jax.Array:
+                         segments: jax.Array | None, *, axis: str, block: int = 0, window: int = 0) -> jax.Array:
     """The per-rank body, inside a ``shard_map`` manual over ``axis``.
 
     Args:
@@ -63,85 +61,64 @@ def ring_attention_block(q: jax.Array, k: jax.Array, v: jax.Array, positions: ja
       positions: int [batch, T] the positions of this rank's tokens (causality follows them).
       segments: int [batch, T] document ids of this rank's positions, or None (one document).
       block: queries and keys per score block within a step (``sub_block_length``; 0: all T).
+      window: the sliding window (0: none).
 
     Returns:
       [batch, T, heads, head_dim] in q's dtype: causal attention over the whole ring's sequence.
     """
+    return _ring(q, k, v, positions, segments, axis, sub_block_length(q.shape[1], block), window)
+
+
+def _shift(tree, axis: str):
     ring = jax.lax.axis_size(axis)
-    batch, length, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    groups = heads // kv_heads
-    sub = sub_block_length(length, block)
-    blocks = length // sub
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, axis, [(i, (i + 1) % ring) for i in range(ring)]), tree)
 
-    def split(x):  # [batch, T, ...] -> [T / sub, batch, sub, ...]
-        return None if x is None else jnp.moveaxis(x.reshape(batch, blocks, sub, *x.shape[2:]), 1, 0)
 
-    queries = q.astype(jnp.float32).reshape(batch, length, kv_heads, groups, head_dim) * head_dim ** -0.5
-    own = (split(queries), split(positions), split(segments))  # per query sub-block
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring(q, k, v, positions, segments, axis: str, block: int, window: int):
+    return _ring_forward(q, k, v, positions, segments, axis, block, window)[0]
 
-    def attend(state, query_block, key_block):
-        """One online-softmax update of a query sub-block's (out, max, normaliser) by a key sub-block."""
-        out, running_max, normaliser = state
-        queries, query_positions, query_segments = query_block
-        keys, values, key_positions, key_segments = key_block
-        scores = jnp.einsum("btkgd,bskd->bkgts", queries, keys.astype(jnp.float32))
-        visible = (key_positions[:, None, None, None, :] <= query_positions[:, None, None, :, None])
-        if query_segments is not None:
-            visible = visible & (query_segments[:, None, None, :, None] == key_segments[:, None, None, None, :])
-        scores = jnp.where(visible, scores, MASKED)
-        new_max = jnp.maximum(running_max, scores.max(-1))
-        weights = jnp.exp(scores - new_max[..., None])
-        correction = jnp.exp(running_max - new_max)
-        normaliser = normaliser * correction + weights.sum(-1)
-        out = out * correction[..., None] + jnp.einsum("bkgts,bskd->bkgtd", weights, values.astype(jnp.float32))
-        return out, new_max, normaliser
 
-    def attend_if_visible(state, query_block, key_block):
-        # A key sub-block wholly later than the query sub-block contributes nothing: skipped.
-        any_visible = jnp.min(key_block[2]) <= jnp.max(query_block[1])
-        return jax.lax.cond(any_visible, lambda s: attend(s, query_block, key_block), lambda s: s, state)
+def _ring_forward(q, k, v, positions, segments, axis, block, window):
+    queries = split_queries(q, positions, segments, block, k.shape[2])
+    pairs = all_pairs(q.shape[1] // block, k.shape[1] // block)
 
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def attend_pair(state, query_block, key_block):
-        return attend_if_visible(state, query_block, key_block)
+    def step(carry, _):
+        state, keys = carry
+        state = attend_pairs(state, queries, keys, pairs, window=window, skip_hidden=True)
+        return (state, _shift(keys, axis)), None
 
-    def attend_rank_block(state, keys, values, key_positions, key_segments):
-        """Every query sub-block against every key sub-block of the block this rank holds now."""
-        if blocks == 1:
-            return attend_if_visible(state, (queries, positions, segments), (keys, values, key_positions, key_segments))
-        key_blocks = tuple(map(split, (keys, values, key_positions, key_segments)))
+    state = initial_state(queries, q.shape[-1])
+    keys = split_keys(k, v, positions, segments, block)
+    (state, _), _ = jax.lax.scan(step, (state, keys), None, length=jax.lax.axis_size(axis))
+    out, lse = finish(state)
+    return ungroup_heads(out).astype(q.dtype), (q, k, v, positions, segments, out, lse)
 
-        def per_query_block(_, query_and_state):
-            query_block, query_state = query_and_state
-            visit = lambda s, key_block: (attend_pair(s, query_block, key_block), None)
-            return None, jax.lax.scan(visit, query_state, key_blocks)[0]
 
-        # state [batch, kv_heads, groups, T, ...] <-> [T / sub, batch, kv_heads, groups, sub, ...]
-        by_block = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(*x.shape[:3], blocks, sub, *x.shape[4:]), 3, 0), state)
-        _, by_block = jax.lax.scan(per_query_block, None, (own, by_block))
-        return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], length, *x.shape[5:]), by_block)
+def _ring_backward(axis, block, window, residuals, d_out):
+    q, k, v, positions, segments, out, lse = residuals
+    queries = split_queries(q, positions, segments, block, k.shape[2])
+    pairs = all_pairs(q.shape[1] // block, k.shape[1] // block)
+    d_out, delta = output_cotangent(d_out, out, block, k.shape[2])
 
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def step(carry, index):
-        state, keys, values, key_positions, key_segments = carry
-        state = attend_rank_block(state, keys, values, key_positions, key_segments)
-        shift = [(i, (i + 1) % ring) for i in range(ring)]
-        moved = jax.tree.map(lambda x: jax.lax.ppermute(x, axis, shift), (keys, values, key_positions, key_segments))
-        return (state, *moved), None
+    def step(carry, _):
+        dq, keys, dk, dv = carry
+        dq, dk, dv = attend_pairs_backward((dq, dk, dv), queries, keys, d_out, delta, lse, pairs, window=window,
+                                           skip_hidden=True)
+        return (dq, *_shift((keys, dk, dv), axis)), None
 
-    varying = lambda x: jax.lax.pcast(x, axis, to="varying")
-    state = (varying(jnp.zeros((batch, kv_heads, groups, length, head_dim), jnp.float32)),
-             varying(jnp.full((batch, kv_heads, groups, length), MASKED, jnp.float32)),
-             varying(jnp.zeros((batch, kv_heads, groups, length), jnp.float32)))
-    (state, *_), _ = jax.lax.scan(step, (state, k, v, positions, segments), jnp.arange(ring))
-    out, _, normaliser = state
-    out = out / normaliser[..., None]  # [batch, kv_heads, groups, T, head_dim]
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim).astype(q.dtype)
+    keys = split_keys(k, v, positions, segments, block)
+    dq, dk, dv = zero_gradients(queries, keys)
+    carry = (dq, keys, dk, dv)
+    (dq, _, dk, dv), _ = jax.lax.scan(step, carry, None, length=jax.lax.axis_size(axis))
+    return input_gradients((dq, dk, dv), q, k, v) + (None, None)
+
+
+_ring.defvjp(_ring_forward, _ring_backward)
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segments: jax.Array | None,
-                   *, mesh: Mesh, axis: str, block: int = 0) -> jax.Array:
+                   *, mesh: Mesh, axis: str, block: int = 0, window: int = 0) -> jax.Array:
     """Causal attention of global q [batch, length, heads, head_dim], k, v [batch, length, kv_heads,
     head_dim], by ``positions`` (int [batch or 1, length]) and within ``segments`` ([batch, length]
     or None), with ``length`` split over mesh axis ``axis``: one ``shard_map`` manual over ``axis``
@@ -149,6 +126,6 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
     positions = jnp.broadcast_to(positions, q.shape[:2])
     sequence = PartitionSpec(None, axis)
     in_specs = (PartitionSpec(None, axis, None, None),) * 3 + (sequence, None if segments is None else sequence)
-    body = functools.partial(ring_attention_block, axis=axis, block=block)
+    body = functools.partial(ring_attention_block, axis=axis, block=block, window=window)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(None, axis, None, None),
                          axis_names={axis})(q, k, v, positions, segments)

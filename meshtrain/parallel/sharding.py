@@ -19,7 +19,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.parallel.rules import ShardingRules, drop_axes, mesh_axes_of
 from meshtrain.parallel.ring_attention import ring_attention
-from models.common import ActivationSharding, LogicalAxes, full_attention, logical_axes_of
+from meshtrain.errors import ConfigError
+from models.attention import AttentionKernel, AttentionSpec, attend, blockwise_attention
+from models.common import ActivationSharding, LogicalAxes, logical_axes_of
 
 BATCH_AXES: LogicalAxes = ("batch", None)  # token arrays: rows split, each row whole on its devices
 
@@ -60,6 +62,9 @@ class MeshActivationSharding:
         self.rules, self.mesh = rules, mesh
         axis = ring_axis(rules)
         self.ring = axis if axis is not None and mesh.shape[axis] > 1 else None
+        # Context parallelism with the keys gathered: the mesh axes splitting the queries.
+        self.query_axes = () if self.ring else tuple(
+            a for a in mesh_axes_of(rules.activation_spec(("length",))[0]) if mesh.shape[a] > 1)
 
     def __call__(self, x: jax.Array, axes: LogicalAxes) -> jax.Array:
         # Inside a shard_map (a pipeline stage) the traced mesh has ``stage`` manual: use it.
@@ -86,12 +91,59 @@ class MeshActivationSharding:
         rows = jnp.take(constrain(table, table_spec), constrain(ids, ids_spec), axis=0)
         return self(constrain(rows, PartitionSpec(*ids_spec, table_spec[1])), axes)
 
+    def describe_attention(self, spec: AttentionSpec, packed: bool) -> str:
+        """One line: which kernel runs ``spec``'s attention on this mesh for rows packed from
+        documents (``packed``) or not. ``ConfigError`` on ``model.attention`` for a kernel that
+        cannot run here (never a silent fallback)."""
+        window = f", sliding window {spec.window}" if spec.window else ""
+        if self.ring is not None:
+            if spec.kernel not in (AttentionKernel.AUTO, AttentionKernel.BLOCKWISE):
+                raise ConfigError("model.attention", f"{spec.kernel.value} cannot run ring attention's steps "
+                                  f"(kv_length split over {self.ring}: each step is blockwise); use auto or blockwise")
+            return (f"attention: ring over {self.ring} ({self.mesh.shape[self.ring]} steps, blockwise sub-blocks of "
+                    f"at most {self.rules.ring_block or 'all'} positions{window})")
+        try:
+            kernel = spec.kernel.resolve(self.mesh.devices.flat[0].platform, packed)
+        except ValueError as error:
+            raise ConfigError("model.attention", str(error)) from None
+        blocks = f", blocks of {spec.block} positions" if kernel is AttentionKernel.BLOCKWISE else ""
+        return f"attention: {kernel.value}{blocks}{window}" + (" (document segments)" if packed else "")
+
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-               segments: jax.Array | None, implementation: str | None) -> jax.Array:
+               segments: jax.Array | None, spec: AttentionSpec) -> jax.Array:
+        # Inside a pipeline stage (``stage`` manual) a nested shard_map does not lower (jax 0.10.2):
+        # there XLA partitions the kernel over the queries' split as it can.
+        in_stage = not jax.sharding.get_abstract_mesh().empty
+        if self.ring is None and self.query_axes and not in_stage and spec.kernel.resolve(
+                self.mesh.devices.flat[0].platform, segments is not None) is AttentionKernel.BLOCKWISE:
+            return self._attend_local_queries(q, k, v, segments, spec)
         if self.ring is None:
-            return full_attention(q, k, v, positions, segments, implementation)
+            return attend(q, k, v, segments, spec)
         return ring_attention(q, k, v, positions, segments, mesh=self.mesh, axis=self.ring,
-                              block=self.rules.ring_block)
+                              block=self.rules.ring_block, window=spec.window)
+
+
+    def _attend_local_queries(self, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
+                              spec: AttentionSpec) -> jax.Array:
+        """Blockwise attention under context parallelism with the keys gathered: each device runs
+        the kernel for the queries it holds (a ``shard_map`` manual over the mesh axes splitting
+        ``length``) against every key, so no device computes another's queries."""
+        axes = self.query_axes
+        local = q.shape[1] // math.prod(self.mesh.shape[a] for a in axes)
+
+        def body(q, k, v, q_segments, k_segments):
+            # Every device's keys vary with its queries' share of their gradient (summed on the way out).
+            k, v = (jax.lax.pcast(x, axes, to="varying") for x in (k, v))
+            rank = 0
+            for axis in axes:  # the row-major index over the axes splitting the positions
+                rank = rank * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
+            return blockwise_attention(q, k, v, q_segments, k_segments, window=spec.window, block=spec.block,
+                                       query_start=(rank * local).astype(jnp.int32))
+
+        queries, whole = PartitionSpec(None, axes), PartitionSpec()
+        segment_specs = (None, None) if segments is None else (queries, whole)
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(queries, whole, whole, *segment_specs),
+                             out_specs=queries, axis_names=set(axes))(q, k, v, segments, segments)
 
 
 def activation_sharding(rules: ShardingRules, mesh: Mesh) -> ActivationSharding:

@@ -78,13 +78,39 @@ def rope_parameters(config: dict, *, default_theta: float = 10000.0) -> tuple[fl
         raise InvalidField(key, f"llama3 rotary scaling needs {err.args[0]!r}") from None
 
 
+def sliding_window(config: dict) -> int:
+    """The sliding window every layer uses (0: none) from a ``config.json``: ``sliding_window``
+    unless ``use_sliding_window`` is false (Qwen); per-layer windows (``layer_types`` or
+    ``max_window_layers`` mixing windowed and full layers) are refused."""
+    window = config.get("sliding_window")
+    if window is None or config.get("use_sliding_window") is False:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise InvalidField("sliding_window", f"must be a positive integer or null, got {window!r}")
+    layers = config.get("num_hidden_layers")
+    kinds = set(config.get("layer_types") or ())
+    if len(kinds) > 1:
+        raise InvalidField("layer_types", f"mixes {sorted(kinds)}; only one attention kind for every layer "
+                           "is supported")
+    if kinds == {"full_attention"}:
+        return 0
+    if not kinds and isinstance(config.get("max_window_layers"), int) and isinstance(layers, int):
+        # Qwen: layers from index max_window_layers on use the window.
+        if config["max_window_layers"] >= layers:
+            return 0
+        if config["max_window_layers"] > 0:
+            raise InvalidField("max_window_layers", f"is {config['max_window_layers']} of {layers} layers: "
+                               "windowed and full layers mixed are not supported")
+    return window
+
+
 class LlamaHF:
     """The ``models.api.HFAdapter`` of the Llama family; other Llama-shaped decoders (the MoE
     family) subclass it for the checks, fields and tensors they share."""
 
     model_types = ("llama", "mistral")
     architecture_fields = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                           "mlp_dim", "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings")
+                           "mlp_dim", "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "sliding_window")
 
     def config_from_hf(self, config: dict, *, seq_len: int | None = None) -> LlamaConfig:
         """The ``LlamaConfig`` of an HF ``config.json``. ``seq_len`` (the training length, which HF
@@ -107,9 +133,6 @@ class LlamaHF:
         for key in ("attention_bias", "mlp_bias"):
             if config.get(key):
                 raise InvalidField(key, "is true; meshtrain's Llama has no biases (only false is supported)")
-        if config.get("sliding_window") is not None and config.get("use_sliding_window", True):
-            raise InvalidField("sliding_window", f"is {config['sliding_window']}; sliding-window "
-                               "attention is not supported (only null)")
         if config.get("hidden_act", "silu") != "silu":
             raise InvalidField("hidden_act", f"{config['hidden_act']!r} is not supported (only 'silu')")
         if config.get("quantization_config"):
@@ -134,11 +157,16 @@ class LlamaHF:
             "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
             "seq_len": seq_len or min(max_len, 2048), "rope_theta": theta, "rope_scaling": scaling,
             "norm_eps": float(config.get("rms_norm_eps", default_norm_eps)),
-            "tie_embeddings": bool(config.get("tie_word_embeddings", False))}
+            "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+            "sliding_window": sliding_window(config)}
 
     def hf_config(self, cfg: LlamaConfig, *, dtype: str, base: dict | None = None) -> dict:
-        """A ``config.json`` for ``cfg`` (LlamaForCausalLM). Fields of ``base`` (the config an import
-        came from) that do not describe the architecture are kept: token ids, max_position_embeddings."""
+        """A ``config.json`` for ``cfg``: LlamaForCausalLM, or MistralForCausalLM with a sliding window
+        (Llama's has none). Fields of ``base`` (the config an import came from) that do not describe
+        the architecture are kept: token ids, max_position_embeddings."""
+        if cfg.sliding_window:
+            return self.decoder_config(cfg, dtype=dtype, base=base, architecture="MistralForCausalLM",
+                                       model_type="mistral", intermediate_size=cfg.mlp_dim)
         return self.decoder_config(cfg, dtype=dtype, base=base, architecture="LlamaForCausalLM", model_type="llama",
                                    intermediate_size=cfg.mlp_dim, mlp_bias=False)
 
@@ -164,7 +192,8 @@ class LlamaHF:
             "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling,
-            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, **fields,
+            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+            "sliding_window": cfg.sliding_window or None, **fields,
             "attention_dropout": 0.0, "torch_dtype": dtype, "dtype": dtype,  # transformers 4 and 5 spellings
         })
         original = cfg.rope_scaling.original_max_len if rope_scaling else 0

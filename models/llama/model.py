@@ -32,6 +32,7 @@ import jax
 from flax import nnx
 
 from models.api import RESIDUAL_AXES
+from models.attention import AttentionSpec
 from models.blocks import (BLOCK_CHECKPOINT_NAMES, Attention, AttentionKernel, Decoder, PreNormLayer, RMSNorm,
                            RopeScalingConfig, SwiGLU, check_attention_fields)
 from models.common import ActivationSharding, InvalidField, RematPolicy, coerce_enums, palm_train_flops_per_token
@@ -58,6 +59,8 @@ class LlamaConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention: AttentionKernel = AttentionKernel.AUTO
+    attention_block: int = 512  # positions per query and key block of the blockwise kernel
+    sliding_window: int = 0  # positions a query attends, itself included (Mistral); 0 = all earlier
     remat: RematPolicy = RematPolicy.NONE
     remat_names: tuple[str, ...] = ("attention", "mlp_hidden")
 
@@ -68,6 +71,10 @@ class LlamaConfig:
             if getattr(self, name) <= 0:
                 raise InvalidField(name, f"must be a positive integer, got {getattr(self, name)}")
         check_attention_fields(self, CHECKPOINT_NAMES)
+
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        return AttentionSpec(self.attention, self.sliding_window, self.attention_block)
 
     @property
     def attention_dim(self) -> int:

@@ -85,7 +85,7 @@ class MoEHF(LlamaHF):
     model_types = (_MIXTRAL.model_type, _QWEN3.model_type)
     architecture_fields = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                            "num_experts", "top_k", "expert_mlp_dim", "shared_mlp_dim", "norm_topk_prob", "qk_norm",
-                           "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings")
+                           "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "sliding_window")
 
     def config_from_hf(self, config: dict, *, seq_len: int | None = None) -> MoEConfig:
         """The ``MoEConfig`` of a Mixtral or Qwen3-MoE ``config.json`` (dropless routing, one group per
@@ -133,7 +133,7 @@ class MoEHF(LlamaHF):
         if base.get("router_aux_loss_coef") is not None and (
                 float(base["router_aux_loss_coef"]) / cfg.num_layers == cfg.load_balancing_coef):
             coef = base["router_aux_loss_coef"]  # the import's own spelling of it
-        sparse = {"num_experts_per_tok": cfg.top_k, "router_aux_loss_coef": coef, "sliding_window": None}
+        sparse = {"num_experts_per_tok": cfg.top_k, "router_aux_loss_coef": coef}
         if cfg.qk_norm:
             return self.decoder_config(
                 cfg, dtype=dtype, base=base, architecture=_QWEN3.name, model_type=_QWEN3.model_type,
@@ -141,7 +141,7 @@ class MoEHF(LlamaHF):
                 # The dense MLP's size, which only mlp_only_layers (none here) use.
                 intermediate_size=base.get("intermediate_size", cfg.expert_mlp_dim),
                 norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
-                use_sliding_window=False, **sparse)
+                use_sliding_window=bool(cfg.sliding_window), max_window_layers=0, **sparse)
         return self.decoder_config(cfg, dtype=dtype, base=base, architecture=_MIXTRAL.name,
                                    model_type=_MIXTRAL.model_type, num_local_experts=cfg.num_experts,
                                    intermediate_size=cfg.expert_mlp_dim, router_jitter_noise=0.0, **sparse)

@@ -55,6 +55,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.api import AUX_LOSS, RESIDUAL_AXES, Documents, LayerAux
+from models.attention import AttentionSpec
 from models.blocks import (BLOCK_CHECKPOINT_NAMES, Attention, AttentionKernel, Decoder, PreNormLayer, RMSNorm,
                            RopeScalingConfig, SwiGLU, check_attention_fields, normal)
 from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, logical_param, matmul,
@@ -108,6 +109,8 @@ class MoEConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention: AttentionKernel = AttentionKernel.AUTO
+    attention_block: int = 512  # positions per query and key block of the blockwise kernel
+    sliding_window: int = 0  # positions a query attends, itself included (Mistral); 0 = all earlier
     remat: RematPolicy = RematPolicy.NONE
     remat_names: tuple[str, ...] = ("attention", "mlp_hidden", "expert_hidden")
 
@@ -130,6 +133,10 @@ class MoEConfig:
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise InvalidField(name, f"must be a finite number >= 0, got {getattr(self, name)}")
         check_attention_fields(self, CHECKPOINT_NAMES)
+
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        return AttentionSpec(self.attention, self.sliding_window, self.attention_block)
 
     @property
     def attention_dim(self) -> int:

@@ -1,0 +1,150 @@
+"""The blockwise attention kernel against the dense reference: outputs, gradients, work and memory."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshtrain.flops import count_flops
+from models.attention import AttentionKernel, blockwise_attention, causal_pairs, dense_attention
+
+BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
+
+
+def qkv(length: int, dtype=jnp.float32, seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (BATCH, length, HEADS, HEAD_DIM), jnp.float32)
+    k = jax.random.normal(keys[1], (BATCH, length, KV_HEADS, HEAD_DIM), jnp.float32)
+    v = jax.random.normal(keys[2], (BATCH, length, KV_HEADS, HEAD_DIM), jnp.float32)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def packed_segments(length: int) -> jax.Array:
+    """Row 0: documents of 1, 5, 1, ... tokens then padding (segment 0); row 1: one long document
+    after a 1-token one."""
+    row0, doc = [], 1
+    for size in (1, 5, 1, 9, 2, 13):
+        row0 += [doc] * size
+        doc += 1
+    row0 = (row0 + [0] * length)[:length]
+    row1 = [1] + [2] * (length - 1)
+    return jnp.asarray([row0, row1], jnp.int32)
+
+
+def rel_l2(a, b) -> float:
+    return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
+
+
+def loss_and_grads(attention, q, k, v):
+    probe = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
+    loss = lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * probe)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+# length, block, packed, window: causal; a block that does not divide the length; packed documents
+# (1-token documents and padding); a sliding window shorter than the block and one longer.
+CASES = {
+    "causal": (64, 16, False, 0),
+    "block_not_dividing": (50, 16, False, 0),
+    "documents": (48, 16, True, 0),
+    "documents_uneven_block": (45, 8, True, 0),
+    "window_in_block": (64, 16, False, 5),
+    "window_over_blocks": (64, 8, True, 21),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_blockwise_equals_dense_in_outputs_and_gradients(case):
+    """fp32: outputs within 2e-5 (absolute), gradients of q, k, v within 1e-5 (relative L2)."""
+    length, block, packed, window = CASES[case]
+    q, k, v = qkv(length)
+    segments = packed_segments(length) if packed else None
+    dense = lambda q, k, v: dense_attention(q, k, v, segments, window)
+    blockwise = lambda q, k, v: blockwise_attention(q, k, v, segments, segments, window=window, block=block)
+    np.testing.assert_allclose(blockwise(q, k, v), dense(q, k, v), atol=2e-5, rtol=0)
+    (loss, grads), (ref_loss, ref_grads) = loss_and_grads(blockwise, q, k, v), loss_and_grads(dense, q, k, v)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for grad, ref in zip(grads, ref_grads):
+        assert rel_l2(grad, ref) < 1e-5
+
+
+def test_queries_of_one_device_equal_their_rows_of_the_whole():
+    """Context parallelism's case: a device's queries (rows from ``query_start``) against every key."""
+    length, start, block = 48, 24, 8
+    q, k, v = qkv(length)
+    segments = packed_segments(length)
+    whole = dense_attention(q, k, v, segments, 7)
+    part = blockwise_attention(q[:, start:], k, v, segments[:, start:], segments, window=7, block=block,
+                               query_start=jnp.int32(start))
+    np.testing.assert_allclose(part, whole[:, start:], atol=2e-5, rtol=0)
+
+
+def test_bf16_tracks_fp32():
+    """bf16 operands, fp32 statistics: outputs within 2e-2 of the fp32 reference, gradients 2e-2 rel L2."""
+    q, k, v = qkv(64)
+    _, ref_grads = loss_and_grads(lambda q, k, v: dense_attention(q, k, v, None, 0), q, k, v)
+    low = tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
+    out = blockwise_attention(*low, block=16)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.astype(jnp.float32), dense_attention(q, k, v, None, 0), atol=2e-2)
+    _, grads = loss_and_grads(lambda q, k, v: blockwise_attention(q, k, v, block=16), *low)
+    for grad, expected in zip(grads, ref_grads):
+        assert rel_l2(grad.astype(jnp.float32), expected) < 2e-2
+
+
+def attention_flops(attention, length: int, backward: bool) -> float:
+    q, k, v = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in qkv(length))
+    traced = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v)), argnums=(0, 1, 2)) if backward else attention
+    return count_flops(traced, q, k, v).flops
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward_backward"])
+def test_causal_work_is_half_the_dense_product_and_a_window_is_proportional(backward):
+    """Traced FLOPs: causal blockwise at most 0.55 x dense + one block pair's product in the
+    forward. The backward recomputes each visited pair's scores (5 products per pair against the
+    dense backward's 4 over every pair), so forward + backward is at most 7/6 x that. A window of W:
+    at most (W / block + 2) key blocks per query block."""
+    length, block = 1024, 64
+    recompute = 7 / 6 if backward else 1.0
+    dense = attention_flops(lambda q, k, v: dense_attention(q, k, v, None, 0), length, backward)
+    per_pair = dense / (length // block) ** 2
+    causal = attention_flops(lambda q, k, v: blockwise_attention(q, k, v, block=block), length, backward)
+    assert causal <= recompute * (0.55 * dense + per_pair), (causal, dense)
+    window = 128
+    windowed = attention_flops(lambda q, k, v: blockwise_attention(q, k, v, window=window, block=block), length,
+                               backward)
+    assert windowed <= recompute * (length // block) * (window // block + 2) * per_pair
+    assert len(causal_pairs(length // block, block, window)) == 3 * (length // block) - 3
+
+
+def test_auto_resolves_per_backend_and_refuses_cudnn_where_it_cannot_run():
+    assert AttentionKernel.AUTO.resolve("gpu", packed=False) is AttentionKernel.CUDNN
+    assert AttentionKernel.AUTO.resolve("gpu", packed=True) is AttentionKernel.BLOCKWISE
+    assert AttentionKernel.AUTO.resolve("cpu", packed=False) is AttentionKernel.BLOCKWISE
+    with pytest.raises(ValueError, match="cudnn needs an NVIDIA GPU"):
+        AttentionKernel.CUDNN.resolve("cpu", packed=False)
+    with pytest.raises(ValueError, match="no document segments"):
+        AttentionKernel.CUDNN.resolve("gpu", packed=True)
+
+
+def test_the_start_up_line_names_the_kernel_and_refuses_what_cannot_run():
+    from meshtrain.errors import ConfigError
+    from meshtrain.mesh import MeshConfig, make_mesh
+    from meshtrain.parallel.rules import Preset
+    from meshtrain.parallel.sharding import activation_sharding
+    from models.attention import AttentionSpec
+
+    one = activation_sharding(Preset.FSDP_TP.rules, make_mesh(MeshConfig(1, 1, 1, 1), jax.devices()[:1]))
+    assert one.describe_attention(AttentionSpec(), packed=False) == "attention: blockwise, blocks of 512 positions"
+    assert one.describe_attention(AttentionSpec(AttentionKernel.XLA, window=64), packed=True) == (
+        "attention: xla, sliding window 64 (document segments)")
+    with pytest.raises(ConfigError, match="cudnn needs an NVIDIA GPU") as error:
+        one.describe_attention(AttentionSpec(AttentionKernel.CUDNN), packed=False)
+    assert error.value.field == "model.attention"
+    ring = activation_sharding(Preset.FSDP_CP_RING.rules, make_mesh(MeshConfig(1, 2, 1, 1), jax.devices()[:2]))
+    assert ring.describe_attention(AttentionSpec(), packed=False) == (
+        "attention: ring over fsdp (2 steps, blockwise sub-blocks of at most 512 positions)")
+    with pytest.raises(ConfigError, match="cannot run ring attention's steps"):
+        ring.describe_attention(AttentionSpec(AttentionKernel.XLA), packed=False)
