@@ -44,6 +44,7 @@ from meshtrain.parallel.rules import mesh_axes_of
 from meshtrain.parallel.schedules import SENDS_GRADIENT, ScheduleTable, Work
 from meshtrain.parallel.sharding import ring_axis
 from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
+from models.attention import AttentionKernel
 from models.common import RematPolicy
 FP32 = 4
 BATCH_BYTES_PER_TOKEN = 3 * 4  # inputs, targets (int32) and mask (f32)
@@ -239,14 +240,21 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     layers_here = model.num_layers // stages if model.num_layers % stages == 0 else model.num_layers
     vocab_local = model.vocab_size / mesh["tensor"]
     a_working = ACTIVATION_COEFFICIENTS.get(candidate.remat, 1.0)
-    # Ring attention holds one [block, block] tile of scores at a time: per query of the rank's
-    # seq_len / CP, block^2 / (seq_len / CP) keys (all-gather CP: every key).
+    # The blockwise kernels hold one [query block, key block] tile of scores at a time: per query of
+    # the device's seq_len / CP, q_block x k_block / (seq_len / CP) keys. Ring attention's tiles are
+    # sub-blocks of a rank's positions; the blockwise kernel's ``model.attention_block`` positions
+    # (its queries: the device's share under all-gather CP, its keys: the whole row). The dense
+    # kernel (``xla``) spans every key.
     ring_name = ring_axis(layout.rules)
     ring_size = mesh[ring_name] if ring_name is not None else 1
+    spec = model.attention_spec
     keys = None
     if ring_size > 1:
         rank_positions = model.seq_len // ring_size
         keys = sub_block_length(rank_positions, layout.rules.ring_block) ** 2 / rank_positions
+    elif spec.kernel is not AttentionKernel.XLA:
+        queries = model.seq_len // cp
+        keys = min(spec.block, queries) * min(spec.block, model.seq_len) / queries
     saved, working = family.activation_bytes(model, mesh["tensor"], candidate.remat, compute_bytes, sp, keys)
     est.activations = round(layers_here * tokens * saved)
     table = _schedule_table(layout)

@@ -203,7 +203,7 @@ def attend_pairs(state: SoftmaxState, queries: QueryBlocks, keys: KeyBlocks, pai
             if skip_hidden else update(old)
         return _put(state, pair[0], new), None
 
-    return jax.lax.scan(visit, state, jnp.asarray(pairs, jnp.int32))[0]
+    return _visit_pairs(visit, state, pairs)
 
 
 def finish(state: SoftmaxState) -> tuple[jax.Array, jax.Array]:
@@ -247,7 +247,15 @@ def attend_pairs_backward(grads: Gradients, queries: QueryBlocks, keys: KeyBlock
             if skip_hidden else run(pair_grads)
         return (_put(dq, i, pair_grads[0]), _put(dk, j, pair_grads[1]), _put(dv, j, pair_grads[2])), None
 
-    return jax.lax.scan(visit, grads, jnp.asarray(pairs, jnp.int32))[0]
+    return _visit_pairs(visit, grads, pairs)
+
+
+def _visit_pairs(visit: Callable, carry, pairs: np.ndarray):
+    """``visit`` over ``pairs`` in one ``lax.scan``; a single pair (a row within one block) without
+    the loop, which XLA then compiles as straight-line code."""
+    if len(pairs) == 1:
+        return visit(carry, jnp.asarray(pairs[0], jnp.int32))[0]
+    return jax.lax.scan(visit, carry, jnp.asarray(pairs, jnp.int32))[0]
 
 
 # ----- blocking -----

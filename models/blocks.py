@@ -124,6 +124,18 @@ def check_attention_fields(cfg, checkpoint_names: tuple[str, ...]) -> None:
         raise InvalidField("remat_names", f"unknown names {unknown}; valid: {list(checkpoint_names)}")
 
 
+def score_bytes(cfg: BlockConfig, tensor: int, keys: float | None) -> tuple[float, float]:
+    """(saved, working) fp32 attention-score bytes per token and layer on one device (``heads /
+    tensor`` heads). ``keys`` None: the dense kernel, whose backward keeps the scores and
+    probabilities over the whole sequence. Else the key positions per query of the tile a blockwise
+    kernel (or a ring step) holds at once: nothing is kept (its backward recomputes the scores from
+    the output's log-sum-exp). Either way a layer's backward holds two score-sized buffers (scores
+    and probabilities, or their gradients: XLA fuses the rest), fitted with the planner's
+    coefficients (docs/memory.md)."""
+    scores = cfg.num_heads / tensor * (cfg.seq_len if keys is None else keys) * 4
+    return (2 * scores if keys is None else 0.0), 2 * scores
+
+
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
     """fp32 [shape] drawn from N(0, std^2) with the next ``params`` key of ``rngs``."""
     return std * jax.random.normal(rngs.params(), shape, jnp.float32)

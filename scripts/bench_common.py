@@ -65,6 +65,14 @@ def layout_overrides(mesh: tuple[int, int, int, int], preset: str) -> list[str]:
             f"sharding.preset={preset}"]
 
 
+def sequence_axis(ax) -> None:
+    """A plot axis against sequence length: log2 x, grid, legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length")
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
 def plotted(rows: list[dict], out: str | None, plot) -> list[dict]:
     """``rows``, after ``plot(rows, out)`` wrote the PNG ``out`` (when given)."""
     if out:

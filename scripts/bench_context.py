@@ -77,10 +77,7 @@ def plot_context(rows, path) -> None:
     speed_ax.set_ylabel("tokens/s (8 simulated CPU devices, 2 cores)")
     speed_ax.set_title("run where the step fits --host-budget", fontsize=9)
     for ax in (mem_ax, speed_ax):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        bench_common.sequence_axis(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

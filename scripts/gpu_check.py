@@ -27,10 +27,12 @@
    simulated devices, ZB-H1 and interleaved 1F1B against the sequential model (fp32,
    ``--pipeline-tol``; not in the dry run, which the test suite's pipeline tests cover).
 
-8. ring tiles: ring attention's [block, block] tiles (online softmax, causal skip per tile) on one
-   device at seq 8192 against ``jax.nn.dot_product_attention`` on the whole sequence (forward and
-   gradients, fp32, ``--ring-tol``), then both forward + backward timed in bf16 (cuDNN's full
-   attention on a GPU).
+8. attention kernels: the blockwise kernel (models/attention.py; also each step of ring attention)
+   against the dense XLA reference at seq 4096 for causal rows, packed documents (one of 1 token)
+   and a sliding window (forward and gradients, fp32, ``--attention-tol``), and packed rows against
+   each document alone; then forward + backward timed in bf16 at 8,192 and 32,768 tokens (32/8
+   heads of 128): blockwise, cuDNN (the ``auto`` choice for unpacked rows on GPUs) and dense XLA
+   where its scores fit.
 
 9. overhead: issue 13's 20.6M Llama (bf16, full remat, batch 8 x 256, XLA attention) on one device:
    meshtrain's step interleaved with the hand-written one and with the hand-written one plus the same
@@ -48,6 +50,7 @@ check fails. Last line: ``json: {...}``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -156,44 +159,62 @@ def packing_check(load_config, tol: float) -> dict:
     return {"max_abs_diff": diff, "tolerance": tol, "passed": ok}
 
 
-def ring_tiles_check(dry_run: bool, tol: float) -> dict:
-    """Ring attention's [block, block] tiles on one device (a ring of one: the tiled online softmax
-    with the causal skip per tile) against ``jax.nn.dot_product_attention`` on the whole sequence:
-    forward and backward values (fp32, highest precision), then the forward + backward of both timed
-    in bf16 (full attention by cuDNN where the platform has it)."""
+def attention_check(dry_run: bool, tol: float) -> dict:
+    """The attention kernels on the device. Values: the blockwise kernel (blocks of ``block``, a
+    sliding window, packed documents) against the dense XLA reference in fp32 at highest precision,
+    forward and gradients; packed rows against each document alone. Speed: forward + backward in
+    bf16 of blockwise, cuDNN (GPU only) and dense XLA (where its [heads, seq, seq] scores fit) at
+    each length (GQA 32/8 heads of 128)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh
 
-    from meshtrain.parallel.ring_attention import ring_attention
+    from models.attention import blockwise_attention, cudnn_attention, dense_attention
 
-    length, heads, kv_heads, head_dim, block = (256, 4, 2, 16, 64) if dry_run else (8192, 16, 8, 128, 512)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    gpu = jax.devices()[0].platform == "gpu"
+    length, heads, kv_heads, head_dim, block = (256, 4, 2, 16, 64) if dry_run else (4096, 16, 8, 128, 512)
     keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (1, length, heads, head_dim))
-    k, v = (jax.random.normal(key, (1, length, kv_heads, head_dim)) for key in keys[1:3])
+    draw = lambda key, n, seq=length: jax.random.normal(key, (1, seq, n, head_dim))
+    q, k, v = draw(keys[0], heads), draw(keys[1], kv_heads), draw(keys[2], kv_heads)
     cotangent = jax.random.normal(keys[3], q.shape)
-    positions = jnp.arange(length, dtype=jnp.int32)[None]
-    tiled = lambda q, k, v: ring_attention(q, k, v, positions, None, mesh=mesh, axis="fsdp", block=block)
-    implementation = "cudnn" if jax.devices()[0].platform == "gpu" else "xla"
-    full = lambda impl: (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl))
+    sizes = [length // 8, 1, length // 2, length - length // 8 - 1 - length // 2]  # incl. a 1-token document
+    segments = jnp.asarray(np.repeat(np.arange(1, 5), sizes)[None], jnp.int32)
+    window = length // 4
     grads = lambda fn: jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent), argnums=(0, 1, 2)))
+    errors = {}
     with jax.default_matmul_precision("highest"):
-        out, ref = jax.jit(tiled)(q, k, v), jax.jit(full("xla"))(q, k, v)
-        _, mine = grads(tiled)(q, k, v)
-        _, theirs = grads(full("xla"))(q, k, v)
-    forward_error = float(jnp.abs(out - ref).max())
-    grad_errors = [float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(mine, theirs)]
-    ok = forward_error <= tol and max(grad_errors) <= tol
-    as_bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-    cotangent = cotangent.astype(jnp.bfloat16)
-    tiled_s, full_s = _time(grads(tiled), *as_bf16), _time(grads(full(implementation)), *as_bf16)
-    log(f"ring tiles: seq {length}, block {block}: max |out - full| {forward_error:.2e}, grads rel L2 "
-        f"{max(grad_errors):.2e} (tolerance {tol:.0e}): {'PASS' if ok else 'FAIL'}; bf16 forward + backward "
-        f"{tiled_s * 1e3:.1f} ms tiled vs {full_s * 1e3:.1f} ms full ({implementation})")
-    return {"seq_len": length, "block": block, "forward_max_abs": forward_error, "grads_rel_l2": grad_errors,
-            "tolerance": tol, "passed": ok, "tiled_s": tiled_s, "full_s": full_s, "full_implementation": implementation}
+        for name, seg, win in (("causal", None, 0), ("documents", segments, 0), ("window", None, window)):
+            mine = lambda q, k, v, seg=seg, win=win: blockwise_attention(q, k, v, seg, seg, window=win, block=block)
+            ref = lambda q, k, v, seg=seg, win=win: dense_attention(q, k, v, seg, win)
+            (_, g_mine), (_, g_ref) = grads(mine)(q, k, v), grads(ref)(q, k, v)
+            errors[name] = [float(jnp.abs(jax.jit(mine)(q, k, v) - jax.jit(ref)(q, k, v)).max())] + [
+                float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(g_mine, g_ref)]
+        packed = jax.jit(lambda q, k, v: blockwise_attention(q, k, v, segments, segments, block=block))(q, k, v)
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        alone = [blockwise_attention(q[:, a:b], k[:, a:b], v[:, a:b], block=block)
+                 for a, b in itertools.pairwise(starts)]
+        errors["packed_vs_alone"] = [float(jnp.abs(packed - jnp.concatenate(alone, axis=1)).max())]
+    ok = all(max(values) <= tol for values in errors.values())
+    log("attention values (fp32, max |out| and grads rel L2 vs dense): " + ", ".join(
+        f"{name} {max(values):.2e}" for name, values in errors.items()) + f" (tolerance {tol:.0e}): "
+        f"{'PASS' if ok else 'FAIL'}")
+    timings = []
+    heads, kv_heads = (4, 2) if dry_run else (32, 8)
+    for seq in ((256, 512) if dry_run else (8192, 32768)):
+        q, k, v = (draw(key, n, seq).astype(jnp.bfloat16) for key, n in zip(keys, (heads, kv_heads, kv_heads)))
+        cotangent = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+        kernels = {"blockwise": lambda q, k, v: blockwise_attention(q, k, v, block=512)}
+        if gpu:
+            kernels["cudnn"] = lambda q, k, v: cudnn_attention(q, k, v, 0)
+        if seq <= 8192:  # dense scores [heads, seq, seq] in fp32: 8 GB at 8k and 32 heads
+            kernels["xla"] = lambda q, k, v: dense_attention(q, k, v, None, 0)
+        row = {"seq_len": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+        for name, fn in kernels.items():
+            row[f"{name}_s"] = _time(grads(fn), q, k, v)
+        timings.append(row)
+        log(f"attention seq {seq}: forward + backward bf16 " + ", ".join(
+            f"{name} {row[f'{name}_s'] * 1e3:.1f} ms" for name in kernels))
+    return {"errors": errors, "tolerance": tol, "passed": ok, "timings": timings}
 
 
 def _time(fn, *args, repeats: int = 5) -> float:
@@ -472,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--packing-tol", type=float, default=1e-4)
     parser.add_argument("--moe-tol", type=float, default=1e-4)
     parser.add_argument("--pipeline-tol", type=float, default=1e-5)
-    parser.add_argument("--ring-tol", type=float, default=2e-5)
+    parser.add_argument("--attention-tol", type=float, default=2e-5)
     parser.add_argument("--skip-offload", action="store_true")
     args = parser.parse_args(argv)
     args.dry_overrides = TINY_1B if args.dry_run else []
@@ -529,8 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     report["pipeline"] = pipeline_check(args.dry_run, args.pipeline_tol)
     report["pipeline"]["wall_s"] = time.perf_counter() - phase
     phase = time.perf_counter()
-    report["ring_tiles"] = ring_tiles_check(args.dry_run, args.ring_tol)
-    report["ring_tiles"]["wall_s"] = time.perf_counter() - phase
+    report["attention_kernels"] = attention_check(args.dry_run, args.attention_tol)
+    report["attention_kernels"]["wall_s"] = time.perf_counter() - phase
     phase = time.perf_counter()
     report["overhead"] = overhead_check(load_config, benchmark, args)
     report["overhead"]["wall_s"] = time.perf_counter() - phase
@@ -538,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"gpu_check done in {report['wall_s']:.1f} s")
     print("json: " + json.dumps(report), flush=True)
     passed = all(report[name]["passed"] for name in ("loss_check", "checkpoint", "packing", "moe", "pipeline",
-                                                     "ring_tiles"))
+                                                     "attention_kernels"))
     return 0 if passed else 1
 
 

@@ -3,8 +3,8 @@
 # TFLOP/s and MFU of a ~1B Llama (bf16, seq 2048, cuDNN attention, recommended XLA flags), then
 # optimizer + activation offload with memory_analysis, a checkpoint round trip, document-packed
 # logits vs each document alone, MoE logits and expert dispatch timings, and ZB-H1's split backward
-# on the device plus the pipeline schedules on the machine's jax (CPU devices), ring-attention tiles,
-# and meshtrain's step against a hand-written one with and without the non-finite guard (issue 13's
+# on the device plus the pipeline schedules on the machine's jax (CPU devices), the attention kernels
+# (blockwise vs cuDNN vs dense at 8k and 32k), and meshtrain's step against a hand-written one with and without the non-finite guard (issue 13's
 # 20.6M Llama). Aim: < 8 minutes on one H100/H200.
 #
 #   scripts/gpu_check.sh              # on the GPU machine (python3 with jax[cuda] installed)

@@ -66,8 +66,9 @@ def temp_bytes_by_policy():
 @pytest.mark.slow
 def test_remat_policies_reduce_compiled_temporary_memory(temp_bytes_by_policy):
     none = temp_bytes_by_policy[RematPolicy.NONE]
-    # Measured on XLA:CPU: none 125 MB, dots 48 MB, named 43 MB, full 40 MB.
-    assert temp_bytes_by_policy[RematPolicy.FULL] < 0.5 * none
+    # Measured on XLA:CPU (blockwise attention, which keeps no scores): none 64 MB, dots 48 MB,
+    # named 44 MB, full 39 MB (with the dense kernel's scores none was 125 MB).
+    assert temp_bytes_by_policy[RematPolicy.FULL] < 0.7 * none
     assert temp_bytes_by_policy[RematPolicy.FULL] <= temp_bytes_by_policy[RematPolicy.NAMED]
     assert temp_bytes_by_policy[RematPolicy.NAMED] < none
     assert temp_bytes_by_policy[RematPolicy.DOTS] < none

@@ -34,7 +34,7 @@ from flax import nnx
 from models.api import RESIDUAL_AXES
 from models.attention import AttentionSpec
 from models.blocks import (BLOCK_CHECKPOINT_NAMES, Attention, AttentionKernel, Decoder, PreNormLayer, RMSNorm,
-                           RopeScalingConfig, SwiGLU, check_attention_fields)
+                           RopeScalingConfig, SwiGLU, check_attention_fields, score_bytes)
 from models.common import ActivationSharding, InvalidField, RematPolicy, coerce_enums, palm_train_flops_per_token
 
 # Activations a NAMED remat policy may keep: the blocks' (tagged with ``checkpoint_name``).
@@ -140,11 +140,11 @@ def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_
     q = cfg.num_heads * cfg.head_dim / tensor
     k = cfg.num_kv_heads * cfg.head_dim / tensor
     f = cfg.mlp_dim / tensor
-    s = cfg.num_heads / tensor * (keys or cfg.seq_len) * 4  # fp32 scores
+    saved_scores, working_scores = score_bytes(cfg, tensor, keys)
     c = compute_bytes
-    everything = (8 * d + 3 * q + 3 * k + 4 * f) * c + 2 * s
+    everything = (8 * d + 3 * q + 3 * k + 4 * f) * c + saved_scores
     # The backward of the MLP holds the gradients of gate, up, silu and hidden besides them.
-    working = (8 * d + 3 * q + 3 * k + 8 * f) * c + 2 * s
+    working = (8 * d + 3 * q + 3 * k + 8 * f) * c + working_scores
     saved = {RematPolicy.NONE: everything,
              RematPolicy.DOTS: (d + (q + 2 * k) + 2 * d + 2 * f) * c,  # input, q/k/v, out/down, gate/up
              RematPolicy.FULL: d * c}.get(remat, everything)

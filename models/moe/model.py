@@ -57,7 +57,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models.api import AUX_LOSS, RESIDUAL_AXES, Documents, LayerAux
 from models.attention import AttentionSpec
 from models.blocks import (BLOCK_CHECKPOINT_NAMES, Attention, AttentionKernel, Decoder, PreNormLayer, RMSNorm,
-                           RopeScalingConfig, SwiGLU, check_attention_fields, normal)
+                           RopeScalingConfig, SwiGLU, check_attention_fields, normal, score_bytes)
 from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, logical_param, matmul,
                            palm_train_flops_per_token, unconstrained)
 
@@ -217,12 +217,12 @@ def activation_bytes(cfg: MoEConfig, tensor: int, remat: RematPolicy, compute_by
     slot_d = per_token / group * cfg.embed_dim  # X * d
     slot_f = per_token / group * cfg.expert_mlp_dim / tensor  # X * f
     g = cfg.shared_mlp_dim / tensor
-    s = cfg.num_heads / tensor * (keys or cfg.seq_len) * 4
+    saved_scores, working_scores = score_bytes(cfg, tensor, keys)
     c = compute_bytes
     router = (cfg.top_k + 3) * cfg.num_experts * 4
-    attention = (6 * d + 3 * q + 3 * k) * c + 2 * s
-    everything = attention + (2 * per_token + 2 * slot_d + 4.5 * slot_f + 6 * g) * c + router
-    working = attention + (1.5 * per_token + 3 * slot_d + 9.5 * slot_f + 2 * g) * c + router
+    attention = (6 * d + 3 * q + 3 * k) * c
+    everything = attention + saved_scores + (2 * per_token + 2 * slot_d + 4.5 * slot_f + 6 * g) * c + router
+    working = attention + working_scores + (1.5 * per_token + 3 * slot_d + 9.5 * slot_f + 2 * g) * c + router
     saved = {RematPolicy.NONE: everything,
              RematPolicy.DOTS: (3 * d + q + 2 * k + slot_f + 2 * g) * c,
              RematPolicy.FULL: d * c}.get(remat, everything)
