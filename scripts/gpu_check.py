@@ -200,7 +200,7 @@ def attention_check(dry_run: bool, tol: float) -> dict:
         f"{'PASS' if ok else 'FAIL'}")
     timings = []
     heads, kv_heads = (4, 2) if dry_run else (32, 8)
-    for seq in ((256, 512) if dry_run else (8192, 32768)):
+    for seq in ((256,) if dry_run else (8192, 32768)):
         q, k, v = (draw(key, n, seq).astype(jnp.bfloat16) for key, n in zip(keys, (heads, kv_heads, kv_heads)))
         cotangent = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
         kernels = {"blockwise": lambda q, k, v: blockwise_attention(q, k, v, block=512)}

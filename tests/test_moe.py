@@ -186,7 +186,6 @@ def test_remat_with_expert_parallelism_equals_one_device(reference, remat):
 
 PIPELINES = [
     pytest.param((2, 1, 1, 2), PipelineConfig(2, Schedule.ONE_F_ONE_B), id="ep2-stage2-1f1b", marks=pytest.mark.slow),
-    pytest.param((4, 1, 1, 2), PipelineConfig(2, Schedule.GPIPE), id="ep4-stage2-gpipe", marks=pytest.mark.slow),
     pytest.param((2, 1, 2, 2), PipelineConfig(2, Schedule.INTERLEAVED, virtual_stages=2),
                  id="ep2-tp2-stage2-interleaved", marks=pytest.mark.slow),
 ]

@@ -80,9 +80,10 @@ def test_1f1b_with_gradient_accumulation_and_remat(reference):
     _assert_matches(reference, loss_and_grads(trainer))
 
 
-# The fast tier runs one schedule (1F1B); the full suite every one.
-@pytest.mark.parametrize("schedule", [schedule if schedule == "1f1b" else pytest.param(schedule, marks=pytest.mark.slow)
-                                      for schedule in SCHEDULES])
+# The fast tier runs 1F1B, the full suite ZB-H1 too (its split backward has its own bf16 casts); GPipe
+# and interleaved 1F1B cross stages through the same executor (what bf16 can break: values crossing
+# stages are fp32) and run in fp32 above.
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zb_h1", marks=pytest.mark.slow)])
 def test_bf16_pipelines_run_on_cpu_and_track_fp32(reference, schedule):
     """Stage-crossing values stay fp32, so no bf16 psum reaches XLA:CPU inside the shard_map."""
     loss, _ = loss_and_grads(_trainer((1, 2, 1, 4), SCHEDULES[schedule], precision=Precision.BF16))
