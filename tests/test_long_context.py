@@ -122,7 +122,7 @@ def test_compiled_collectives_and_activation_memory():
     assert sp_reduced and all((rows, 64, embed) in users for users in sp_reduced.values()), sp_reduced
     assert sp.memory_analysis().temp_size_in_bytes < tp.memory_analysis().temp_size_in_bytes
     temps = {}
-    for cp in (1, 2, 4, 8):
+    for cp in (1, 2, 8):
         compiled = _compiled(_trainer((1, cp, 1, 1), Preset.FSDP_CP, long, batch_size=4))
         temps[cp] = compiled.memory_analysis().temp_size_in_bytes
         if cp > 1:
@@ -131,7 +131,7 @@ def test_compiled_collectives_and_activation_memory():
             # forward and the backward scan (18), the final norm's scale twice, the head: 22.
             assert collective_counts(compiled.as_text())["all-gather"] == 22
     # Activation memory per device falls with the context-parallel size.
-    assert temps[2] < 0.75 * temps[1] and temps[4] < 0.75 * temps[2] and temps[8] < 0.8 * temps[4], temps
+    assert temps[2] < 0.75 * temps[1] and temps[8] < 0.6 * temps[2], temps
 
 
 def test_positions_that_do_not_divide_are_one_line_errors():

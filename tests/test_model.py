@@ -56,7 +56,8 @@ def test_scanned_stack_program_size_does_not_grow_with_depth():
 def temp_bytes_by_policy():
     cfg = dataclasses.replace(MODEL, seq_len=128, num_layers=4)
     result = {}
-    for policy in RematPolicy:
+    # OFFLOAD is not compiled here: on CPU it keeps what NAMED keeps (host memory is device memory).
+    for policy in (RematPolicy.NONE, RematPolicy.FULL, RematPolicy.DOTS, RematPolicy.NAMED):
         trainer = make_trainer((1, 1, 1, 1), dataclasses.replace(cfg, remat=policy))
         compiled = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
         result[policy] = compiled.memory_analysis().temp_size_in_bytes
