@@ -55,7 +55,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+# The fast tier runs causal rows and packed documents; the full suite every case.
+FAST_CASES = ("causal", "documents")
+
+
+@pytest.mark.parametrize("case", [case if case in FAST_CASES else pytest.param(case, marks=pytest.mark.slow)
+                                  for case in CASES])
 def test_blockwise_equals_dense_in_outputs_and_gradients(case):
     """fp32: outputs within 2e-5 (absolute), gradients of q, k, v within 1e-5 (relative L2)."""
     length, block, packed, window = CASES[case]
@@ -81,6 +86,7 @@ def test_queries_of_one_device_equal_their_rows_of_the_whole():
     np.testing.assert_allclose(part, whole[:, start:], atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_bf16_tracks_fp32():
     """bf16 operands, fp32 statistics: outputs within 2e-2 of the fp32 reference, gradients 2e-2 rel L2."""
     q, k, v = qkv(64)
@@ -100,7 +106,8 @@ def attention_flops(attention, length: int, backward: bool) -> float:
     return count_flops(traced, q, k, v).flops
 
 
-@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward_backward"])
+@pytest.mark.parametrize("backward", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["forward", "forward_backward"])
 def test_causal_work_is_half_the_dense_product_and_a_window_is_proportional(backward):
     """Traced FLOPs: causal blockwise at most 0.55 x dense + one block pair's product in the
     forward. The backward recomputes each visited pair's scores (5 products per pair against the

@@ -99,6 +99,7 @@ ROWS, MEMORY_CHUNK = 4, 8
 FP32 = 4
 
 
+@pytest.mark.slow
 def test_temporaries_grow_by_the_vocabulary_gradients_and_a_few_chunks():
     """XLA's temp bytes of the fp32 train step (abstract compile) at vocabularies 512 and 65,536.
     Unchunked they were 155.1 MB and 1,729.2 MB (11x: three fp32 [2,048 tokens, vocab] buffers);
