@@ -326,11 +326,17 @@ class ScheduleTable:
                                            for b in ("inputs", "gradients", "stash", "cut")}
         size = dict.fromkeys(free, 0)
         held: dict[tuple[str, int, int, int], int] = {}  # (buffer, stage, microbatch, logical) -> slot
+        # Slots each stage has created per buffer: with none free, every one of them is held.
+        created = {buffer: [0] * stages for buffer in free}
 
         def take(buffer: str, stage: int, key: tuple[int, int]) -> int:
             pool = free[buffer][stage]
-            slot = min(pool) if pool else sum(1 for (b, s, *_) in held if b == buffer and s == stage)
-            pool.discard(slot)
+            if pool:
+                slot = min(pool)
+                pool.discard(slot)
+            else:
+                slot = created[buffer][stage]
+                created[buffer][stage] += 1
             size[buffer] = max(size[buffer], slot + 1)
             held[(buffer, stage, *key)] = slot
             return slot
