@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import pathlib
 import sys
 from collections.abc import Callable
@@ -212,8 +213,8 @@ def main(argv: list[str] | None = None, print_fn: Callable[[str], None] = print)
         args = _parse_args(argv)
         if args.max_new_tokens < 1:
             raise ConfigError("--max-new-tokens", f"must be a positive integer, got {args.max_new_tokens}")
-        if args.temperature < 0:
-            raise ConfigError("--temperature", f"must be >= 0 (0 = greedy), got {args.temperature}")
+        if not (math.isfinite(args.temperature) and args.temperature >= 0):
+            raise ConfigError("--temperature", f"must be a finite number >= 0 (0 = greedy), got {args.temperature}")
         mesh, rules = mesh_from_args(args)
         model = load_model(args.run or args.hf, mesh, rules, step=args.step,
                            field="--run" if args.run else "--hf")

@@ -78,6 +78,9 @@ def _write_logits(argv: list[str] | None) -> None:
     args = _parse_args(argv)
     mesh, rules = mesh_from_args(args)
     out = pathlib.Path(args.out)
+    if out.is_dir() or out.suffix != ".npy":
+        raise ConfigError("--out", f"{out} is {'a directory' if out.is_dir() else 'not a .npy path'}; give the "
+                          ".npy file to write (numpy would otherwise write to another name)")
     if not out.parent.is_dir():
         raise ConfigError("--out", f"directory {out.parent} does not exist")
     model = load_model(args.model, mesh, rules, step=args.step)

@@ -196,3 +196,19 @@ def test_profile_steps_writes_a_trace_of_those_steps(tmp_path, capsys):
 def test_profile_steps_must_be_a_step_or_a_range(capsys, value):
     assert main(["--config", TINY, f"train.profile_steps={value}"]) == 2
     assert capsys.readouterr().err.startswith("error: train.profile_steps: ")
+
+
+@pytest.mark.parametrize("tool, argv, field", [
+    ("generate", ["--run", "nowhere", "--prompt", "a", "--temperature", "nan"], "--temperature"),
+    ("generate", ["--run", "nowhere", "--prompt", "a", "--temperature", "inf"], "--temperature"),
+    ("logits", ["--model", "nowhere", "--tokens", "ids.npy", "--out", "."], "--out"),
+    ("logits", ["--model", "nowhere", "--tokens", "ids.npy", "--out", "logits.bin"], "--out"),
+])
+def test_tool_arguments_that_would_be_silently_wrong_are_one_line_errors(tool, argv, field, capsys):
+    """Issue 38 item 13: ``generate --temperature nan`` sampled from NaN probabilities; ``logits --out
+    DIR`` wrote ``DIR.npy`` beside the directory. Both refused before any model is loaded."""
+    from meshtrain import generate, logits
+
+    assert {"generate": generate, "logits": logits}[tool].main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {field}: "), err
