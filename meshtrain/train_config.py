@@ -73,3 +73,6 @@ class TrainConfig:
             if not re.fullmatch(r"[1-9][0-9]*(-[1-9][0-9]*)?", text) or self.profile_range[1] < self.profile_range[0]:
                 raise ConfigError("profile_steps", f"got {text!r}; give a step (5) or a range first-last (5-8) "
                                   "of 1-based steps")
+            if self.profile_range[1] > self.steps:
+                raise ConfigError("profile_steps", f"{text} reaches past the run's last step (train.steps="
+                                  f"{self.steps}), which would trace nothing there; give steps up to {self.steps}")

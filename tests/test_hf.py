@@ -244,6 +244,7 @@ BASE = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermedia
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "config.json:rope_parameters.rope_type"),
     ({"hidden_act": "gelu"}, "config.json:hidden_act"),
     ({"architectures": ["LlamaForSequenceClassification"]}, "config.json:architectures"),
+    ({"architectures": "LlamaForCausalLM"}, "config.json:architectures"),  # a string, not a list
 ])
 def test_unsupported_configs_name_the_field(change, field):
     with pytest.raises(ConfigError) as err:

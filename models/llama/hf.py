@@ -126,6 +126,8 @@ class LlamaHF:
         """InvalidField naming the first ``config.json`` key of a Llama-shaped decoder that meshtrain
         does not implement, or that is missing (the common sizes and ``sizes``)."""
         architectures = config.get("architectures") or []
+        if not isinstance(architectures, list):
+            raise InvalidField("architectures", f"must be a list of class names, got {architectures!r}")
         unsupported = [name for name in architectures if not name.endswith("ForCausalLM")]
         if unsupported:
             raise InvalidField("architectures", f"{unsupported} is not supported; only *ForCausalLM "
