@@ -215,8 +215,8 @@ def _check_fields(path: str, cls: type, raw: dict) -> None:
     """Rejects, naming the full dotted path, what dacite would report vaguely or accept silently:
     unknown fields at any depth, non-mappings where a section is expected, booleans given for
     int/float fields (bool is an int to dacite), non-numbers for float fields (dacite's float()
-    cast fails naming only the section), non-finite floats (nan, inf) and a bare string for a list
-    (dacite splits it into characters)."""
+    cast fails naming only the section), non-finite floats (nan, inf) and a bare string or a mapping
+    for a list (dacite splits the one into characters and iterates the other's keys)."""
     valid = [field.name for field in dataclasses.fields(cls)]
     hints = typing.get_type_hints(cls)
     for key, value in raw.items():
@@ -237,6 +237,10 @@ def _check_fields(path: str, cls: type, raw: dict) -> None:
             raise ConfigError(field, f"must be a finite number, got {_shown(value)}")
         if origin is tuple and isinstance(value, str):
             raise ConfigError(field, f"expected a list, got the string {_shown(value)}; write [{_shown(value)[1:-1]}]")
+        if origin is tuple and isinstance(value, dict):  # dacite would iterate its keys
+            raise ConfigError(field, f"expected a list, got the mapping {_shown(value)}; write a list of entries, "
+                              "e.g. [{path: DIR, weight: 1.0}]" if args and dataclasses.is_dataclass(args[0])
+                              else f"expected a list, got the mapping {_shown(value)}")
         if dataclasses.is_dataclass(hint):
             _check_mapping(field, hint, value)
         elif origin is tuple and args and dataclasses.is_dataclass(args[0]) and isinstance(value, list):

@@ -35,6 +35,7 @@ BAD_INPUTS = [
     _case(["trian.steps=3"], "trian", "unknown section", "did you mean 'train'", id="section-typo"),
     _case(["train.steps=abc"], "train.steps", "expected int", "'abc'", id="wrong-type"),
     _case(["train.steps=true"], "train.steps", "expected int", "True", id="bool-for-int"),
+    _case(["data.mixture={a: 1}"], "data.mixture", "expected a list, got the mapping", id="mapping-for-list"),
     _case(["optimizer.learning_rate=abc"], "optimizer.learning_rate", "expected float",
           id="wrong-type-float"),
     _case(["mesh.data=3", "mesh.fsdp=1"], "mesh", "6 devices", "8 are available", "-1",
