@@ -103,3 +103,14 @@ def test_a_custom_schedule_reads_the_table_of_its_file(tmp_path):
     table = tmp_path / "table.json"
     table.write_text(one_f_one_b(2, 4).to_json())
     assert PipelineConfig(4, Schedule.CUSTOM, table=str(table)).schedule_table(2) == one_f_one_b(2, 4)
+
+
+def test_a_table_file_that_is_not_utf8_is_one_line_naming_the_field(tmp_path):
+    """Issue 38 item 13: a binary file given as pipeline.table was a UnicodeDecodeError traceback."""
+    from meshtrain.errors import ConfigError
+
+    table = tmp_path / "table.json"
+    table.write_bytes(b'{"stages": 2, \xff\xfe}')
+    with pytest.raises(ConfigError, match="is not UTF-8 text") as error:
+        PipelineConfig(2, Schedule.CUSTOM, table=str(table)).schedule_table(2)
+    assert error.value.field == "pipeline.table"

@@ -102,9 +102,12 @@ class PipelineConfig:
 
     def _read_table(self) -> ScheduleTable:
         try:
-            text = pathlib.Path(self.table).read_text()
+            text = pathlib.Path(self.table).read_text(encoding="utf-8")
         except OSError as error:
             raise ConfigError("pipeline.table", f"cannot read {self.table!r}: {error.strerror}") from None
+        except UnicodeDecodeError as error:
+            raise ConfigError("pipeline.table", f"{self.table!r} is not UTF-8 text (byte {error.start}); give the "
+                              "JSON a table's to_json writes") from None
         return ScheduleTable.from_json(text)
 
     def bubble_fraction(self, stages: int) -> float:
