@@ -326,6 +326,8 @@ class RunCheckpoints:
         except Exception as err:
             raise UnreadableCheckpoint(_one_line(err)) from err
         expected = meta.get(CHECKSUMS)
+        if expected is not None and not isinstance(expected, dict):
+            raise UnreadableCheckpoint(f"its meta's {CHECKSUMS} are not a mapping of array names to checksums")
         if expected is not None:  # checkpoints written before checksums have none
             found = state_checksums(state)
             wrong = [name for name, value in expected.items() if found.get(name) != value]

@@ -219,6 +219,13 @@ def _meta_config_not_a_mapping(step_dir):
     path.write_text(json.dumps({**meta, "config": "not a mapping"}))
 
 
+def _meta_checksums_not_a_mapping(step_dir):
+    import json
+
+    path = step_dir / "meta" / "metadata"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "checksums": [1, 2]}))
+
+
 def _meta_without_mesh(step_dir):
     import json
 
@@ -232,8 +239,9 @@ def _meta_without_mesh(step_dir):
     (_meta_config_not_a_mapping, "holds no config with a model section"),  # item 5
     (_meta_without_mesh, "holds no mesh"),  # item 5
     (lambda step_dir: (step_dir / "state" / "_METADATA").unlink(), "holds no array metadata"),  # item 5
+    (_meta_checksums_not_a_mapping, "checksums are not a mapping"),  # issue 38 item 13
 ], ids=["flipped-array-byte", "checksum-mismatch", "meta-config-not-a-mapping", "meta-without-mesh",
-        "state-metadata-deleted"])
+        "state-metadata-deleted", "meta-checksums-not-a-mapping"])
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_items3_5_damaged_checkpoints_are_unreadable_and_fall_back(two_checkpoints, tmp_path, capsys, damage,
                                                                    reason):
