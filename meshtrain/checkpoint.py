@@ -325,6 +325,9 @@ class RunCheckpoints:
             jax.block_until_ready(state)
         except Exception as err:
             raise UnreadableCheckpoint(_one_line(err)) from err
+        held_step = getattr(state, "step", None)  # a TrainState's; a directory renamed from another step's
+        if held_step is not None and int(held_step) != step:
+            raise UnreadableCheckpoint(f"its directory says step {step} but its state is step {int(held_step)}'s")
         expected = meta.get(CHECKSUMS)
         if expected is not None and not isinstance(expected, dict):
             raise UnreadableCheckpoint(f"its meta's {CHECKSUMS} are not a mapping of array names to checksums")

@@ -226,6 +226,14 @@ def _meta_checksums_not_a_mapping(step_dir):
     path.write_text(json.dumps({**json.loads(path.read_text()), "checksums": [1, 2]}))
 
 
+def _another_steps_files(step_dir):
+    """Step 1's checkpoint files under step 2's directory name (issue 38 item 3)."""
+    import shutil
+
+    shutil.rmtree(step_dir)
+    shutil.copytree(step_dir.parent / "1", step_dir)
+
+
 def _meta_without_mesh(step_dir):
     import json
 
@@ -240,8 +248,9 @@ def _meta_without_mesh(step_dir):
     (_meta_without_mesh, "holds no mesh"),  # item 5
     (lambda step_dir: (step_dir / "state" / "_METADATA").unlink(), "holds no array metadata"),  # item 5
     (_meta_checksums_not_a_mapping, "checksums are not a mapping"),  # issue 38 item 13
+    (_another_steps_files, "its directory says step 2 but its state is step 1's"),  # issue 38 item 3
 ], ids=["flipped-array-byte", "checksum-mismatch", "meta-config-not-a-mapping", "meta-without-mesh",
-        "state-metadata-deleted", "meta-checksums-not-a-mapping"])
+        "state-metadata-deleted", "meta-checksums-not-a-mapping", "another-steps-files"])
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_items3_5_damaged_checkpoints_are_unreadable_and_fall_back(two_checkpoints, tmp_path, capsys, damage,
                                                                    reason):
