@@ -2,9 +2,9 @@
 
 ``run.dir/.meshtrain.lock`` is created atomically (``O_CREAT | O_EXCL``) by process 0 before the run
 writes anything, and removed when the run ends. A second run on the same directory refuses with one
-line. A lock left by a run that was killed (its process no longer exists on this host) is taken over
-with a warning; a lock held from another host cannot be checked and is reported, naming the file to
-remove once that run is known to be gone.
+line. A lock left by a run that was killed (its process no longer exists on this host, or has this
+process's own PID: a restarted container) is taken over with a warning; a lock held from another
+host cannot be checked and is reported, naming the file to remove once that run is known to be gone.
 """
 
 from __future__ import annotations
@@ -22,9 +22,14 @@ LOCK_FILE = ".meshtrain.lock"
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host. This process's own PID counts as not running: the
+    lock being acquired is not yet this process's, so it was left by an earlier one that had the same
+    PID (a restarted container's runs are all PID 1)."""
+    if pid == os.getpid():
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # no such process; a PID no process can have
         return False
     except PermissionError:  # exists, owned by someone else
         return True

@@ -522,3 +522,21 @@ def test_item7_a_write_that_fails_inside_orbax_is_one_error_line(tmp_path):
     assert errors[0].startswith(f"error: checkpoint: cannot write a checkpoint in {tmp_path / CHECKPOINT_DIR} ("), \
         errors[0]
     assert "the complete checkpoints there are intact" in errors[0]
+
+
+@pytest.mark.parametrize("pid", ["own", 10 ** 30], ids=["own-pid-after-a-container-restart", "pid-out-of-range"])
+def test_issue38_items4_11_locks_no_live_process_can_hold_are_taken_over(tmp_path, capsys, pid):
+    """A restarted container's run has the PID of the killed one (PID 1): its lock used to block every
+    restart; a lock naming a PID no process can have was an OverflowError traceback."""
+    import json
+    import os
+    import socket
+
+    from meshtrain.run_lock import RunLock
+
+    holder = {"pid": os.getpid() if pid == "own" else pid, "host": socket.gethostname(), "started": "earlier"}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(holder))
+    with RunLock(tmp_path):
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert "which is no longer running; taking over the run directory" in capsys.readouterr().err
+    assert not (tmp_path / LOCK_FILE).exists()
