@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None, print_fn: Callable[[str], None] = print)
         args = _parse_args(argv)
         if args.max_new_tokens < 1:
             raise ConfigError("--max-new-tokens", f"must be a positive integer, got {args.max_new_tokens}")
+        if not 0 <= args.seed < 2 ** 32:
+            raise ConfigError("--seed", f"must be an integer in [0, 2**32), got {args.seed}")
         if not (math.isfinite(args.temperature) and args.temperature >= 0):
             raise ConfigError("--temperature", f"must be a finite number >= 0 (0 = greedy), got {args.temperature}")
         mesh, rules = mesh_from_args(args)

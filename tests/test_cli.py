@@ -202,12 +202,14 @@ def test_profile_steps_must_be_a_step_or_a_range(capsys, value):
 @pytest.mark.parametrize("tool, argv, field", [
     ("generate", ["--run", "nowhere", "--prompt", "a", "--temperature", "nan"], "--temperature"),
     ("generate", ["--run", "nowhere", "--prompt", "a", "--temperature", "inf"], "--temperature"),
+    ("generate", ["--run", "nowhere", "--prompt", "a", "--seed", str(10 ** 23)], "--seed"),  # was an OverflowError
     ("logits", ["--model", "nowhere", "--tokens", "ids.npy", "--out", "."], "--out"),
     ("logits", ["--model", "nowhere", "--tokens", "ids.npy", "--out", "logits.bin"], "--out"),
 ])
 def test_tool_arguments_that_would_be_silently_wrong_are_one_line_errors(tool, argv, field, capsys):
-    """Issue 38 item 13: ``generate --temperature nan`` sampled from NaN probabilities; ``logits --out
-    DIR`` wrote ``DIR.npy`` beside the directory. Both refused before any model is loaded."""
+    """Issue 38 items 11 and 13: ``generate --temperature nan`` sampled from NaN probabilities and
+    ``--seed 10**23`` overflowed in the key; ``logits --out DIR`` wrote ``DIR.npy`` beside the
+    directory. All refused before any model is loaded."""
     from meshtrain import generate, logits
 
     assert {"generate": generate, "logits": logits}[tool].main(argv) == 2
