@@ -111,8 +111,8 @@ class MeshActivationSharding:
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                segments: jax.Array | None, spec: AttentionSpec) -> jax.Array:
-        # Inside a pipeline stage (``stage`` manual) a nested shard_map does not lower (jax 0.10.2):
-        # there XLA partitions the kernel over the queries' split as it can.
+        # Inside a pipeline stage (``stage`` manual) a nested shard_map compiles on no supported jax
+        # (docs/long_context.md): there XLA partitions the kernel over the queries' split as it can.
         in_stage = not jax.sharding.get_abstract_mesh().empty
         if self.ring is None and self.query_axes and not in_stage and spec.kernel.resolve(
                 self.mesh.devices.flat[0].platform, segments is not None) is AttentionKernel.BLOCKWISE:
@@ -121,7 +121,6 @@ class MeshActivationSharding:
             return attend(q, k, v, segments, spec)
         return ring_attention(q, k, v, positions, segments, mesh=self.mesh, axis=self.ring,
                               block=self.rules.ring_block, window=spec.window)
-
 
     def _attend_local_queries(self, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
                               spec: AttentionSpec) -> jax.Array:
