@@ -7,10 +7,11 @@ earlier session and loaded in a later one intermittently abort XLA:CPU (jax 0.10
 test_checkpoint.py aborted on a cache kept from earlier runs, none of 6 on a fresh one).
 JAX_COMPILATION_CACHE_DIR set in the environment overrides it.
 
-XLA:CPU compiles at LLVM optimization level 0 (``--xla_backend_optimization_level=0``, unless
-XLA_FLAGS already sets it): the suite is mostly compiles of programs that then run a step or two,
-and the HLO, its collectives and ``memory_analysis()`` come from the passes before LLVM, so they do
-not change (README.md's test section has the time it saves).
+XLA:CPU compiles with the flags of tests/compile_flags.py (LLVM at optimization level 0, the
+elemental fusion emitter; each unless XLA_FLAGS already sets it): the suite is mostly compiles of
+programs that then run a step or two, and the HLO, its collectives and ``memory_analysis()`` come
+from the passes before code generation, so they do not change (README.md's test section has the
+time it saves).
 """
 
 import atexit
@@ -25,10 +26,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-from compile_flags import FAST_COMPILE_XLA_FLAG  # noqa: E402  (no jax import there)
+from compile_flags import with_fast_compile  # noqa: E402  (no jax import there)
 
-if FAST_COMPILE_XLA_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_XLA_FLAG}".strip()
+os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402
 
