@@ -4,6 +4,8 @@ XLA's ``cost_analysis`` counts a loop body once, so it cannot see how much work 
 stack or a pipeline schedule's tick loop does; this walks the jaxpr instead:
 
 * ``dot_general``: ``2 x batch x contracted x lhs-free x rhs-free`` elements of its operands.
+* ``ragged_dot_general`` (grouped matmuls): the same at its real rows, the weights' group
+  dimension not counted (each row meets one group).
 * ``scan``: its body times ``length``. ``while``: its body once per known trip (``fori_loop``
   with static bounds lowers to scan; a data-dependent ``while`` is counted once and flagged).
 * ``cond`` (``switch``): the most expensive branch (what a device that takes it executes at most).
@@ -36,12 +38,22 @@ class FlopCount:
 
 
 def _dot_flops(eqn: core.JaxprEqn) -> float:
+    """``dot_general``: 2 x batch x contracted x both free sizes. ``ragged_dot_general`` (grouped
+    matmuls) at its real rows: each row of the ragged dimension meets one group's weights, so a
+    group dimension of the weights (the forward and the input gradient: [rows, in] x [groups, in,
+    out]) is not a free dimension; the weight gradient ([rows, in] x [rows, out] -> [groups, in,
+    out], rows contracted) is the plain count."""
     lhs, rhs = (var.aval.shape for var in eqn.invars[:2])
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    if eqn.primitive.name == "ragged_dot_general":
+        numbers = eqn.params["ragged_dot_dimension_numbers"]
+        dimension_numbers, groups = numbers.dot_dimension_numbers, set(numbers.rhs_group_dimensions)
+    else:
+        dimension_numbers, groups = eqn.params["dimension_numbers"], set()
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     batch = math.prod(lhs[d] for d in lhs_batch)
     contracted = math.prod(lhs[d] for d in lhs_contract)
     lhs_free = math.prod(size for d, size in enumerate(lhs) if d not in (*lhs_contract, *lhs_batch))
-    rhs_free = math.prod(size for d, size in enumerate(rhs) if d not in (*rhs_contract, *rhs_batch))
+    rhs_free = math.prod(size for d, size in enumerate(rhs) if d not in (*rhs_contract, *rhs_batch, *groups))
     return 2.0 * batch * contracted * lhs_free * rhs_free
 
 
@@ -61,7 +73,7 @@ def count_jaxpr(jaxpr: core.Jaxpr, total: FlopCount | None = None, scale: float 
     total = FlopCount() if total is None else total
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        if name == "dot_general":
+        if name in ("dot_general", "ragged_dot_general"):
             total.flops += scale * _dot_flops(eqn)
         elif name == "scan":
             count_jaxpr(eqn.params["jaxpr"].jaxpr, total, scale * eqn.params["length"])

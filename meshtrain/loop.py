@@ -34,6 +34,7 @@ from meshtrain.evaluation import Evaluator
 from meshtrain.mesh import make_mesh, mesh_shape
 from meshtrain.metrics import MetricsLogger, format_bytes, peak_bf16_tflops
 from meshtrain.parallel.accumulate import Batch
+from meshtrain.parallel.experts import describe_exchange
 from meshtrain.parallel.sharding import activation_sharding, parameter_table, replicated_parameters
 from meshtrain.policies import (PROFILE_DIR, AppliedStateCheck, Evaluation, NonFiniteGuard, Policy, Preemption,
                                 Profiler, Reporter, Run, Saver, SkipLimit, StepOutput, any_process, data_changed, log)
@@ -107,7 +108,8 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
     banner = [f"meshtrain: process {jax.process_index()}/{jax.process_count()}, {len(devices)} x "
               f"{devices[0].device_kind}, mesh (data, fsdp, tensor, stage) = {mesh_shape(mesh)}, rules "
               f"{trainer.rules.name}, {cfg.model.num_params:,} parameters, precision {cfg.train.precision.value}",
-              attention, trainer.pipeline_description, dataset.describe(), evaluator and evaluator.describe()]
+              attention, *[describe_exchange(trainer.rules, mesh, axis) for axis in trainer.layout.expert_axes],
+              trainer.pipeline_description, dataset.describe(), evaluator and evaluator.describe()]
     setup = _Setup(cfg, trainer, dataset, evaluator, pathlib.Path(cfg.run.dir), banner)
     run_dir = setup.run_dir
     lock = _hold(run_dir)  # before anything is written there

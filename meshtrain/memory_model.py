@@ -255,7 +255,10 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     elif spec.kernel is not AttentionKernel.XLA:
         queries = model.seq_len // cp
         keys = min(spec.block, queries) * min(spec.block, model.seq_len) / queries
-    saved, working = family.activation_bytes(model, mesh["tensor"], candidate.remat, compute_bytes, sp, keys)
+    # Inside pipeline stages XLA partitions the experts (no exchange: meshtrain/parallel/experts.py).
+    experts = 1 if stages > 1 else math.prod(
+        mesh[a] for axis in layout.expert_axes for a in mesh_axes_of(layout.rules.activation_spec((axis,))[0]))
+    saved, working = family.activation_bytes(model, mesh["tensor"], candidate.remat, compute_bytes, sp, keys, experts)
     est.activations = round(layers_here * tokens * saved)
     table = _schedule_table(layout)
     if table is not None:

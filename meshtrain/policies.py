@@ -120,6 +120,7 @@ class Reporter(Policy):
         self.num_devices, self.peak_tflops = num_devices, peak_tflops
         self.last_time, self.last_done = time.perf_counter(), start
         self.final_metrics: dict[str, float | list[float]] = {}  # the last logged values (the last step's)
+        self.alerts = dict(family_of(cfg.model).alerts)  # warned about once each, then dropped
 
     def exclude(self, seconds: float) -> None:
         """Leaves ``seconds`` spent on other work (an evaluation) out of the step times."""
@@ -144,6 +145,8 @@ class Reporter(Policy):
                                "step_time_s": step_time, "tflops_per_device": tflops,
                                "mfu": mfu(tflops, self.peak_tflops)})
         self.final_metrics = values
+        for name in [name for name in self.alerts if values.get(name, 0) > 0]:
+            log(f"warning: {name} = {values[name]:.4g} at step {done}: {self.alerts.pop(name)}")
 
     def after_step(self, run: Run) -> None:
         self.report(run.previous)

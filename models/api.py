@@ -224,14 +224,17 @@ class ModelFamily:
       axis_roles: the family's logical axes beyond ``FRAMEWORK_AXES`` and the role of each.
       flops_per_token: training (forward + backward) FLOPs per token, for MFU.
       recompute_flops_per_token: extra forward FLOPs per token that a remat policy recomputes.
-      activation_bytes: ``(cfg, tensor, remat, compute_bytes, sequence, keys) -> (saved, working)``
+      activation_bytes: ``(cfg, tensor, remat, compute_bytes, sequence, keys, experts) -> (saved, working)``
         bytes per token and layer on one device: what the backward keeps under ``remat``, and one
         layer's live set during its backward (for ``meshtrain.plan``). ``sequence``: how many more
         ways the residual stream's positions are split than the blocks' (sequence parallelism's
         ``tensor``); ``keys``: the key positions a query's attention scores span at once, on average
         (None: the whole sequence; under ring attention one ``[block, block]`` tile's over the rank's
-        positions, ``block^2 / (seq_len / ring size)``).
+        positions, ``block^2 / (seq_len / ring size)``); ``experts``: how many ways expert
+        parallelism splits the experts of role EXPERT over the devices holding the tokens (1: none).
       hf: the Hugging Face adapter, or None when the family has none.
+      alerts: statistics of ``run_layers`` that should stay 0, each with what to do when one does
+        not (the run warns once, in one line, at the first logged step where it is positive).
     """
 
     name: str
@@ -240,8 +243,9 @@ class ModelFamily:
     axis_roles: Mapping[str, AxisRole]
     flops_per_token: Callable[[Any], float]
     recompute_flops_per_token: Callable[[Any, RematPolicy], float]
-    activation_bytes: Callable[[Any, int, RematPolicy, int, int, float | None], tuple[float, float]]
+    activation_bytes: Callable[[Any, int, RematPolicy, int, int, float | None, int], tuple[float, float]]
     hf: HFAdapter | None = None
+    alerts: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         clash = sorted(set(self.axis_roles) & set(FRAMEWORK_AXES))

@@ -120,6 +120,32 @@ class ActivationSharding(Protocol):
         or 1, length]) order the tokens causally where the framework has permuted the sequence
         (ring attention's load balancing)."""
 
+    def run_experts(self, compute: ExpertCompute, x: jax.Array, choices: jax.Array,
+                    params: tuple[jax.Array, ...], param_axes: tuple[LogicalAxes, ...],
+                    buffer_factor: float) -> tuple[jax.Array, jax.Array]:
+        """Each token's chosen experts run on its row, wherever those experts live: x [batch, length,
+        embed], ``choices`` int [batch, length, top_k] expert ids -> (out [batch, length, top_k, embed],
+        each choice's expert output, zero where it was dropped; the number of choices dropped, an
+        int scalar). ``params`` lead with the ``experts`` dimension (logical ``param_axes``); the
+        framework may split the experts (expert parallelism: rows travel to the devices holding
+        their experts and back, in buffers of ``buffer_factor`` times an even share of the rows per
+        peer, 0 = the worst case: nothing is ever dropped) and the hidden dimension of the params
+        (``compute``'s results are summed over it) and calls ``compute`` on each device's rows with
+        the experts it holds (``ExpertCompute``)."""
+
+
+class ExpertCompute(Protocol):
+    """rows [m, embed], ``ids`` int [m] (an expert among ``params``' first dimension, or at least
+    that size for a row to skip, whose result is zero) and the experts' params -> [m, embed]."""
+
+    def __call__(self, rows: jax.Array, ids: jax.Array, *params: jax.Array) -> jax.Array: ...
+
+
+def choice_rows(x: jax.Array, top_k: int) -> jax.Array:
+    """x [batch, length, embed] -> [batch * length * top_k, embed]: each token's row once per choice."""
+    rows, length, width = x.shape
+    return jnp.broadcast_to(x[:, :, None, :], (rows, length, top_k, width)).reshape(-1, width)
+
 
 class Unconstrained:
     """The identity constraint and full attention: a model run outside any mesh."""
@@ -136,6 +162,13 @@ class Unconstrained:
                segments: jax.Array | None, spec: AttentionSpec) -> jax.Array:
         del positions  # the rows are in sequence order
         return attend(q, k, v, segments, spec)
+
+    def run_experts(self, compute: ExpertCompute, x: jax.Array, choices: jax.Array,
+                    params: tuple[jax.Array, ...], param_axes: tuple[LogicalAxes, ...],
+                    buffer_factor: float) -> tuple[jax.Array, jax.Array]:
+        del param_axes, buffer_factor  # every expert is here: nothing travels, nothing is dropped
+        out = compute(choice_rows(x, choices.shape[-1]), choices.reshape(-1), *params)
+        return out.reshape(*choices.shape, x.shape[-1]), jnp.zeros((), jnp.int32)
 
 
 unconstrained = Unconstrained()

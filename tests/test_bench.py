@@ -225,6 +225,11 @@ def test_gpu_check_dry_run():
     assert abs(planned["estimate_temp_bytes"] / planned["xla_temp_bytes"] - 1) < PLANNER_TOLERANCE, planned
     assert "host_temp_bytes" in report["offload"]["memory_per_device"]
     assert report["checkpoint"]["passed"] and report["checkpoint"]["bit_equal"]
+    moe = report["moe"]
+    assert moe["passed"] and set(moe["experts_ms"]) == {
+        f"{shape}/{variant}" for shape in ("mixtral", "fine_grained")
+        for variant in ("onehot", "capacity_1.25", "sorted_blocked", "sorted_ragged")}
+    assert moe["ragged_dot"]["scaling"] > 0 and moe["ragged_dot"]["verdict"] in ("grouped", "dense over every group")
     kernels = report["attention_kernels"]
     assert kernels["passed"] and set(kernels["errors"]) == {"causal", "documents", "window", "packed_vs_alone"}
     assert [row["seq_len"] for row in kernels["timings"]] == [256]

@@ -255,8 +255,10 @@ def expert_parallel_step():
 def test_expert_parallelism_compiles_to_all_to_all_and_never_gathers_expert_weights(expert_parallel_step):
     _, compiled = expert_parallel_step
     hlo = compiled.as_text()
-    # Dispatch and combine, forward and backward (the layer scan's body appears once): exactly 4.
-    assert collective_counts(hlo)["all-to-all"] == 4
+    # The sorted dispatch's exchange (meshtrain/parallel/experts.py; the layer scan's body appears
+    # once): rows, their expert ids and the results back in the forward, the rows' and the results'
+    # transposes in the backward: exactly 5.
+    assert collective_counts(hlo)["all-to-all"] == 5
     assert _gathered_expert_weights(hlo, MOE) == []
 
 

@@ -63,10 +63,14 @@ def test_the_trainer_keeps_the_expert_split_at_every_zero_stage(zero):
 
 
 # (overrides, mesh, ZeRO stage, remat): layouts and shapes of the tiny MoE (8 experts, top-2,
-# capacity 1.25 in groups of 16), some of them outside the shapes the formula was fitted on.
+# capacity 1.25 in groups of 16; the sorted and one-hot dropless dispatches), some of them outside
+# the shapes the formulas were fitted on.
 CASES = {
     "ep4-hybrid-zero3-none": ([], (2, 2, 2, 1), 3, "none"),
     "ep8-fsdp-zero3-full-dropless": (["model.dispatch=dropless"], (1, 8, 1, 1), 3, "full"),
+    "ep8-fsdp-zero3-none-dropless-buffers1.5": (["model.dispatch=dropless", "model.exchange_buffer_factor=1.5"],
+                                                (1, 8, 1, 1), 3, "none"),
+    "ep8-fsdp-zero3-full-onehot": (["model.dispatch=onehot"], (1, 8, 1, 1), 3, "full"),
     "ep8-data-dots": ([], (8, 1, 1, 1), 3, "dots"),
     "ep8-fsdp-zero0-full": ([], (1, 8, 1, 1), 0, "full"),
     "ep4-tp2-zero2-none-shared": (["model.shared_mlp_dim=128"], (1, 4, 2, 1), 2, "none"),

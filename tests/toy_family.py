@@ -152,8 +152,8 @@ def recompute_flops_per_token(cfg: ToyGPTConfig, remat: RematPolicy) -> float:
 
 
 def activation_bytes(cfg: ToyGPTConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
-                     sequence: int = 1, keys: float | None = None) -> tuple[float, float]:
-    del sequence  # its residual stream runs along `length`: sequence parallelism does not split it
+                     sequence: int = 1, keys: float | None = None, experts: int = 1) -> tuple[float, float]:
+    del sequence, experts  # its residual stream runs along `length`: sequence parallelism does not split it
     d, a, f = cfg.embed_dim, cfg.num_heads * cfg.head_dim / tensor, cfg.mlp_dim / tensor
     scores = cfg.num_heads / tensor * (keys or cfg.seq_len) * 4
     everything = (6 * d + 4 * a + 2 * f) * compute_bytes + 2 * scores

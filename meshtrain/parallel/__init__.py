@@ -18,7 +18,9 @@
 6. ``sharding.py`` - specs to ``NamedSharding``s for parameters, optimizer state, batches and
                     activation constraints, and the attention scheme the rules imply
                     (``ring_attention.py`` where the keys stay split along the sequence; the
-                    trainer permutes each batch into its balanced order first).
+                    trainer permutes each batch into its balanced order first), and the expert
+                    exchange of a sorted mixture-of-experts dispatch (``experts.py``: token
+                    choices to the devices holding their experts and back, by all-to-all).
 7. ``accumulate.py`` - gradient accumulation: microbatches scanned inside the jitted step, the
                     accumulator kept in the gradients' layout.
 

@@ -17,11 +17,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshtrain.parallel import experts
 from meshtrain.parallel.rules import ShardingRules, drop_axes, mesh_axes_of
 from meshtrain.parallel.ring_attention import ring_attention
 from meshtrain.errors import ConfigError
 from models.attention import AttentionKernel, AttentionSpec, attend, blockwise_attention
-from models.common import ActivationSharding, LogicalAxes, logical_axes_of
+from models.common import ActivationSharding, ExpertCompute, LogicalAxes, logical_axes_of
 
 BATCH_AXES: LogicalAxes = ("batch", None)  # token arrays: rows split, each row whole on its devices
 
@@ -143,6 +144,13 @@ class MeshActivationSharding:
         segment_specs = (None, None) if segments is None else (queries, whole)
         return jax.shard_map(body, mesh=self.mesh, in_specs=(queries, whole, whole, *segment_specs),
                              out_specs=queries, axis_names=set(axes))(q, k, v, segments, segments)
+
+
+    def run_experts(self, compute: ExpertCompute, x: jax.Array, choices: jax.Array,
+                    params: tuple[jax.Array, ...], param_axes: tuple[LogicalAxes, ...],
+                    buffer_factor: float) -> tuple[jax.Array, jax.Array]:
+        return experts.run_experts(compute, x, choices, params, param_axes, buffer_factor,
+                                   rules=self.rules, mesh=self.mesh)
 
 
 def activation_sharding(rules: ShardingRules, mesh: Mesh) -> ActivationSharding:

@@ -125,7 +125,7 @@ def recompute_flops_per_token(cfg: LlamaConfig, remat: RematPolicy) -> float:
 
 
 def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
-                     sequence: int = 1, keys: float | None = None) -> tuple[float, float]:
+                     sequence: int = 1, keys: float | None = None, experts: int = 1) -> tuple[float, float]:
     """(saved, working) activation bytes per token and layer on one device.
 
     ``saved``: what the backward pass keeps per layer under ``remat``; ``working``: the live set of
@@ -134,8 +134,9 @@ def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_
     parallelism), q = heads*head_dim/tensor, k = kv_heads*head_dim/tensor, f = mlp/tensor in the
     compute dtype, s = heads/tensor * keys attention scores in fp32 (``keys``: the key positions a
     query's scores span at once, on average: the whole sequence, or under ring attention one tile's
-    block^2 over the rank's positions).
+    block^2 over the rank's positions). A dense model has no experts to split (``experts`` unused).
     """
+    del experts
     d = cfg.embed_dim / sequence
     q = cfg.num_heads * cfg.head_dim / tensor
     k = cfg.num_kv_heads * cfg.head_dim / tensor

@@ -12,6 +12,8 @@ FAMILY = register(ModelFamily(
                 "expert_mlp": AxisRole.TENSOR, "expert_logits": AxisRole.REPLICATED,
                 "expert_rows": AxisRole.EXPERT_ROWS},
     flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops_per_token,
-    activation_bytes=activation_bytes, hf=MoEHF()))
+    activation_bytes=activation_bytes, hf=MoEHF(),
+    alerts={"moe_exchange_overflow": "token choices were dropped by a full expert-exchange buffer; raise "
+                                     "model.exchange_buffer_factor (0: buffers for the worst case, never dropping)"}))
 
 __all__ = ["CHECKPOINT_NAMES", "FAMILY", "Dispatch", "MoE", "MoEConfig"]

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 
 import jax
@@ -56,10 +57,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.api import AUX_LOSS, RESIDUAL_AXES, Documents, LayerAux
 from models.attention import AttentionSpec
+from models.grouped_matmul import (BlockLayout, GroupedKernel, GroupedSpec, auto_block, blocked_matmul,
+                                   ragged_matmul)
 from models.blocks import (BLOCK_CHECKPOINT_NAMES, Attention, AttentionKernel, Decoder, PreNormLayer, RMSNorm,
                            RopeScalingConfig, SwiGLU, check_attention_fields, normal, score_bytes)
-from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, logical_param, matmul,
-                           palm_train_flops_per_token, unconstrained)
+from models.common import (CHECKPOINT_DOT, ActivationSharding, InvalidField, RematPolicy, coerce_enums,
+                           logical_param, matmul, palm_train_flops_per_token, unconstrained)
 
 # Activations a NAMED remat policy may keep: the blocks', and the experts' hidden units.
 CHECKPOINT_NAMES = BLOCK_CHECKPOINT_NAMES + ("expert_hidden",)
@@ -70,15 +73,19 @@ ROW_AXES = (None, "batch", None, None, "expert_embed")
 
 
 class Dispatch(str, enum.Enum):
-    """How many tokens an expert takes per group (see the module docstring).
+    """How tokens reach their experts (see the module docstring).
 
-    CAPACITY: ``ceil(capacity_factor * group_size * top_k / num_experts)``; the rest are dropped.
-    DROPLESS: ``group_size``: nothing is dropped, at the cost of ``num_experts / top_k`` times the
-    experts' active FLOPs (every slot is computed, filled or not).
+    DROPLESS: each token's choices sorted by expert, each expert's SwiGLU run over exactly its rows
+    by grouped matmuls (``jax.lax.ragged_dot``): the active experts' FLOPs, nothing dropped.
+    ONEHOT: one-hot dispatch with ``group_size`` slots per expert: nothing dropped, at the cost of
+    ``num_experts / top_k`` times the experts' active FLOPs (every slot is computed, filled or not).
+    CAPACITY: one-hot with ``ceil(capacity_factor * group_size * top_k / num_experts)`` slots; the
+    rest are dropped (GShard).
     """
 
-    CAPACITY = "capacity"
     DROPLESS = "dropless"
+    ONEHOT = "onehot"
+    CAPACITY = "capacity"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +106,11 @@ class MoEConfig:
     qk_norm: bool = False
     dispatch: Dispatch = Dispatch.DROPLESS
     capacity_factor: float = 1.25
+    # Expert parallelism under DROPLESS: rows per peer buffer, as a multiple of an even share
+    # (a device's token choices / the number of expert ranks); 0: the worst case, never dropping.
+    exchange_buffer_factor: float = 0.0
+    grouped_matmul: GroupedKernel = GroupedKernel.AUTO  # DROPLESS's kernel (models/grouped_matmul.py)
+    expert_block: int = 0  # rows per block of the blocked kernel (0: auto_block)
     group_size: int = 0  # positions per routing group (0: the whole row)
     load_balancing_coef: float = 0.01
     z_loss_coef: float = 0.0
@@ -126,6 +138,11 @@ class MoEConfig:
             raise InvalidField("shared_mlp_dim", f"must be >= 0 (0: no shared experts), got {self.shared_mlp_dim}")
         if not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
             raise InvalidField("capacity_factor", f"must be a finite number > 0, got {self.capacity_factor}")
+        if self.expert_block < 0:
+            raise InvalidField("expert_block", f"must be >= 0 (0: chosen from the rows), got {self.expert_block}")
+        if not (self.exchange_buffer_factor >= 0 and math.isfinite(self.exchange_buffer_factor)):
+            raise InvalidField("exchange_buffer_factor", "must be a finite number >= 0 (0: buffers for the worst "
+                               f"case, nothing dropped), got {self.exchange_buffer_factor}")
         if self.group_size < 0 or (self.group_size and self.seq_len % self.group_size):
             raise InvalidField("group_size", f"must divide seq_len={self.seq_len} (0: one group per row), "
                                f"got {self.group_size}")
@@ -139,12 +156,17 @@ class MoEConfig:
         return AttentionSpec(self.attention, self.sliding_window, self.attention_block)
 
     @property
+    def grouped_spec(self) -> GroupedSpec:
+        return GroupedSpec(self.grouped_matmul, self.expert_block)
+
+    @property
     def attention_dim(self) -> int:
         return self.num_heads * self.head_dim
 
     def slots(self, group: int) -> int:
-        """Slots per expert in a routing group of ``group`` positions (at most ``group``)."""
-        if self.dispatch is Dispatch.DROPLESS:
+        """Slots per expert of the one-hot dispatches in a routing group of ``group`` positions (at
+        most ``group``)."""
+        if self.dispatch is not Dispatch.CAPACITY:
             return group
         return min(group, math.ceil(self.capacity_factor * group * self.top_k / self.num_experts))
 
@@ -194,39 +216,64 @@ def recompute_flops_per_token(cfg: MoEConfig, remat: RematPolicy) -> float:
 
 
 def activation_bytes(cfg: MoEConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
-                     sequence: int = 1, keys: float | None = None) -> tuple[float, float]:
+                     sequence: int = 1, keys: float | None = None, experts: int = 1) -> tuple[float, float]:
     """(saved, working) activation bytes per token and layer on one device (``ModelFamily``).
 
-    Attention as Llama's (``keys`` too). The sparse block, per token, in units of: ``E * C`` (one row of the one-hot
-    dispatch or combine tensor [batch, groups, group, experts, C], compute dtype); ``X * d`` and
-    ``X * f``, with ``X = E * C / group`` expert slots per token: the token's share of an expert
-    buffer [experts, batch, groups, C, embed] (the same in the batch-split and the expert-split
-    layout) or of a hidden buffer of width ``f = expert_mlp / tensor``; ``(top_k + 3) * E`` fp32
-    router values (logits, probabilities, top-k one-hots, gate weights, arrival order); ``g =
-    shared_mlp / tensor`` for the shared experts. How many of each XLA keeps was fitted (least
-    squares on 12 shapes, then rounded) to XLA:CPU's temp bytes of the fp32 train step on mesh
-    (1, 8, 1, 1) (docs/memory.md): ``none`` keeps 2 E*C, 2 X*d, 4.5 X*f and 6 g; ``dots`` keeps
-    1 X*f and 2 g (the expert einsums have a batch axis, ``experts``, so the policy saves none of
-    their outputs); one layer's backward holds 1.5 E*C, 3 X*d, 9.5 X*f and 2 g.
-    """
+    Attention as Llama's (``keys`` too); the shared experts' ``g = shared_mlp / tensor`` (``none``
+    keeps 6 g, ``dots`` 2 g, one layer's backward holds 2 g); the router's fp32 values; and the
+    experts' dispatch, ``_sorted_terms`` or ``_one_hot_terms``."""
     d = cfg.embed_dim / sequence
     q = cfg.num_heads * cfg.head_dim / tensor
     k = cfg.num_kv_heads * cfg.head_dim / tensor
+    g = cfg.shared_mlp_dim / tensor
+    none, dots, held, router = (_sorted_terms(cfg, tensor, experts) if cfg.dispatch is Dispatch.DROPLESS
+                                else _one_hot_terms(cfg, tensor))
+    saved_scores, working_scores = score_bytes(cfg, tensor, keys)
+    c = compute_bytes
+    attention = (6 * d + 3 * q + 3 * k) * c
+    everything = attention + saved_scores + (none + 6 * g) * c + router
+    working = attention + working_scores + (held + 2 * g) * c + router
+    saved = {RematPolicy.NONE: everything,
+             RematPolicy.DOTS: (3 * d + q + 2 * k + dots + 2 * g) * c,
+             RematPolicy.FULL: d * c}.get(remat, everything)
+    return saved, working
+
+
+def _one_hot_terms(cfg: MoEConfig, tensor: int) -> tuple[float, float, float, float]:
+    """The one-hot dispatches' (kept under ``none``, kept under ``dots``, held by one layer's
+    backward) vectors per token, and the router's fp32 bytes per token. Units: ``E * C`` (one row of
+    the one-hot dispatch or combine tensor [batch, groups, group, experts, C], compute dtype);
+    ``X * d`` and ``X * f``, with ``X = E * C / group`` expert slots per token: the token's share of
+    an expert buffer [experts, batch, groups, C, embed] (the same in the batch-split and the
+    expert-split layout) or of a hidden buffer of width ``f = expert_mlp / tensor``; ``(top_k + 3) *
+    E`` fp32 router values (logits, probabilities, top-k one-hots, gate weights, arrival order). How
+    many of each XLA keeps was fitted (least squares on 12 shapes, then rounded) to XLA:CPU's temp
+    bytes of the fp32 train step on mesh (1, 8, 1, 1) (docs/memory.md): ``none`` keeps 2 E*C, 2 X*d
+    and 4.5 X*f; ``dots`` keeps 1 X*f (the expert einsums have a batch axis, ``experts``, so the
+    policy saves none of their outputs); one layer's backward holds 1.5 E*C, 3 X*d and 9.5 X*f."""
     group = cfg.group_size or cfg.seq_len
     per_token = cfg.num_experts * cfg.slots(group)  # E * C: one token's row of dispatch / combine
     slot_d = per_token / group * cfg.embed_dim  # X * d
     slot_f = per_token / group * cfg.expert_mlp_dim / tensor  # X * f
-    g = cfg.shared_mlp_dim / tensor
-    saved_scores, working_scores = score_bytes(cfg, tensor, keys)
-    c = compute_bytes
-    router = (cfg.top_k + 3) * cfg.num_experts * 4
-    attention = (6 * d + 3 * q + 3 * k) * c
-    everything = attention + saved_scores + (2 * per_token + 2 * slot_d + 4.5 * slot_f + 6 * g) * c + router
-    working = attention + working_scores + (1.5 * per_token + 3 * slot_d + 9.5 * slot_f + 2 * g) * c + router
-    saved = {RematPolicy.NONE: everything,
-             RematPolicy.DOTS: (3 * d + q + 2 * k + slot_f + 2 * g) * c,
-             RematPolicy.FULL: d * c}.get(remat, everything)
-    return saved, working
+    return (2 * per_token + 2 * slot_d + 4.5 * slot_f, slot_f, 1.5 * per_token + 3 * slot_d + 9.5 * slot_f,
+            (cfg.top_k + 3) * cfg.num_experts * 4)
+
+
+def _sorted_terms(cfg: MoEConfig, tensor: int, experts: int) -> tuple[float, float, float, float]:
+    """As ``_one_hot_terms``, for the sorted dispatch. Units: ``k*d`` (the token's ``top_k`` choice
+    rows, and their outputs), ``R*d`` with ``R = top_k * X`` rows on the experts' side (``X`` the
+    exchange's buffers per even share: 1 without expert parallelism, ``experts``, the EP size, with
+    the worst-case buffers, ``exchange_buffer_factor`` otherwise; the exchange's buffers and the
+    experts' padded blocks) and ``R*f`` (the experts' hidden units); ``(top_k + 2) * E`` fp32 router
+    values. ``none`` keeps 3 k*d, 3.5 R*d and 3 R*f; ``dots`` 2.5 R*d (the grouped matmuls' outputs
+    and the buffers around them) and 2 R*f; one layer's backward holds 3 k*d, 10 R*d (the buffers
+    and their gradients) and 5 R*f. Counted from the buffers ``grouped_swiglu`` and
+    ``meshtrain/parallel/experts.py`` make, the R*d counts then set against XLA:CPU's temp bytes of
+    configs/moe_tiny.yaml's step (9 layouts; docs/memory.md has the errors)."""
+    rows = cfg.top_k * (1 if experts == 1 else (cfg.exchange_buffer_factor or experts))
+    choice_d, rows_d, rows_f = cfg.top_k * cfg.embed_dim, rows * cfg.embed_dim, rows * cfg.expert_mlp_dim / tensor
+    return (3 * choice_d + 3.5 * rows_d + 3 * rows_f, 2.5 * rows_d + 2 * rows_f,
+            3 * choice_d + 10 * rows_d + 5 * rows_f, (cfg.top_k + 2) * cfg.num_experts * 4)
 
 
 class QKNormAttention(Attention):
@@ -247,36 +294,42 @@ class QKNormAttention(Attention):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Routing:
-    """One group's routing decisions: [batch, groups, group, experts] each.
+    """One group's routing decisions.
 
-    logits: fp32 router logits. probs: their softmax. chosen: 1 where the expert is among the
-    token's ``top_k``. weights: the gate weight of each chosen expert (0 elsewhere). slot: the
-    0-based arrival order of the choice at its expert (meaningful where chosen).
+    logits: fp32 router logits [batch, groups, group, experts]. probs: their softmax. experts: int
+    [batch, groups, group, top_k], the chosen experts, most probable first. weights: [batch,
+    groups, group, top_k], their gate weights.
     """
 
     logits: jax.Array
     probs: jax.Array
-    chosen: jax.Array
+    experts: jax.Array
     weights: jax.Array
-    slot: jax.Array
+
+    @property
+    def chosen(self) -> jax.Array:
+        """[batch, groups, group, experts]: 1 where the expert is among the token's choices."""
+        return jnp.sum(jax.nn.one_hot(self.experts, self.probs.shape[-1], dtype=jnp.float32), axis=3)
+
+    def slots(self) -> tuple[jax.Array, jax.Array]:
+        """(the gate weight of each expert, 0 where not chosen; the 0-based arrival order of the choice
+        at its expert, meaningful where chosen), each [batch, groups, group, experts]: all first
+        choices of the group in position order, then all second choices, and so on (GShard)."""
+        top_k, group = self.experts.shape[-1], self.experts.shape[-2]
+        choice = jax.nn.one_hot(self.experts, self.probs.shape[-1], dtype=jnp.float32)  # [b, n, s, k, E]
+        by_rank = jnp.swapaxes(choice, 2, 3).reshape(*choice.shape[:2], top_k * group, -1)
+        arrival = (jnp.cumsum(by_rank, axis=2) - 1).reshape(*choice.shape[:2], top_k, group, -1)
+        slot = jnp.sum(jnp.swapaxes(arrival, 2, 3) * choice, axis=3)  # a token picks an expert at most once
+        return jnp.sum(choice * self.weights[..., None], axis=3), slot
 
 
 def route(logits: jax.Array, top_k: int, norm_topk_prob: bool) -> Routing:
-    """Top-k routing of fp32 ``logits`` [batch, groups, group, experts] (see ``Routing``).
-
-    Arrival order at an expert: all first choices of the group in position order, then all
-    second choices, and so on (GShard's priority)."""
-    num_experts, group = logits.shape[-1], logits.shape[-2]
+    """Top-k routing of fp32 ``logits`` [batch, groups, group, experts] (see ``Routing``)."""
     probs = jax.nn.softmax(logits, axis=-1)
     top_probs, top_experts = jax.lax.top_k(probs, top_k)  # [b, n, s, k]
     if norm_topk_prob:
         top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
-    choice = jax.nn.one_hot(top_experts, num_experts, dtype=jnp.float32)  # [b, n, s, k, E]
-    by_rank = jnp.swapaxes(choice, 2, 3).reshape(*choice.shape[:2], top_k * group, num_experts)
-    arrival = (jnp.cumsum(by_rank, axis=2) - 1).reshape(*choice.shape[:2], top_k, group, num_experts)
-    slot = jnp.sum(jnp.swapaxes(arrival, 2, 3) * choice, axis=3)  # a token picks an expert at most once
-    return Routing(logits=logits, probs=probs, chosen=jnp.sum(choice, axis=3),
-                   weights=jnp.sum(choice * top_probs[..., None], axis=3), slot=slot)
+    return Routing(logits=logits, probs=probs, experts=top_experts, weights=top_probs)
 
 
 def load_balancing_loss(routing: Routing) -> jax.Array:
@@ -291,39 +344,95 @@ def router_z_loss(routing: Routing) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(routing.logits, axis=-1) ** 2, axis=2)
 
 
+def grouped_swiglu(rows: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, *,
+                   spec: GroupedSpec = GroupedSpec()) -> jax.Array:
+    """The SwiGLU experts over exactly their rows (``models.common.ExpertCompute``): rows [m, embed],
+    int ``ids`` [m] (an id >= the experts held: no expert, a zero result), gate, up [experts, embed,
+    mlp], down [experts, mlp, embed] -> [m, embed], by ``spec``'s grouped-matmul kernel
+    (``models/grouped_matmul.py``: ``2 * m * embed * mlp`` FLOPs per matmul, plus the blocked
+    kernel's padding, for any number of experts). Each matmul's result is tagged ``CHECKPOINT_DOT``
+    (no batch dimension: ``RematPolicy.DOTS`` keeps it as a plain matmul's)."""
+    tagged = lambda y: checkpoint_name(y, CHECKPOINT_DOT)
+    if spec.kernel.resolve(jax.default_backend()) is GroupedKernel.RAGGED:
+        order = jnp.argsort(ids, stable=True)
+        sizes = jnp.bincount(ids, length=gate.shape[0]).astype(jnp.int32)  # ids past the experts: not counted
+        ordered = rows[order]
+        hidden = (jax.nn.silu(tagged(ragged_matmul(ordered, gate, sizes)))
+                  * tagged(ragged_matmul(ordered, up, sizes)))
+        out = tagged(ragged_matmul(checkpoint_name(hidden, "expert_hidden"), down, sizes))
+        return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+    layout = BlockLayout.of(ids, gate.shape[0], spec.block or auto_block(ids.shape[0], gate.shape[0]))
+    x = layout.gather(rows)
+    hidden = (jax.nn.silu(tagged(blocked_matmul(x, gate, layout.block_group)))
+              * tagged(blocked_matmul(x, up, layout.block_group)))
+    return layout.scatter(tagged(blocked_matmul(checkpoint_name(hidden, "expert_hidden"), down, layout.block_group)))
+
+
+EXPERT_PARAM_AXES = (("experts", "expert_embed", "expert_mlp"),) * 2 + (("experts", "expert_mlp", "expert_embed"),)
+
+
 class SparseMoE(nnx.Module):
-    """Router + ``num_experts`` SwiGLU experts, dispatched GShard-style (module docstring)."""
+    """Router + ``num_experts`` SwiGLU experts, dispatched as ``cfg.dispatch`` says (module docstring)."""
 
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         d, e, f = cfg.embed_dim, cfg.num_experts, cfg.expert_mlp_dim
         self.cfg = cfg
         self.router = logical_param(normal(rngs, (d, e), d ** -0.5), ("embed", "expert_logits"))
-        expert_in = ("experts", "expert_embed", "expert_mlp")
-        self.gate = logical_param(normal(rngs, (e, d, f), d ** -0.5), expert_in)
-        self.up = logical_param(normal(rngs, (e, d, f), d ** -0.5), expert_in)
+        self.gate = logical_param(normal(rngs, (e, d, f), d ** -0.5), EXPERT_PARAM_AXES[0])
+        self.up = logical_param(normal(rngs, (e, d, f), d ** -0.5), EXPERT_PARAM_AXES[1])
         self.down = logical_param(normal(rngs, (e, f, d), f ** -0.5 / math.sqrt(2 * cfg.num_layers)),
-                                  ("experts", "expert_mlp", "expert_embed"))
+                                  EXPERT_PARAM_AXES[2])
 
     def __call__(self, x: jax.Array, shard: ActivationSharding, dropless: bool = False
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x: [batch, length, embed] -> (y [batch, length, embed], this layer's statistics, each
         summed over the rows: ``load_balancing`` and ``z_loss`` (per-group losses averaged over
         the row's groups), ``expert_load`` [experts] (the fraction of the row's token choices each
-        expert was picked for) and ``dropped`` (the fraction of them dropped for capacity)).
-        ``dropless`` (generation) routes the call's tokens as one group with a slot for each, which
-        gives what any dropless grouping gives."""
+        expert was picked for), ``dropped`` (the fraction of them dropped for capacity) and
+        ``overflow`` (the fraction dropped by a full expert-exchange buffer)). ``dropless``
+        (generation) routes the call's tokens as one group and drops nothing, which gives what any
+        dropless grouping gives."""
         cfg = self.cfg
         rows, length, width = x.shape
         group = length if dropless else cfg.group_size or length
-        slots = group if dropless else cfg.slots(group)
         grouped = x.reshape(rows, length // group, group, width)
         logits = jnp.einsum("bnsd,de->bnse", grouped.astype(jnp.float32), self.router[...].astype(jnp.float32))
         routing = route(shard(logits, ("batch", None, None, "expert_logits")), cfg.top_k, cfg.norm_topk_prob)
-        kept = routing.chosen * (routing.slot < slots)
-        dispatch = (jax.nn.one_hot(routing.slot.astype(jnp.int32), slots, dtype=x.dtype)
-                    * kept[..., None].astype(x.dtype))
-        combine = dispatch * routing.weights[..., None].astype(x.dtype)  # [b, n, s, E, C]
-        # Batch-split, then experts-split: the reshard between them is the all-to-all.
+        dropped = overflow = jnp.zeros((), jnp.float32)
+        if cfg.dispatch is Dispatch.DROPLESS:
+            y, overflow = self._sorted(x, routing, shard)
+        else:
+            y, dropped = self._one_hot(grouped, routing, shard, group if dropless else cfg.slots(group))
+        choices = length * cfg.top_k
+        stats = {"load_balancing": jnp.sum(jnp.mean(load_balancing_loss(routing), axis=1)),
+                 "z_loss": jnp.sum(jnp.mean(router_z_loss(routing), axis=1)),
+                 "expert_load": jnp.sum(routing.chosen, axis=(0, 1, 2)) / choices,
+                 "dropped": dropped / choices, "overflow": overflow / choices}
+        return y.reshape(rows, length, width), stats
+
+    def _sorted(self, x: jax.Array, routing: Routing, shard: ActivationSharding) -> tuple[jax.Array, jax.Array]:
+        """DROPLESS: the framework takes each choice's row to its expert (``run_experts``), where
+        ``grouped_swiglu`` runs; the outputs are summed with the gate weights."""
+        rows, length, _ = x.shape
+        choices = routing.experts.reshape(rows, length, self.cfg.top_k)
+        params = (self.gate[...], self.up[...], self.down[...])
+        compute = functools.partial(grouped_swiglu, spec=self.cfg.grouped_spec)
+        out, dropped = shard.run_experts(compute, x, choices, params, EXPERT_PARAM_AXES,
+                                         self.cfg.exchange_buffer_factor)
+        weights = routing.weights.reshape(rows, length, self.cfg.top_k, 1).astype(x.dtype)
+        return jnp.sum(out * weights, axis=2), dropped.astype(jnp.float32)
+
+    def _one_hot(self, grouped: jax.Array, routing: Routing, shard: ActivationSharding, slots: int
+                 ) -> tuple[jax.Array, jax.Array]:
+        """ONEHOT and CAPACITY: ``slots`` per expert and group, one-hot dispatch and combine tensors
+        [batch, groups, group, experts, slots]; the experts' buffers batch-split, then experts-split
+        (the reshard between them is the all-to-all)."""
+        weights, slot = routing.slots()
+        chosen = routing.chosen
+        kept = chosen * (slot < slots)
+        dispatch = (jax.nn.one_hot(slot.astype(jnp.int32), slots, dtype=grouped.dtype)
+                    * kept[..., None].astype(grouped.dtype))
+        combine = dispatch * weights[..., None].astype(grouped.dtype)  # [b, n, s, E, C]
         expert_in = shard(matmul("bnsd,bnsec->ebncd", grouped, dispatch), ROW_AXES)
         expert_in = shard(expert_in, EXPERT_AXES)
         hidden = (jax.nn.silu(matmul("ebncd,edf->ebncf", expert_in, self.gate[...]))
@@ -331,13 +440,7 @@ class SparseMoE(nnx.Module):
         hidden = checkpoint_name(shard(hidden, ("experts", "expert_rows", None, None, "expert_mlp")), "expert_hidden")
         expert_out = shard(matmul("ebncf,efd->ebncd", hidden, self.down[...]), EXPERT_AXES)
         expert_out = shard(expert_out, ROW_AXES)
-        y = matmul("ebncd,bnsec->bnsd", expert_out, combine).reshape(rows, length, width)
-        choices = length * cfg.top_k
-        stats = {"load_balancing": jnp.sum(jnp.mean(load_balancing_loss(routing), axis=1)),
-                 "z_loss": jnp.sum(jnp.mean(router_z_loss(routing), axis=1)),
-                 "expert_load": jnp.sum(routing.chosen, axis=(0, 1, 2)) / choices,
-                 "dropped": jnp.sum(routing.chosen - kept) / choices}
-        return y, stats
+        return matmul("ebncd,bnsec->bnsd", expert_out, combine), jnp.sum(chosen - kept)
 
 
 class MoELayer(PreNormLayer):
@@ -374,7 +477,7 @@ class MoE(Decoder):
         ``loss`` = load_balancing_coef * (the layers' load-balancing losses, summed) + z_loss_coef
         * (their z-losses, summed); and, averaged over the model's layers (a module holding some of
         them gives their share), ``moe_load_balancing_loss``, ``moe_router_z_loss``,
-        ``moe_expert_load`` [experts] and ``moe_dropped_fraction``."""
+        ``moe_expert_load`` [experts], ``moe_dropped_fraction`` and ``moe_exchange_overflow``."""
         cfg = self.cfg
         x, stats = self._scan_layers(x, shard, documents)
         # Divided by the model's layer count, not this module's: pipeline stages' shares add up.
@@ -382,4 +485,5 @@ class MoE(Decoder):
         return x, {AUX_LOSS: cfg.load_balancing_coef * jnp.sum(stats["load_balancing"])
                    + cfg.z_loss_coef * jnp.sum(stats["z_loss"]),
                    "moe_load_balancing_loss": mean("load_balancing"), "moe_router_z_loss": mean("z_loss"),
-                   "moe_expert_load": mean("expert_load"), "moe_dropped_fraction": mean("dropped")}
+                   "moe_expert_load": mean("expert_load"), "moe_dropped_fraction": mean("dropped"),
+                   "moe_exchange_overflow": mean("overflow")}

@@ -1,0 +1,131 @@
+"""Expert parallelism for a sorted (grouped) dispatch: each token choice's row travels to the device
+holding its expert and its result travels back, in one ``shard_map`` over the whole mesh.
+
+On every device (its tokens ``[b, s]`` of the batch, its ``E / EP`` experts):
+
+1. the ``b * s * top_k`` choice rows are numbered within their destination peer (the expert's
+   rank over the expert-parallel mesh axes, row-major like the experts' split) and scattered
+   into a fixed buffer ``[EP, C, embed]``, ``C`` rows per peer;
+2. one ``all_to_all`` over the expert axes: each device receives the rows bound for its experts;
+3. the model's ``ExpertCompute`` runs its experts over exactly those rows (padding rows carry an
+   id past the local experts and cost nothing in the grouped matmuls), its result summed over the
+   mesh axes splitting the experts' hidden dimension (tensor parallelism);
+4. the reverse ``all_to_all``, and each choice reads its row back.
+
+``C`` is ``ceil(buffer_factor * b * s * top_k / EP)`` (at most ``b * s * top_k``); ``buffer_factor
+= 0`` gives the worst case, ``b * s * top_k``, with which no choice is ever dropped: every device
+receives ``EP`` buffers of that many rows. A choice past its peer's ``C`` rows is dropped (zero
+output) and counted. ``jax.lax.ragged_all_to_all`` would send each peer only its rows, but XLA:CPU
+does not implement it (``UNIMPLEMENTED: HLO opcode ragged-all-to-all``), so the buffers here are
+fixed.
+
+Inside a pipeline stage (``stage`` already manual) no nested ``shard_map`` compiles on a supported
+jax (docs/long_context.md), so there the model's compute runs on all rows and XLA partitions it as
+it can.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
+from models.common import ExpertCompute, LogicalAxes, choice_rows
+
+TOKEN_AXES: LogicalAxes = ("batch", "length")
+
+
+def expert_axes(rules: ShardingRules, mesh: Mesh, param_axes: LogicalAxes) -> tuple[str, ...]:
+    """The mesh axes (size > 1) splitting the experts (``param_axes[0]``) in compute."""
+    return tuple(a for a in mesh_axes_of(rules.activation_spec(param_axes[:1])[0]) if mesh.shape[a] > 1)
+
+
+def describe_exchange(rules: ShardingRules, mesh: Mesh, expert_axis: str) -> str | None:
+    """One line: how a sorted dispatch's rows reach the experts of logical axis ``expert_axis`` on
+    this mesh; None when the experts are not split (every device runs its own tokens' choices)."""
+    axes = expert_axes(rules, mesh, (expert_axis,))
+    if not axes:
+        return None
+    peers = math.prod(mesh.shape[a] for a in axes)
+    stages = (f"; inside the {mesh.shape['stage']} pipeline stages XLA partitions them (no exchange)"
+              if mesh.shape.get("stage", 1) > 1 else "")
+    return (f"experts: split {peers} ways over {list(axes)}; a sorted dispatch's rows travel by all-to-all of "
+            f"fixed per-peer buffers (no ragged all-to-all){stages}")
+
+
+def exchange_rows(choices: int, peers: int, buffer_factor: float) -> int:
+    """Rows per peer buffer for ``choices`` token choices on a device (module docstring)."""
+    if buffer_factor == 0:
+        return choices
+    return min(choices, math.ceil(buffer_factor * choices / peers))
+
+
+def run_experts(compute: ExpertCompute, x: jax.Array, choices: jax.Array, params: tuple[jax.Array, ...],
+                param_axes: tuple[LogicalAxes, ...], buffer_factor: float, *, rules: ShardingRules,
+                mesh: Mesh) -> tuple[jax.Array, jax.Array]:
+    """``models.common.ActivationSharding.run_experts`` on ``mesh`` under ``rules`` (module docstring)."""
+    top_k, width = choices.shape[-1], x.shape[-1]
+    if not jax.sharding.get_abstract_mesh().empty:  # inside a pipeline stage
+        out = compute(choice_rows(x, top_k), choices.reshape(-1), *params)
+        return out.reshape(*choices.shape, width), jnp.zeros((), jnp.int32)
+    specs = [rules.activation_spec(axes) for axes in param_axes]
+    hidden = []  # size-1 axes too: the values vary over every axis named
+    for axes, spec in zip(param_axes, specs):
+        for dim in range(1, len(axes)):
+            if axes[dim] != param_axes[-1][1] and any(mesh.shape[a] > 1 for a in mesh_axes_of(spec[dim])):
+                raise ConfigError(f"sharding.rules.{axes[dim]}", "the experts' input width cannot be split under "
+                                  "the sorted dispatch (split their hidden dimension, or the experts)")
+            hidden += [a for a in mesh_axes_of(spec[dim]) if a not in hidden]
+    experts = mesh_axes_of(specs[0][0])  # size-1 axes too: the values vary over every axis named
+    token_spec = rules.activation_spec(TOKEN_AXES)
+    token_axes = tuple(a for entry in token_spec for a in mesh_axes_of(entry))
+    if not set(expert_axes(rules, mesh, param_axes[0])) <= {a for a in token_axes if mesh.shape[a] > 1}:
+        raise ConfigError(f"sharding.rules.{param_axes[0][0]}", f"the experts split over {experts} must be "
+                          f"computed where the tokens are split (over {list(token_axes)})")
+    peers = math.prod(mesh.shape[a] for a in experts)
+
+    def body(x: jax.Array, choices: jax.Array, *params: jax.Array) -> tuple[jax.Array, jax.Array]:
+        rows, ids = choice_rows(x, top_k), choices.reshape(-1)
+        dropped = jnp.zeros((), jnp.int32)
+        if peers == 1:
+            out = compute(rows, ids, *params)
+            if hidden:
+                out = jax.lax.psum(out, tuple(hidden))
+        else:
+            out, dropped = _exchange(compute, rows, ids, params, experts, peers, buffer_factor, tuple(hidden))
+        if token_axes:
+            dropped = jax.lax.psum(dropped, token_axes)
+        return out.reshape(*choices.shape, width), dropped
+
+    tokens = PartitionSpec(*token_spec, None)
+    return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, *specs),
+                         out_specs=(PartitionSpec(*token_spec, None, None), PartitionSpec()))(x, choices, *params)
+
+
+def _exchange(compute: ExpertCompute, rows: jax.Array, ids: jax.Array, params: tuple[jax.Array, ...],
+              axes: tuple[str, ...], peers: int, buffer_factor: float, hidden: tuple[str, ...]
+              ) -> tuple[jax.Array, jax.Array]:
+    """One device's rows [m, embed] for experts ``ids`` [m] -> (their outputs [m, embed], zero where
+    dropped; the number dropped), through the peers' experts (steps 1-4 of the module docstring)."""
+    m, width = rows.shape
+    local = params[0].shape[0]  # experts per device
+    capacity = exchange_rows(m, peers, buffer_factor)
+    peer, local_ids = ids // local, ids % local
+    order = jnp.argsort(peer, stable=True)
+    starts = jnp.cumsum(jnp.bincount(peer, length=peers)) - jnp.bincount(peer, length=peers)
+    position = jnp.zeros(m, jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32) - starts[peer[order]])
+    kept = position < capacity
+    slot = jnp.where(kept, peer * capacity + position, peers * capacity)  # past the buffer: dropped
+    send = jnp.zeros((peers * capacity, width), rows.dtype).at[slot].set(rows, mode="drop")
+    send_ids = jnp.full((peers * capacity,), local, ids.dtype).at[slot].set(local_ids, mode="drop")
+    exchange = lambda a: jax.lax.all_to_all(a.reshape(peers, capacity, *a.shape[1:]), axes, 0, 0).reshape(a.shape)
+    out = compute(exchange(send), exchange(send_ids), *params)
+    if hidden:
+        out = jax.lax.psum(out, hidden)
+    back = exchange(out)
+    gathered = jnp.take(back, jnp.minimum(slot, peers * capacity - 1), axis=0)
+    return jnp.where(kept[:, None], gathered, 0), jnp.sum(~kept).astype(jnp.int32)

@@ -1,0 +1,166 @@
+"""Grouped matmuls: rows [m, in], each belonging to one group (an expert), times their group's
+weights [groups, in, out], at the cost of the rows that exist (not ``groups`` times it).
+
+Two kernels (``GroupedKernel``):
+
+* ``ragged``: ``jax.lax.ragged_dot`` over the rows sorted by group, forward and both backward
+  products. Where the backend has a grouped GEMM (TPU) this is it; XLA:CPU expands it into a
+  dense masked product over every group (``groups`` times the FLOPs and a ``[groups, m, in]``
+  temporary: 355 MB against capacity mode's 55 MB on the 128-expert step of
+  tests/test_moe_dispatch.py).
+* ``blocked``: the rows sorted by group into ``[blocks, block, in]``, each group's rows padded to a
+  whole number of blocks (``BlockLayout``), then one ``[block, in] x [in, out]`` matmul per block
+  with its group's weights, in a scan (``blocked_matmul``, whose backward is written out so that
+  the weight gradient accumulates in place instead of as one weight-sized cotangent per block).
+  The work is ``blocks * block`` rows, at most ``m + groups * (block - 1)``; memory is the padded
+  rows only.
+
+``GroupedKernel.AUTO`` is ``ragged`` on TPUs and ``blocked`` elsewhere (on GPUs XLA's ragged_dot is
+reported to expand like XLA:CPU's; scripts/gpu_check.sh times both there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+
+
+class GroupedKernel(str, enum.Enum):
+    """``model.grouped_matmul``: which kernel runs the experts' grouped matmuls (module docstring)."""
+
+    AUTO = "auto"
+    RAGGED = "ragged"
+    BLOCKED = "blocked"
+
+    def resolve(self, platform: str) -> GroupedKernel:
+        """The kernel that runs on ``platform`` ("cpu", "gpu", "tpu")."""
+        if self is GroupedKernel.AUTO:
+            return GroupedKernel.RAGGED if platform == "tpu" else GroupedKernel.BLOCKED
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedSpec:
+    """The kernel, and the blocked kernel's rows per block (0: ``auto_block``)."""
+
+    kernel: GroupedKernel = GroupedKernel.AUTO
+    block: int = 0
+
+
+def auto_block(rows: int, groups: int) -> int:
+    """Rows per block for ``rows`` rows in ``groups`` groups: the largest power of two at most
+    ``rows / (8 * groups)`` (padding then adds at most 1/8 to the rows), within [8, 512]."""
+    block = 8
+    while block * 2 <= min(512, rows / (8 * groups)):
+        block *= 2
+    return block
+
+
+def _dot(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
+    """``einsum(equation)`` summed in fp32, in ``x``'s dtype."""
+    return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _varying_axes(value: jax.Array) -> set[str]:
+    aval = jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)
+    return set(manual.varying) if manual is not None else set(getattr(aval, "vma", ()))
+
+
+def _varying_as(value: jax.Array, *references: jax.Array) -> jax.Array:
+    """``value`` made varying over every manual mesh axis the ``references`` vary over (inside a
+    ``shard_map``; its transpose sums the gradient over them), else unchanged."""
+    missing = sorted({a for r in references for a in _varying_axes(r)} - _varying_axes(value))
+    return jax.lax.pcast(value, tuple(missing), to="varying") if missing else value
+
+
+def _summed_as(value: jax.Array, reference: jax.Array) -> jax.Array:
+    """``value`` summed over the manual mesh axes it varies over and ``reference`` does not."""
+    extra = tuple(sorted(_varying_axes(value) - _varying_axes(reference)))
+    return jax.lax.psum(value, extra) if extra else value
+
+
+@jax.custom_vjp
+def blocked_matmul(x: jax.Array, w: jax.Array, block_group: jax.Array) -> jax.Array:
+    """x [blocks, block, in], w [groups, in, out], int ``block_group`` [blocks] -> [blocks, block,
+    out]: each block times its group's weights, summed in fp32, in x's dtype."""
+    return jax.lax.scan(lambda _, xs: (None, _dot(xs[0], w[xs[1]], "bi,io->bo")), None, (x, block_group))[1]
+
+
+def _blocked_forward(x, w, block_group):
+    return blocked_matmul(x, w, block_group), (x, w, block_group)
+
+
+def _blocked_backward(residuals, dy):
+    x, w, block_group = residuals
+
+    def step(dw, xs):
+        xb, dyb, group = xs
+        dw = dw.at[group].add(jnp.einsum("bi,bo->io", xb, dyb, preferred_element_type=jnp.float32))
+        return dw, _dot(dyb, w[group], "bo,io->bi")
+
+    dw, dx = jax.lax.scan(step, _varying_as(jnp.zeros(w.shape, jnp.float32), x, dy, w), (x, dy, block_group))
+    # Inside a shard_map each cotangent is summed over the axes its primal is the same on.
+    return _summed_as(dx, x), _summed_as(dw, w).astype(w.dtype), None
+
+
+blocked_matmul.defvjp(_blocked_forward, _blocked_backward)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class BlockLayout:
+    """Where each of m rows sits in a ``[blocks, block, width]`` buffer sorted by group.
+
+    slot: int [m], the row's index in the flattened buffer (``blocks * block`` for a row of no
+    group: an id >= groups). block_group: int [blocks], the group of each block (blocks past the
+    used ones hold zero rows and name the last group).
+    """
+
+    slot: jax.Array
+    block_group: jax.Array
+    block: int = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def of(cls, ids: jax.Array, groups: int, block: int) -> BlockLayout:
+        """The layout of rows whose groups are ``ids`` [m] (ids >= ``groups``: no group)."""
+        m = ids.shape[0]
+        blocks = (m + groups * (block - 1)) // block  # sum over groups of ceil(size / block), at most
+        sizes = jnp.bincount(ids, length=groups)
+        per_group = -(-sizes // block)
+        first_block = jnp.cumsum(per_group) - per_group
+        first_row = jnp.cumsum(sizes) - sizes
+        order = jnp.argsort(ids, stable=True)
+        ordered = ids[order]
+        group = jnp.minimum(ordered, groups - 1)
+        rank = jnp.arange(m) - first_row[group]
+        slot_sorted = jnp.where(ordered < groups, first_block[group] * block + rank, blocks * block)
+        slot = jnp.zeros(m, jnp.int32).at[order].set(slot_sorted.astype(jnp.int32), unique_indices=True)
+        # The last group starting at or before each block (groups of no blocks start where the next does).
+        starts = jnp.zeros(blocks, jnp.int32).at[first_block].add(1, mode="drop")
+        block_group = jnp.clip(jnp.cumsum(starts) - 1, 0, groups - 1).astype(jnp.int32)
+        return cls(slot=slot, block_group=block_group, block=block)
+
+    @property
+    def blocks(self) -> int:
+        return self.block_group.shape[0]
+
+    def gather(self, rows: jax.Array) -> jax.Array:
+        """rows [m, width] -> the buffer [blocks, block, width] (padding rows zero)."""
+        buffer = jnp.zeros((self.blocks * self.block, rows.shape[-1]), rows.dtype)
+        return buffer.at[self.slot].set(rows, mode="drop").reshape(self.blocks, self.block, -1)
+
+    def scatter(self, buffer: jax.Array) -> jax.Array:
+        """The buffer [blocks, block, width] -> rows [m, width] (zero for a row of no group)."""
+        flat = buffer.reshape(self.blocks * self.block, -1)
+        found = jnp.take(flat, jnp.minimum(self.slot, flat.shape[0] - 1), axis=0)
+        return jnp.where((self.slot < flat.shape[0])[:, None], found, 0)
+
+
+def ragged_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """rows [m, in] sorted by group, w [groups, in, out], ``group_sizes`` [groups] -> [m, out]
+    (``jax.lax.ragged_dot``, summed in fp32, in the rows' dtype; rows past the sizes' sum: zero)."""
+    return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=jnp.float32).astype(rows.dtype)
