@@ -256,8 +256,9 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
         queries = model.seq_len // cp
         keys = min(spec.block, queries) * min(spec.block, model.seq_len) / queries
     # Inside pipeline stages XLA partitions the experts (no exchange: meshtrain/parallel/experts.py).
-    experts = 1 if stages > 1 else math.prod(
-        mesh[a] for axis in layout.expert_axes for a in mesh_axes_of(layout.rules.activation_spec((axis,))[0]))
+    expert_mesh_axes = [a for axis in layout.expert_axes
+                        for a in mesh_axes_of(layout.rules.activation_spec((axis,))[0]) if mesh[a] > 1]
+    experts = 1 if stages > 1 else math.prod(mesh[a] for a in expert_mesh_axes)
     saved, working = family.activation_bytes(model, mesh["tensor"], candidate.remat, compute_bytes, sp, keys, experts)
     est.activations = round(layers_here * tokens * saved)
     table = _schedule_table(layout)
@@ -327,6 +328,13 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
                                                 * model.seq_len * model.embed_dim * compute_bytes)
     if mesh["data"] > 1:
         comm["data"] = grad_accum * 2 * ring(mesh["data"]) * data_reduced * FP32
+    if experts > 1 and family.exchange_bytes is not None:
+        # Expert parallelism: the rows to the experts and the results back per layer forward, their
+        # transposes backward, the forward's again to recompute; on the outermost axis it spans.
+        count = 4 + (2 if candidate.remat is RematPolicy.FULL else 0)
+        axis = next(a for a in LAYOUT_ORDER if a in expert_mesh_axes)
+        comm[axis] = comm.get(axis, 0.0) + (model.num_layers * count * ring(experts) * local_tokens_step
+                                            * family.exchange_bytes(model, experts, compute_bytes))
     if table is not None:
         # Per tick one activation forward, one gradient back; per head the reduce-scatter of the
         # last stage's output and the all-gather of its gradient.

@@ -233,6 +233,9 @@ class ModelFamily:
         positions, ``block^2 / (seq_len / ring size)``); ``experts``: how many ways expert
         parallelism splits the experts of role EXPERT over the devices holding the tokens (1: none).
       hf: the Hugging Face adapter, or None when the family has none.
+      exchange_bytes: ``(cfg, experts, compute_bytes) -> bytes`` per token and layer that one
+        exchange of expert parallelism sends from a device (the token rows bound for the experts),
+        ``experts`` being the EP size; None for a family without experts.
       alerts: statistics of ``run_layers`` that should stay 0, each with what to do when one does
         not (the run warns once, in one line, at the first logged step where it is positive).
     """
@@ -245,6 +248,7 @@ class ModelFamily:
     recompute_flops_per_token: Callable[[Any, RematPolicy], float]
     activation_bytes: Callable[[Any, int, RematPolicy, int, int, float | None, int], tuple[float, float]]
     hf: HFAdapter | None = None
+    exchange_bytes: Callable[[Any, int, int], float] | None = None
     alerts: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):

@@ -2,8 +2,8 @@
 
 from models.api import AxisRole, ModelFamily, register
 from models.moe.hf import MoEHF
-from models.moe.model import (CHECKPOINT_NAMES, Dispatch, MoE, MoEConfig, activation_bytes, flops_per_token,
-                              recompute_flops_per_token)
+from models.moe.model import (CHECKPOINT_NAMES, Dispatch, MoE, MoEConfig, activation_bytes, exchange_bytes,
+                              flops_per_token, recompute_flops_per_token)
 
 FAMILY = register(ModelFamily(
     name="moe", config_class=MoEConfig, model_class=MoE,
@@ -12,7 +12,7 @@ FAMILY = register(ModelFamily(
                 "expert_mlp": AxisRole.TENSOR, "expert_logits": AxisRole.REPLICATED,
                 "expert_rows": AxisRole.EXPERT_ROWS},
     flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops_per_token,
-    activation_bytes=activation_bytes, hf=MoEHF(),
+    activation_bytes=activation_bytes, hf=MoEHF(), exchange_bytes=exchange_bytes,
     alerts={"moe_exchange_overflow": "token choices were dropped by a full expert-exchange buffer; raise "
                                      "model.exchange_buffer_factor (0: buffers for the worst case, never dropping)"}))
 

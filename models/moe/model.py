@@ -239,6 +239,20 @@ def activation_bytes(cfg: MoEConfig, tensor: int, remat: RematPolicy, compute_by
     return saved, working
 
 
+def exchange_bytes(cfg: MoEConfig, experts: int, compute_bytes: int) -> float:
+    """Bytes per token and layer one exchange sends from a device under expert parallelism of
+    ``experts`` (``ModelFamily.exchange_bytes``): the sorted dispatch's ``top_k * X`` rows
+    (``_sorted_terms``), the one-hot dispatches' ``E * C / group`` expert slots, of embed wide each."""
+    if experts == 1:
+        return 0.0
+    if cfg.dispatch is Dispatch.DROPLESS:
+        rows = cfg.top_k * (cfg.exchange_buffer_factor or experts)
+    else:
+        group = cfg.group_size or cfg.seq_len
+        rows = cfg.num_experts * cfg.slots(group) / group
+    return rows * cfg.embed_dim * compute_bytes
+
+
 def _one_hot_terms(cfg: MoEConfig, tensor: int) -> tuple[float, float, float, float]:
     """The one-hot dispatches' (kept under ``none``, kept under ``dots``, held by one layer's
     backward) vectors per token, and the router's fp32 bytes per token. Units: ``E * C`` (one row of
