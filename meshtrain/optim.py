@@ -1,16 +1,19 @@
-"""AdamW with linear warmup, cosine decay, global-norm clipping and a weight-decay mask."""
+"""AdamW with linear warmup, cosine decay, global-norm clipping and a weight-decay mask; sign descent
+for a model's ``SignDescent`` variables."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
 from meshtrain.errors import ConfigError
-from models.common import logical_axes_of
+from models.common import SignDescent, logical_axes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +68,37 @@ def weight_decay_mask(abstract_params: nnx.State) -> nnx.State:
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int,
                    abstract_params: nnx.State) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The AdamW transformation (clipping first) and its learning-rate schedule."""
+    """The AdamW transformation (clipping first) and its learning-rate schedule; the model's
+    ``SignDescent`` variables, if any, move by their rate times the sign of their gradient instead."""
     schedule = learning_rate_schedule(cfg, total_steps)
     tx = optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else optax.identity(),
         optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                     mask=weight_decay_mask(abstract_params)),
     )
-    return tx, schedule
+    rates = sign_descent_rates(abstract_params)
+    return (with_sign_descent(tx, rates) if any(jax.tree.leaves(rates)) else tx), schedule
+
+
+def sign_descent_rates(abstract_params: nnx.State) -> Any:
+    """Per variable of ``abstract_params``: its rate if it is a ``SignDescent`` variable, else 0."""
+    return jax.tree.map(lambda v: v.get_metadata()["rate"] if isinstance(v, SignDescent) else 0.0,
+                        abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def descended_gradients(grads: nnx.State, rates: Any) -> nnx.State:
+    """``grads`` with the ``SignDescent`` variables' (``rates`` > 0) set to zero: what the optimizer
+    proper (and the gradient norm) sees."""
+    return jax.tree.map(lambda rate, g: g.replace(jnp.zeros_like(g.get_value())) if rate else g, rates, grads)
+
+
+def with_sign_descent(inner: optax.GradientTransformation, rates: Any) -> optax.GradientTransformation:
+    """``inner`` on every variable but the ``SignDescent`` ones (their gradients zeroed for it, so
+    that clipping and the moments never see them), which move by ``-rate * sign(gradient)``."""
+
+    def update(updates, state, params=None):
+        inner_updates, state = inner.update(descended_gradients(updates, rates), state, params)
+        signed = lambda rate, u, g: u.replace(-rate * jnp.sign(g.get_value())) if rate else u
+        return jax.tree.map(signed, rates, inner_updates, updates), state
+
+    return optax.GradientTransformation(inner.init, update)

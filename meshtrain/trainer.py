@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
 from meshtrain.loss import Objective, cross_entropy_sum
-from meshtrain.optim import OptimizerConfig, make_optimizer
+from meshtrain.optim import OptimizerConfig, descended_gradients, make_optimizer, sign_descent_rates
 from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_microbatches
 from meshtrain.parallel.offload import DEVICE, HOST, check_host_memory, with_memory_kind
 from meshtrain.parallel.layout import Layout
@@ -70,6 +70,7 @@ class Trainer:
                                                                                    specs.optimizer)))
         self.param_shardings = self.state_layout.params
         self.tx, self.schedule = make_optimizer(optimizer, layout.train.steps, self.abstract_params)
+        self.sign_rates = sign_descent_rates(self.abstract_params)
         replicated = NamedSharding(mesh, PartitionSpec())
         abstract_opt_state = jax.eval_shape(self.tx.init, self.abstract_params)
         # Where the optimizer state is updated (device memory) and where it rests between steps.
@@ -214,7 +215,7 @@ class Trainer:
         moment is finite (the loop never saves a state without it; docs/checkpoints.md).
         """
         loss, grads, target_count, statistics = self.gradients(state, batch)
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = optax.tree.norm(descended_gradients(grads, self.sign_rates))
         inputs_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         old_opt_state = jax.device_put(state.opt_state, self.optimizer_compute_shardings)
 

@@ -174,6 +174,20 @@ class Unconstrained:
 unconstrained = Unconstrained()
 
 
+class SignDescent(nnx.Variable):
+    """A model variable the framework's optimizer moves by ``rate * sign(gradient)`` downhill each
+    step (``rate``: the variable's metadata) instead of by AdamW: never clipped, decayed or counted
+    in the gradient norm. The model makes its gradient the direction it should move (models/moe's
+    routing bias: an expert's load above the mean)."""
+
+
+def sign_descent_variable(value: jax.Array, axes: LogicalAxes, rate: float) -> SignDescent:
+    """A ``SignDescent`` variable annotated with logical axes (as ``logical_param``)."""
+    if len(axes) != value.ndim:
+        raise ValueError(f"logical axes {axes} do not match a value of shape {value.shape}")
+    return SignDescent(value, rate=rate, out_sharding=axes, eager_sharding=False)
+
+
 def logical_param(value: jax.Array, axes: LogicalAxes) -> nnx.Param:
     """A parameter annotated with logical axis names (one per dimension).
 

@@ -32,7 +32,7 @@ import dataclasses
 from models.api import LAYERS_KEY, TensorSpec
 from models.common import InvalidField
 from models.llama.hf import LAYER_TENSORS, LlamaHF
-from models.moe.model import Dispatch, MoEConfig
+from models.moe.model import Dispatch, MoEConfig, RouterScore
 
 _ATTENTION_TENSORS = {path: spec for path, spec in LAYER_TENSORS.items() if path[0] != "mlp"}
 _QK_NORM_TENSORS = {
@@ -125,6 +125,12 @@ class MoEHF(LlamaHF):
         if cfg.shared_mlp_dim:
             raise InvalidField("shared_mlp_dim", f"is {cfg.shared_mlp_dim}; neither MixtralForCausalLM nor "
                                "Qwen3MoeForCausalLM has shared experts (only 0 can be written as Hugging Face)")
+        if cfg.bias_update_rate:
+            raise InvalidField("bias_update_rate", f"is {cfg.bias_update_rate}; neither MixtralForCausalLM nor "
+                               "Qwen3MoeForCausalLM has a routing bias (only 0 can be written as Hugging Face)")
+        if cfg.router_score is not RouterScore.SOFTMAX:
+            raise InvalidField("router_score", f"is {cfg.router_score.value}; MixtralForCausalLM and "
+                               "Qwen3MoeForCausalLM score experts by softmax (only softmax can be written)")
         if not (cfg.qk_norm or cfg.norm_topk_prob):
             raise InvalidField("norm_topk_prob", "is false, which MixtralForCausalLM cannot express (it always "
                                "renormalises the top-k weights); Qwen3MoeForCausalLM can, but needs qk_norm: true")

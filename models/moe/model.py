@@ -13,6 +13,7 @@ Parameters (logical axes in brackets, ``layers`` leading every per-layer paramet
     layers.attention.query_norm.scale, key_norm.scale   [layers, head_dim]   (qk_norm only)
     layers.mlp_norm.scale     [layers, embed]
     layers.moe.router         [layers, embed, expert_logits]               replicated, run in fp32
+    layers.moe.routing_bias   [layers, expert_logits]   (bias_update_rate > 0 only; SignDescent, no gradient)
     layers.moe.gate, .up      [layers, experts, expert_embed, expert_mlp]  experts split by EP
     layers.moe.down           [layers, experts, expert_mlp, expert_embed]
     layers.shared.gate, .up   [layers, embed, mlp]    (shared_mlp_dim > 0 only)
@@ -20,9 +21,12 @@ Parameters (logical axes in brackets, ``layers`` leading every per-layer paramet
     final_norm.scale          [embed]
     head                      [embed, vocab]  (absent when tied)
 
-Routing (``Router``): fp32 logits, softmax over all experts, the ``top_k`` largest probabilities
-as gate weights, renormalised to sum to 1 when ``norm_topk_prob`` (Mixtral always; Qwen3-MoE by
-its config).
+Routing (``route``): fp32 logits, scored by a softmax over all experts (or each expert's sigmoid,
+DeepSeek-V3's, ``router_score``), the ``top_k`` best scores as gate weights, renormalised to sum
+to 1 when ``norm_topk_prob`` (Mixtral always; Qwen3-MoE by its config). With ``bias_update_rate``
+> 0 the choice (not the weights) adds a per-expert bias to the scores, which the optimizer moves by
+that rate each step towards the mean load: down for an expert chosen more than the mean, up for
+one chosen less (auxiliary-loss-free balancing).
 
 Dispatch (GShard): the tokens of each row are cut into groups of ``group_size`` positions (0: the
 whole row), so what a token meets depends on the data, never on the mesh. In each group expert
@@ -62,7 +66,8 @@ from models.grouped_matmul import (BlockLayout, GroupedKernel, GroupedSpec, auto
 from models.blocks import (BLOCK_CHECKPOINT_NAMES, Attention, AttentionKernel, Decoder, PreNormLayer, RMSNorm,
                            RopeScalingConfig, SwiGLU, check_attention_fields, normal, score_bytes)
 from models.common import (CHECKPOINT_DOT, ActivationSharding, InvalidField, RematPolicy, coerce_enums,
-                           logical_param, matmul, palm_train_flops_per_token, unconstrained)
+                           logical_param, matmul, palm_train_flops_per_token, sign_descent_variable,
+                           unconstrained)
 
 # Activations a NAMED remat policy may keep: the blocks', and the experts' hidden units.
 CHECKPOINT_NAMES = BLOCK_CHECKPOINT_NAMES + ("expert_hidden",)
@@ -88,6 +93,15 @@ class Dispatch(str, enum.Enum):
     CAPACITY = "capacity"
 
 
+class RouterScore(str, enum.Enum):
+    """How router logits become expert scores. SOFTMAX: over all experts (Mixtral, Qwen3-MoE).
+    SIGMOID: each expert's own (DeepSeek-V3), the chosen ones' renormalised to sum to 1 as gate
+    weights, and the whole row's for the load-balancing loss."""
+
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Shape, routing and execution options of a mixture-of-experts decoder."""
@@ -103,6 +117,10 @@ class MoEConfig:
     expert_mlp_dim: int = 32
     shared_mlp_dim: int = 0  # hidden size of the shared experts (0: none)
     norm_topk_prob: bool = True
+    router_score: RouterScore = RouterScore.SOFTMAX
+    # Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the scores for the top-k
+    # choice only, moved by this much per step against each expert's load above the mean (0: none).
+    bias_update_rate: float = 0.0
     qk_norm: bool = False
     dispatch: Dispatch = Dispatch.DROPLESS
     capacity_factor: float = 1.25
@@ -138,6 +156,9 @@ class MoEConfig:
             raise InvalidField("shared_mlp_dim", f"must be >= 0 (0: no shared experts), got {self.shared_mlp_dim}")
         if not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
             raise InvalidField("capacity_factor", f"must be a finite number > 0, got {self.capacity_factor}")
+        if not (self.bias_update_rate >= 0 and math.isfinite(self.bias_update_rate)):
+            raise InvalidField("bias_update_rate", f"must be a finite number >= 0 (0: no routing bias), "
+                               f"got {self.bias_update_rate}")
         if self.expert_block < 0:
             raise InvalidField("expert_block", f"must be >= 0 (0: chosen from the rows), got {self.expert_block}")
         if not (self.exchange_buffer_factor >= 0 and math.isfinite(self.exchange_buffer_factor)):
@@ -337,13 +358,19 @@ class Routing:
         return jnp.sum(choice * self.weights[..., None], axis=3), slot
 
 
-def route(logits: jax.Array, top_k: int, norm_topk_prob: bool) -> Routing:
-    """Top-k routing of fp32 ``logits`` [batch, groups, group, experts] (see ``Routing``)."""
-    probs = jax.nn.softmax(logits, axis=-1)
-    top_probs, top_experts = jax.lax.top_k(probs, top_k)  # [b, n, s, k]
+def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, score: RouterScore = RouterScore.SOFTMAX,
+          bias: jax.Array | None = None) -> Routing:
+    """Top-k routing of fp32 ``logits`` [batch, groups, group, experts] (see ``Routing``): the
+    experts chosen by their scores plus ``bias`` [experts] (no gradient through it), their gate
+    weights the scores alone, renormalised to sum to 1 when ``norm_topk_prob``."""
+    scores = jax.nn.softmax(logits, axis=-1) if score is RouterScore.SOFTMAX else jax.nn.sigmoid(logits)
+    selection = scores if bias is None else scores + jax.lax.stop_gradient(bias).astype(scores.dtype)
+    top_experts = jax.lax.top_k(selection, top_k)[1]  # [b, n, s, k]
+    top_scores = jnp.take_along_axis(scores, top_experts, axis=-1)
     if norm_topk_prob:
-        top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
-    return Routing(logits=logits, probs=probs, experts=top_experts, weights=top_probs)
+        top_scores = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
+    probs = scores if score is RouterScore.SOFTMAX else scores / jnp.sum(scores, axis=-1, keepdims=True)
+    return Routing(logits=logits, probs=probs, experts=top_experts, weights=top_scores)
 
 
 def load_balancing_loss(routing: Routing) -> jax.Array:
@@ -396,6 +423,8 @@ class SparseMoE(nnx.Module):
         self.up = logical_param(normal(rngs, (e, d, f), d ** -0.5), EXPERT_PARAM_AXES[1])
         self.down = logical_param(normal(rngs, (e, f, d), f ** -0.5 / math.sqrt(2 * cfg.num_layers)),
                                   EXPERT_PARAM_AXES[2])
+        self.routing_bias = (sign_descent_variable(jnp.zeros((e,), jnp.float32), ("expert_logits",),
+                                                   cfg.bias_update_rate) if cfg.bias_update_rate > 0 else None)
 
     def __call__(self, x: jax.Array, shard: ActivationSharding, dropless: bool = False
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -411,7 +440,9 @@ class SparseMoE(nnx.Module):
         group = length if dropless else cfg.group_size or length
         grouped = x.reshape(rows, length // group, group, width)
         logits = jnp.einsum("bnsd,de->bnse", grouped.astype(jnp.float32), self.router[...].astype(jnp.float32))
-        routing = route(shard(logits, ("batch", None, None, "expert_logits")), cfg.top_k, cfg.norm_topk_prob)
+        bias = None if self.routing_bias is None else self.routing_bias[...]
+        routing = route(shard(logits, ("batch", None, None, "expert_logits")), cfg.top_k, cfg.norm_topk_prob,
+                        cfg.router_score, bias)
         dropped = overflow = jnp.zeros((), jnp.float32)
         if cfg.dispatch is Dispatch.DROPLESS:
             y, overflow = self._sorted(x, routing, shard)
@@ -421,7 +452,14 @@ class SparseMoE(nnx.Module):
         stats = {"load_balancing": jnp.sum(jnp.mean(load_balancing_loss(routing), axis=1)),
                  "z_loss": jnp.sum(jnp.mean(router_z_loss(routing), axis=1)),
                  "expert_load": jnp.sum(routing.chosen, axis=(0, 1, 2)) / choices,
-                 "dropped": dropped / choices, "overflow": overflow / choices}
+                 "dropped": dropped / choices, "overflow": overflow / choices,
+                 "bias_direction": jnp.zeros((), jnp.float32)}
+        if bias is not None:
+            # Zero in value; its gradient, each expert's load above the mean summed over the rows, is
+            # the direction the optimizer's sign descent moves the bias against (``SignDescent``).
+            load = jnp.sum(routing.chosen, axis=(1, 2)) / choices  # [batch, experts]
+            excess = jax.lax.stop_gradient(load - 1.0 / cfg.num_experts)
+            stats["bias_direction"] = jnp.sum(excess * (bias - jax.lax.stop_gradient(bias)))
         return y.reshape(rows, length, width), stats
 
     def _sorted(self, x: jax.Array, routing: Routing, shard: ActivationSharding) -> tuple[jax.Array, jax.Array]:
@@ -497,7 +535,7 @@ class MoE(Decoder):
         # Divided by the model's layer count, not this module's: pipeline stages' shares add up.
         mean = lambda name: jnp.sum(stats[name], axis=0) / cfg.num_layers
         return x, {AUX_LOSS: cfg.load_balancing_coef * jnp.sum(stats["load_balancing"])
-                   + cfg.z_loss_coef * jnp.sum(stats["z_loss"]),
+                   + cfg.z_loss_coef * jnp.sum(stats["z_loss"]) + jnp.sum(stats["bias_direction"]),
                    "moe_load_balancing_loss": mean("load_balancing"), "moe_router_z_loss": mean("z_loss"),
                    "moe_expert_load": mean("expert_load"), "moe_dropped_fraction": mean("dropped"),
                    "moe_exchange_overflow": mean("overflow")}
