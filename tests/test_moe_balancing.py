@@ -17,8 +17,10 @@ import pytest
 
 from meshtrain.config import load_config
 from meshtrain.data import DataConfig, global_batch, make_dataset
+from meshtrain.loop import train
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from models.moe.model import RouterScore, route
+from test_checkpoint import restore
 from test_moe import MOE, _assert_matches, _trainer
 from utils import loss_grads_and_statistics, relative_l2, trainer_of_config
 
@@ -103,3 +105,19 @@ def test_the_sigmoid_router_chooses_by_score_plus_bias_and_weighs_by_score():
     np.testing.assert_allclose(routing.weights[0, 0, 0], scores[jnp.array([2, 0])] / (scores[2] + scores[0]),
                                rtol=1e-6)
     np.testing.assert_allclose(routing.probs[0, 0, 0], scores / scores.sum(), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_bias_is_checkpointed_and_restored_onto_another_mesh(tmp_path):
+    """Three steps of configs/moe_tiny.yaml with the bias on EP 4 x TP 2, saved; restored there and
+    onto EP 8 (fsdp 8): the same, moved bias."""
+    common = ["model.dispatch=dropless", "model.bias_update_rate=0.01", "train.steps=3", "train.log_every=1",
+              "run.tensorboard=false", f"run.dir={tmp_path}", "checkpoint.every=3"]
+    cfg = load_config(REPO / "configs/moe_tiny.yaml", common)
+    train(cfg)
+    restored = {}
+    for name, mesh in (("saved on", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+                       ("fsdp8", ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1"])):
+        restored[name] = _bias(restore(tmp_path, 3, load_config(REPO / "configs/moe_tiny.yaml", common + mesh)).state)
+    assert np.abs(restored["saved on"]).max() > 0
+    np.testing.assert_array_equal(restored["fsdp8"], restored["saved on"])
