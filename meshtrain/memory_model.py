@@ -255,10 +255,10 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     elif spec.kernel is not AttentionKernel.XLA:
         queries = model.seq_len // cp
         keys = min(spec.block, queries) * min(spec.block, model.seq_len) / queries
-    # Inside pipeline stages XLA partitions the experts (no exchange: meshtrain/parallel/experts.py).
+    # Expert parallelism's size (its exchange runs inside pipeline stages too: meshtrain/parallel/experts.py).
     expert_mesh_axes = [a for axis in layout.expert_axes
                         for a in mesh_axes_of(layout.rules.activation_spec((axis,))[0]) if mesh[a] > 1]
-    experts = 1 if stages > 1 else math.prod(mesh[a] for a in expert_mesh_axes)
+    experts = math.prod(mesh[a] for a in expert_mesh_axes)
     saved, working = family.activation_bytes(model, mesh["tensor"], candidate.remat, compute_bytes, sp, keys, experts)
     est.activations = round(layers_here * tokens * saved)
     table = _schedule_table(layout)

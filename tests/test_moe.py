@@ -262,6 +262,18 @@ def test_expert_parallelism_compiles_to_all_to_all_and_never_gathers_expert_weig
     assert _gathered_expert_weights(hlo, MOE) == []
 
 
+@pytest.mark.slow
+def test_inside_pipeline_stages_the_experts_exchange_rows_and_never_gather_weights():
+    """The sorted dispatch's exchange inside a 1F1B stage (XLA's all-to-all of a resharding
+    transpose, meshtrain/parallel/experts.py): the rows travel, the expert weights stay split."""
+    trainer = _trainer((2, 1, 1, 2), FOUR_LAYERS, PipelineConfig(2, Schedule.ONE_F_ONE_B))
+    hlo = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile().as_text()
+    assert _gathered_expert_weights(hlo, FOUR_LAYERS) == []
+    # At least the forward's rows, ids and results and the backward's two transposes (the
+    # schedule's slot bodies may hold more than one copy).
+    assert collective_counts(hlo)["all-to-all"] >= 5
+
+
 def test_each_device_holds_one_ep_th_of_the_expert_weights(expert_parallel_step):
     trainer, compiled = expert_parallel_step
     replicated = _trainer((4, 1, 2, 1), rules=Preset.FSDP_TP.rules.overridden({"experts": AxisRule()}))

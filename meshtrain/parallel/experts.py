@@ -20,8 +20,8 @@ does not implement it (``UNIMPLEMENTED: HLO opcode ragged-all-to-all``), so the 
 fixed.
 
 Inside a pipeline stage (``stage`` already manual) no nested ``shard_map`` compiles on a supported
-jax (docs/long_context.md), so there the model's compute runs on all rows and XLA partitions it as
-it can.
+jax (docs/long_context.md), so there the same steps are written for XLA's partitioner
+(``_run_in_stage``: ``vmap`` over the peers, the all-to-all a resharding transpose).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
@@ -51,7 +51,7 @@ def describe_exchange(rules: ShardingRules, mesh: Mesh, expert_axis: str) -> str
     if not axes:
         return None
     peers = math.prod(mesh.shape[a] for a in axes)
-    stages = (f"; inside the {mesh.shape['stage']} pipeline stages XLA partitions them (no exchange)"
+    stages = (f"; inside the {mesh.shape['stage']} pipeline stages as XLA's all-to-all of a resharding"
               if mesh.shape.get("stage", 1) > 1 else "")
     return (f"experts: split {peers} ways over {list(axes)}; a sorted dispatch's rows travel by all-to-all of "
             f"fixed per-peer buffers (no ragged all-to-all){stages}")
@@ -70,8 +70,7 @@ def run_experts(compute: ExpertCompute, x: jax.Array, choices: jax.Array, params
     """``models.common.ActivationSharding.run_experts`` on ``mesh`` under ``rules`` (module docstring)."""
     top_k, width = choices.shape[-1], x.shape[-1]
     if not jax.sharding.get_abstract_mesh().empty:  # inside a pipeline stage
-        out = compute(choice_rows(x, top_k), choices.reshape(-1), *params)
-        return out.reshape(*choices.shape, width), jnp.zeros((), jnp.int32)
+        return _run_in_stage(compute, x, choices, params, param_axes, buffer_factor, rules)
     specs = [rules.activation_spec(axes) for axes in param_axes]
     hidden = []  # size-1 axes too: the values vary over every axis named
     for axes, spec in zip(param_axes, specs):
@@ -106,26 +105,73 @@ def run_experts(compute: ExpertCompute, x: jax.Array, choices: jax.Array, params
                          out_specs=(PartitionSpec(*token_spec, None, None), PartitionSpec()))(x, choices, *params)
 
 
-def _exchange(compute: ExpertCompute, rows: jax.Array, ids: jax.Array, params: tuple[jax.Array, ...],
-              axes: tuple[str, ...], peers: int, buffer_factor: float, hidden: tuple[str, ...]
-              ) -> tuple[jax.Array, jax.Array]:
-    """One device's rows [m, embed] for experts ``ids`` [m] -> (their outputs [m, embed], zero where
-    dropped; the number dropped), through the peers' experts (steps 1-4 of the module docstring)."""
+def _pack(rows: jax.Array, ids: jax.Array, local: int, peers: int, capacity: int
+          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One device's rows [m, embed] for experts ``ids`` [m] -> (the send buffer [peers, capacity,
+    embed], the rows' expert ids on their peer [peers, capacity] (``local`` in padding rows: no
+    expert), each row's slot in the flattened buffer [m] and whether it fits [m]); step 1."""
     m, width = rows.shape
-    local = params[0].shape[0]  # experts per device
-    capacity = exchange_rows(m, peers, buffer_factor)
     peer, local_ids = ids // local, ids % local
     order = jnp.argsort(peer, stable=True)
-    starts = jnp.cumsum(jnp.bincount(peer, length=peers)) - jnp.bincount(peer, length=peers)
+    counts = jnp.bincount(peer, length=peers)
+    starts = jnp.cumsum(counts) - counts
     position = jnp.zeros(m, jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32) - starts[peer[order]])
     kept = position < capacity
     slot = jnp.where(kept, peer * capacity + position, peers * capacity)  # past the buffer: dropped
     send = jnp.zeros((peers * capacity, width), rows.dtype).at[slot].set(rows, mode="drop")
     send_ids = jnp.full((peers * capacity,), local, ids.dtype).at[slot].set(local_ids, mode="drop")
-    exchange = lambda a: jax.lax.all_to_all(a.reshape(peers, capacity, *a.shape[1:]), axes, 0, 0).reshape(a.shape)
-    out = compute(exchange(send), exchange(send_ids), *params)
+    return send.reshape(peers, capacity, width), send_ids.reshape(peers, capacity), slot, kept
+
+
+def _unpack(back: jax.Array, slot: jax.Array, kept: jax.Array) -> jax.Array:
+    """The returned buffer [peers, capacity, embed] -> each row's result [m, embed], zero where dropped."""
+    flat = back.reshape(-1, back.shape[-1])
+    return jnp.where(kept[:, None], jnp.take(flat, jnp.minimum(slot, flat.shape[0] - 1), axis=0), 0)
+
+
+def _exchange(compute: ExpertCompute, rows: jax.Array, ids: jax.Array, params: tuple[jax.Array, ...],
+              axes: tuple[str, ...], peers: int, buffer_factor: float, hidden: tuple[str, ...]
+              ) -> tuple[jax.Array, jax.Array]:
+    """One device's rows [m, embed] for experts ``ids`` [m] -> (their outputs [m, embed], zero where
+    dropped; the number dropped), through the peers' experts (steps 1-4 of the module docstring)."""
+    capacity = exchange_rows(rows.shape[0], peers, buffer_factor)
+    send, send_ids, slot, kept = _pack(rows, ids, params[0].shape[0], peers, capacity)
+    exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0)
+    out = compute(exchange(send).reshape(-1, rows.shape[1]), exchange(send_ids).reshape(-1), *params)
     if hidden:
         out = jax.lax.psum(out, hidden)
-    back = exchange(out)
-    gathered = jnp.take(back, jnp.minimum(slot, peers * capacity - 1), axis=0)
-    return jnp.where(kept[:, None], gathered, 0), jnp.sum(~kept).astype(jnp.int32)
+    return _unpack(exchange(out.reshape(send.shape)), slot, kept), jnp.sum(~kept).astype(jnp.int32)
+
+
+def _run_in_stage(compute: ExpertCompute, x: jax.Array, choices: jax.Array, params: tuple[jax.Array, ...],
+                  param_axes: tuple[LogicalAxes, ...], buffer_factor: float, rules: ShardingRules
+                  ) -> tuple[jax.Array, jax.Array]:
+    """The exchange inside a pipeline stage, where no nested ``shard_map`` compiles: the same steps
+    written for XLA's partitioner. The rows are laid out [source peer, ...] along the batch's split,
+    each source's buffers built by ``vmap``, then transposed to [destination peer, ...] under a
+    sharding constraint (XLA's all-to-all), each destination's experts run by ``vmap`` over the
+    experts' split, and back. Needs the experts split over exactly the batch's mesh axes (every
+    preset's rule); otherwise the experts run on all rows and XLA partitions them as it can."""
+    mesh = jax.sharding.get_abstract_mesh()
+    top_k, width = choices.shape[-1], x.shape[-1]
+    experts = tuple(a for a in mesh_axes_of(rules.activation_spec(param_axes[0][:1])[0]) if mesh.shape[a] > 1)
+    batch = tuple(a for a in mesh_axes_of(rules.activation_spec(("batch",))[0]) if mesh.shape[a] > 1)
+    peers = math.prod(mesh.shape[a] for a in experts)
+    if peers == 1 or experts != batch or x.shape[0] % peers:
+        out = compute(choice_rows(x, top_k), choices.reshape(-1), *params)
+        return out.reshape(*choices.shape, width), jnp.zeros((), jnp.int32)
+    split = lambda a, *rest: jax.lax.with_sharding_constraint(
+        a, NamedSharding(mesh, PartitionSpec(experts, *rest, *(None,) * (a.ndim - 1 - len(rest)))))
+    rows = split(choice_rows(x, top_k).reshape(peers, -1, width))  # [source, m, embed]
+    ids = split(choices.reshape(peers, -1))
+    local = params[0].shape[0] // peers
+    capacity = exchange_rows(rows.shape[1], peers, buffer_factor)
+    send, send_ids, slot, kept = jax.vmap(lambda r, i: _pack(r, i, local, peers, capacity))(rows, ids)
+    # [source, destination, ...] -> [destination, source, ...]: the all-to-all.
+    recv, recv_ids = split(jnp.swapaxes(split(send), 0, 1)), split(jnp.swapaxes(split(send_ids), 0, 1))
+    by_peer = [split(w.reshape(peers, local, *w.shape[1:])) for w in params]  # each peer's experts
+    out = jax.vmap(lambda r, i, *w: compute(r.reshape(-1, width), i.reshape(-1), *w).reshape(r.shape))(
+        recv, recv_ids, *by_peer)
+    back = split(jnp.swapaxes(split(out), 0, 1))
+    result = jax.vmap(_unpack)(back, slot, kept)
+    return result.reshape(*choices.shape, width), jnp.sum(~kept).astype(jnp.int32)
