@@ -40,6 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from meshtrain import jsonio
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.layer_order import LayerOrder
 
@@ -499,7 +500,7 @@ def check_params(path: str, abstract_params: nnx.State, shardings: nnx.State, *,
                 if (root / CHECKPOINT_DIR).is_dir() else "")
         raise ConfigError(field, f"{path} holds no exported parameters ({PARAMS_DIR}/ is missing){hint}")
     try:
-        meta = json.loads((root / EXPORT_META).read_text())
+        meta = jsonio.loads((root / EXPORT_META).read_text())
     except (OSError, ValueError):
         meta = {}
     target = nnx.to_pure_dict(jax.tree.map(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import pathlib
 import sys
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from meshtrain import jsonio
 from meshtrain.data.tokenizer import TOKENIZER_FILE, end_of_document_id, load_tokenizer
 from meshtrain.loading import LoadedModel, load_model, mesh_from_args
 from meshtrain.errors import ConfigError
@@ -85,7 +85,7 @@ def _eos_id(model_dir: pathlib.Path, hf_config: dict | None) -> int | None:
     sources = []
     if (model_dir / "generation_config.json").is_file():
         try:
-            sources.append(json.loads((model_dir / "generation_config.json").read_text()))
+            sources.append(jsonio.loads((model_dir / "generation_config.json").read_text()))
         except ValueError:
             pass
     sources.append(hf_config or {})

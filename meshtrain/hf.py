@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from meshtrain import jsonio
 from meshtrain.errors import ConfigError
 from models.api import LAYERS_KEY, HFAdapter, ModelFamily, families, family_named, family_of
 from models.common import InvalidField, logical_axes_of
@@ -40,6 +41,9 @@ INDEX_FILE = "model.safetensors.index.json"
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "generation_config.json", "tokenizer.model")
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
+# safetensors dtypes an import refuses (``SafetensorsFiles.dtype`` spells them so).
+NON_FLOAT_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
+                    "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64"}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9
 # --- config.json <-> the family's config -------------------------------------------------------------------
 
@@ -53,7 +57,7 @@ def read_config(hf_dir: str | pathlib.Path, *, field: str = "--hf") -> dict:
     if not path.is_file():
         raise ConfigError(field, f"{hf_dir} has no {CONFIG_FILE}; give a Hugging Face model directory")
     try:
-        config = json.loads(path.read_text())
+        config = jsonio.loads(path.read_text())
     except ValueError as err:
         raise ConfigError(field, f"{path} is not valid JSON: {err}") from None
     if not isinstance(config, dict):
@@ -73,8 +77,11 @@ def model_config(config: dict, *, seq_len: int | None = None) -> Any:
 
     Raises:
       ConfigError: naming the ``config.json`` field of an architecture or option that no family
-        (or the chosen family) implements.
+        (or the chosen family) implements, or of a NaN or infinite number (any key).
     """
+    found = jsonio.non_finite(config)
+    if found is not None:  # Python's json reads NaN, Infinity and 1e999; no HF config holds one
+        raise ConfigError(_field(found[0]), f"must be a finite number, got {found[1]}")
     supported = {model_type: name for name in families() if family_named(name).hf is not None
                  for model_type in family_named(name).hf.model_types}
     model_type = config.get("model_type")
@@ -125,16 +132,22 @@ class SafetensorsFiles:
         from safetensors import safe_open
 
         self.root = pathlib.Path(hf_dir)
+        self.field = field
         index = self.root / INDEX_FILE
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = jsonio.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as err:
                 raise ConfigError(field, f"{index} is not a safetensors index ({type(err).__name__}: "
                                   f"{str(err)[:80]}); expected {{\"weight_map\": {{tensor: file}}}}") from None
             if not isinstance(weight_map, dict) or not all(
                     isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
                 raise ConfigError(field, f"{index}: weight_map must map tensor names to file names")
+            outside = next((item for item in weight_map.items() if not jsonio.is_plain_file_name(item[1])), None)
+            if outside is not None:
+                raise ConfigError(field, f"{index}: weight_map puts {outside[0]} in {outside[1]!r}, which is not a "
+                                  f"plain file name; shards must be files in {hf_dir} (no directory part, not . "
+                                  "or ..)")
             files = sorted(set(weight_map.values()))
         elif (self.root / SINGLE_FILE).is_file():
             files, weight_map = [SINGLE_FILE], None
@@ -165,10 +178,20 @@ class SafetensorsFiles:
         return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(kind, kind)
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        """``tensor[index]`` (contiguous slices), reading only that part of the file."""
-        part = self._handles[self.file_of[name]].get_slice(name)[index]
+        """``tensor[index]`` (contiguous slices), reading only that part of the file; a ConfigError
+        naming the tensor when the part holds a NaN or an infinity (a damaged checkpoint, refused
+        here rather than reported by the first training step or as NaN logits)."""
+        part = np.asarray(self._handles[self.file_of[name]].get_slice(name)[index])
         self.slices_read.append((name, int(part.size)))
-        return np.asarray(part)
+        # One pass and no temporary the size of the part: a NaN or an infinity makes the float64 sum
+        # non-finite (which finite float32/16 weights cannot: 3.4e38 each at most); then counted.
+        bad = (0 if math.isfinite(float(np.sum(part, dtype=np.float64)))
+               else int(np.count_nonzero(~np.isfinite(part))))
+        if bad:
+            raise ConfigError(self.field, f"tensor {name} in {self.root} holds NaN or infinite values ({bad} of "
+                              f"the {part.size} read); the checkpoint is damaged, and no model can be trained or "
+                              "run from it")
+        return part
 
 
 # --- the weight mapping ------------------------------------------------------------------------------
@@ -274,9 +297,10 @@ def _ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[slice]:
 
 def check_tensors(files: SafetensorsFiles, maps: list[TensorMap], num_layers: int, adapter: HFAdapter, *,
                   field: str) -> None:
-    """ConfigError naming the first HF tensor that is missing or has another shape than the config
-    says, or listing the tensors no parameter takes (weights that an import would silently drop, such
-    as the q/k/v biases of a Qwen2 checkpoint labelled ``llama``)."""
+    """ConfigError naming the first HF tensor that is missing, has another shape than the config
+    says or holds integers or booleans (which an import would cast to float without a word), or
+    listing the tensors no parameter takes (weights that an import would silently drop, such as the
+    q/k/v biases of a Qwen2 checkpoint labelled ``llama``)."""
     mapped = {name for tensor_map in maps for name in tensor_map.hf_tensors(num_layers)}
     unused = sorted(name for name in files.file_of if name not in mapped and not adapter.unused_ok(name))
     if unused:
@@ -291,6 +315,10 @@ def check_tensors(files: SafetensorsFiles, maps: list[TensorMap], num_layers: in
             if files.shape(name) != tensor_map.hf_shape:
                 raise ConfigError(field, f"tensor {name} in {files.root} has shape {list(files.shape(name))}, "
                                   f"but config.json implies {list(tensor_map.hf_shape)}")
+            kind = NON_FLOAT_DTYPES.get(files.dtype(name))
+            if kind is not None:
+                raise ConfigError(field, f"tensor {name} in {files.root} is {kind}, not floating point; weights "
+                                  "must be float32, bfloat16 or float16 (quantized checkpoints are not supported)")
 
 
 def load_params(files: SafetensorsFiles, adapter: HFAdapter, cfg: Any, abstract_params: nnx.State,

@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import json
 import pathlib
 from typing import Any
 
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshtrain import hf
+from meshtrain import hf, jsonio
 from meshtrain.checkpoint import (CHECKPOINT_DIR, EXPORT_META, PARAMS_DIR, Restored, RunCheckpoints,
                                   UnreadableCheckpoint, check_params, load_params, resolve_restore_path, warn)
 from meshtrain.cli import use_host_devices
@@ -117,7 +116,7 @@ def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, st
         cfg = hf.model_config(config)
     else:
         try:
-            meta = json.loads((root / EXPORT_META).read_text())
+            meta = jsonio.loads((root / EXPORT_META).read_text())
         except (OSError, ValueError) as err:
             raise ConfigError(field, f"cannot read {root / EXPORT_META}: {err}") from None
         cfg = config_from_dict({"model": meta.get("model", {})}).model

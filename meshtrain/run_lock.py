@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 
+from meshtrain import jsonio
 from meshtrain.errors import ConfigError
 
 LOCK_FILE = ".meshtrain.lock"
@@ -72,7 +73,7 @@ class RunLock:
                 self.held = True
                 return
             try:
-                holder = json.loads(self.path.read_text())
+                holder = jsonio.loads(self.path.read_text())
                 pid, host = int(holder["pid"]), str(holder["host"])
             except FileNotFoundError:
                 continue
@@ -100,7 +101,7 @@ class RunLock:
         if not self.held:
             return
         try:
-            if json.loads(self.path.read_text()).get("pid") == self.owner["pid"]:
+            if jsonio.loads(self.path.read_text()).get("pid") == self.owner["pid"]:
                 self.path.unlink()
         except (OSError, ValueError):
             pass

@@ -19,7 +19,8 @@ from meshtrain.run_lock import LOCK_FILE
 from meshtrain.loop import train
 from meshtrain.policies import NonFiniteStop
 from meshtrain.train import main
-from test_checkpoint import REPO, TINY, complete_steps, config, flat_params, overrides, records, restore
+from test_checkpoint import (REPO, TINY, complete_steps, config, flat_params, no_compile, overrides,  # noqa: F401
+                             records, restore)
 from utils import trainer_of_config
 
 NON_FINITE_FIELDS = ["optimizer.learning_rate", "optimizer.eps", "optimizer.weight_decay", "optimizer.b1",
@@ -540,3 +541,246 @@ def test_issue38_items4_11_locks_no_live_process_can_hold_are_taken_over(tmp_pat
         assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     assert "which is no longer running; taking over the run directory" in capsys.readouterr().err
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+# --- issue 38 items 5, 6, 9: HF imports, file names inside indexes, JSON nesting ----------------------
+
+def _tiny_hf(path, *, config=None, edit=None):
+    """An HF directory (config.json, model.safetensors) of the Llama that TINY runs here train
+    (``overrides()``: embed_dim 32), every weight 0.02 and every norm 1, written without transformers.
+    ``config``: keys to set in config.json; ``edit(tensors)``: changes the tensors before they are saved."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from meshtrain import hf
+    from meshtrain.config import load_config
+    from meshtrain.parallel.layout import abstract_model
+    from models.api import family_of
+
+    cfg = load_config(TINY, ["model.embed_dim=32"]).model
+    _, abstract = abstract_model(cfg)
+    tensors = {name: np.full(tensor_map.hf_shape, 1.0 if "norm" in name else 0.02, np.float32)
+               for tensor_map in hf.tensor_maps(family_of(cfg).hf, cfg, abstract)
+               for name in tensor_map.hf_tensors(cfg.num_layers)}
+    if edit is not None:
+        edit(tensors)
+    path.mkdir(parents=True)
+    (path / hf.CONFIG_FILE).write_text(json.dumps({**hf.hf_config(cfg, dtype="float32"), **(config or {})}))
+    save_file(tensors, str(path / hf.SINGLE_FILE), metadata={"format": "pt"})
+    return path
+
+
+def _from_hf(source, out, capsys) -> str:
+    """``convert from-hf`` of ``source`` into ``out``: its stderr, once exit 2 and nothing written are checked."""
+    from meshtrain import convert
+
+    assert convert.main(["from-hf", "--hf", str(source), "--out", str(out)]) == 2
+    assert not out.exists()
+    return capsys.readouterr().err
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("change, key, shown", [
+    ({"rope_theta": math.nan}, "rope_theta", "nan"),
+    ({"rms_norm_eps": math.inf}, "rms_norm_eps", "inf"),
+    ({"initializer_range": -math.inf}, "initializer_range", "-inf"),  # a key meshtrain does not read
+    ({"rope_scaling": {**LLAMA3, "factor": math.nan}}, "rope_scaling.factor", "nan"),
+], ids=["rope_theta-NaN", "rms_norm_eps-Infinity", "unread-key--Infinity", "nested-NaN"])
+def test_issue38_item5_non_finite_numbers_in_config_json_are_one_line_errors_naming_the_key(tmp_path, capsys,
+                                                                                            change, key, shown):
+    """Python's json reads NaN and Infinity (json.dumps writes them so); an import took them as the
+    model's rope_theta / norm_eps."""
+    source = _tiny_hf(tmp_path / "hf", config=change)
+    assert "NaN" in (source / "config.json").read_text() or "Infinity" in (source / "config.json").read_text()
+    assert _from_hf(source, tmp_path / "out", capsys) == (f"error: config.json:{key}: must be a finite number, "
+                                                          f"got {shown}\n")
+
+
+def test_issue38_item5_a_number_too_large_for_a_float_in_config_json_is_refused(tmp_path, capsys):
+    source = _tiny_hf(tmp_path / "hf", config={"rope_theta": 12345.5})
+    config = source / "config.json"
+    config.write_text(config.read_text().replace("12345.5", "1e999"))  # Python's json reads it as inf
+    expected = "error: config.json:rope_theta: must be a finite number, got inf\n"
+    assert _from_hf(source, tmp_path / "out", capsys) == expected
+
+
+@pytest.mark.usefixtures("no_compile")
+def test_issue38_item5_a_non_finite_config_json_stops_a_fine_tune_before_it_compiles(tmp_path, capsys):
+    source = _tiny_hf(tmp_path / "hf", config={"rms_norm_eps": math.nan})
+    assert main(["--config", TINY, *overrides(tmp_path / "run", f"checkpoint.init_from=hf:{source}")]) == 2
+    assert capsys.readouterr().err == (f"error: checkpoint.init_from: {source}: config.json:rms_norm_eps: must be a "
+                                       "finite number, got nan\n")
+
+
+@pytest.mark.parametrize("dtype, shown", [(np.int32, "int32"), (np.int64, "int64"), (np.uint8, "uint8"),
+                                          (np.bool_, "bool")])
+def test_issue38_item5_integer_and_bool_weights_are_one_line_errors_naming_the_tensor(tmp_path, capsys, dtype, shown):
+    """They were cast to float without a word (a quantized checkpoint's int8 weights became numbers ~100)."""
+    name = "model.layers.1.mlp.down_proj.weight"
+    source = _tiny_hf(tmp_path / "hf", edit=lambda tensors: tensors.update({name: tensors[name].astype(dtype)}))
+    assert _from_hf(source, tmp_path / "out", capsys) == (
+        f"error: --hf: tensor {name} in {source} is {shown}, not floating point; weights must be float32, bfloat16 "
+        "or float16 (quantized checkpoints are not supported)\n")
+
+
+def _poison(name, value, dtype=np.float32):
+    def edit(tensors):
+        tensors[name] = tensors[name].astype(dtype)
+        tensors[name][3, 5] = value
+    return edit
+
+
+@pytest.mark.parametrize("value, dtype", [(math.nan, np.float32), (math.inf, np.float16), (-math.inf, np.float32)],
+                         ids=["nan-f32", "inf-f16", "-inf-f32"])
+def test_issue38_item5_nan_or_infinite_weights_are_one_line_errors_naming_the_tensor(tmp_path, capsys, value, dtype):
+    name = "model.layers.1.self_attn.k_proj.weight"
+    source = _tiny_hf(tmp_path / "hf", edit=_poison(name, value, dtype))
+    err = _from_hf(source, tmp_path / "out", capsys)
+    assert err.count("\n") == 1 and err.startswith(f"error: --hf: tensor {name} in {source} holds NaN or infinite "
+                                                   "values (1 of the "), err
+    assert err.endswith(" read); the checkpoint is damaged, and no model can be trained or run from it\n"), err
+
+
+def test_issue38_item5_a_fine_tune_from_nan_weights_is_refused_at_import_not_blamed_on_the_optimizer(tmp_path,
+                                                                                                     capsys):
+    name = "model.embed_tokens.weight"
+    source = _tiny_hf(tmp_path / "hf", edit=_poison(name, math.nan))
+    run_dir = tmp_path / "run"
+    assert main(["--config", TINY, *overrides(run_dir, f"checkpoint.init_from=hf:{source}", steps=2)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(err) == 1 and err[0].startswith(f"error: checkpoint.init_from: tensor {name} in {source} holds NaN "
+                                               "or infinite values (1 of the "), err
+    assert complete_steps(run_dir) == [] and not (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("where", ["../good/model.safetensors", "{good}/model.safetensors", "sub/model.safetensors",
+                                   ".."], ids=["dot-dot", "absolute", "subdirectory", "parent"])
+def test_issue38_item6_an_hf_weight_map_naming_a_file_outside_its_directory_is_refused(tmp_path, capsys, where):
+    import json
+    import shutil
+
+    from meshtrain import hf
+
+    good = _tiny_hf(tmp_path / "good")
+    where = where.format(good=good)
+    bad = tmp_path / "bad"
+    (bad / "sub").mkdir(parents=True)
+    shutil.copy(good / hf.CONFIG_FILE, bad / hf.CONFIG_FILE)
+    shutil.copy(good / hf.SINGLE_FILE, bad / "sub" / hf.SINGLE_FILE)
+    names = json.loads((good / hf.SINGLE_FILE).read_bytes()[8:8 + int.from_bytes(
+        (good / hf.SINGLE_FILE).read_bytes()[:8], "little")])  # the safetensors header: every tensor
+    names = ["model.embed_tokens.weight", *sorted(set(names) - {"__metadata__", "model.embed_tokens.weight"})]
+    (bad / hf.INDEX_FILE).write_text(json.dumps({"weight_map": dict.fromkeys(names, where)}))
+    assert _from_hf(bad, tmp_path / "out", capsys) == (
+        f"error: --hf: {bad / hf.INDEX_FILE}: weight_map puts model.embed_tokens.weight in {where!r}, which is not "
+        f"a plain file name; shards must be files in {bad} (no directory part, not . or ..)\n")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A prepared corpus (one train shard) and its byte-level BPE of 260 ids."""
+    from meshtrain.data.corpus import prepare
+    from meshtrain.data.tokenizer import train_bpe
+
+    root = tmp_path_factory.mktemp("prepared")
+    documents = [f"document {i}: the cat sat on the mat " * (i + 1) for i in range(20)]
+    for i, text in enumerate(documents):
+        (root / f"doc-{i:02d}.txt").write_text(text)
+    tokenizer = train_bpe(documents, 260, root / "tokenizer")
+    prepare([str(root / "doc-*.txt")], str(tokenizer), str(root / "good"), progress=False)
+    return {"root": root, "tokenizer": tokenizer, "good": root / "good"}
+
+
+@pytest.mark.usefixtures("no_compile")
+@pytest.mark.parametrize("what, key", [("train shard", "shards"), ("tokenizer", "tokenizer")])
+def test_issue38_item6_a_prepared_index_naming_a_file_outside_its_directory_is_refused(prepared, tmp_path, capsys,
+                                                                                        what, key):
+    import json
+    import shutil
+
+    from meshtrain.data.corpus import INDEX_FILE
+
+    good = prepared["good"]
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    index = json.loads((bad / INDEX_FILE).read_text())
+    outside = f"../../{good.parent.name}/good/{'train-00000.bin' if key == 'shards' else 'tokenizer.json'}"
+    assert (bad / outside).is_file()  # it would be read
+    if key == "shards":
+        index["splits"]["train"]["shards"][0]["file"] = outside
+    else:
+        index["tokenizer"]["file"] = outside
+    (bad / INDEX_FILE).write_text(json.dumps(index))
+    argv = ["--config", TINY, *overrides(tmp_path / "run", "data.source=tokens", f"data.path={bad}",
+                                         "model.vocab_size=512")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"error: data.path: {bad / INDEX_FILE} names {what} file {outside!r}, which is "
+                                       "not a plain file name in its directory (no directory part, not . or ..); "
+                                       "prepare the corpus again\n")
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # a RecursionError in Python's json
+
+
+@pytest.mark.usefixtures("no_compile")
+def test_issue38_item9_deeply_nested_json_is_one_line_in_every_reader(prepared, tmp_path, capsys):
+    """Every JSON file a user hands in: a jsonl line (prepare, train-tokenizer), a prepared
+    index.json, pipeline.table, an HF config.json and its safetensors index, an export's meshtrain.json."""
+    from meshtrain import convert, hf
+    from meshtrain.checkpoint import EXPORT_META, PARAMS_DIR
+    from meshtrain.data import __main__ as data_cli
+    from meshtrain.data.corpus import INDEX_FILE
+
+    jsonl = tmp_path / "deep.jsonl"
+    jsonl.write_text('{"text": "one fine document"}\n' + DEEP + "\n")
+    index_dir = tmp_path / "prepared"
+    index_dir.mkdir()
+    (index_dir / INDEX_FILE).write_text(DEEP)
+    table = tmp_path / "table.json"
+    table.write_text(DEEP)
+    config_dir = _tiny_hf(tmp_path / "hf_config")
+    (config_dir / hf.CONFIG_FILE).write_text(DEEP)
+    index_hf = _tiny_hf(tmp_path / "hf_index")
+    (index_hf / hf.INDEX_FILE).write_text(DEEP)
+    export = tmp_path / "export"
+    (export / PARAMS_DIR).mkdir(parents=True)
+    (export / EXPORT_META).write_text(DEEP)
+    bounded = "nested more than 64 levels deep"
+    pipeline = ["mesh.data=1", "mesh.stage=2", "model.num_layers=4", "train.batch_size=16", "pipeline.schedule=custom"]
+    cases = [
+        (data_cli.main, ["prepare", "--tokenizer", str(prepared["tokenizer"]), "--input", str(jsonl), "--out",
+                         str(tmp_path / "out1"), "--no-progress"],
+         f"error: --input: {jsonl}:2 is not a line of JSON (nested too deeply for Python to parse)"),
+        (data_cli.main, ["train-tokenizer", "--input", str(jsonl), "--vocab-size", "260", "--out",
+                         str(tmp_path / "out2")],
+         f"error: --input: {jsonl}:2 is not a line of JSON (nested too deeply for Python to parse)"),
+        (main, ["--config", TINY, *overrides(tmp_path / "run1", "data.source=tokens", f"data.path={index_dir}")],
+         f"error: data.path: {index_dir / INDEX_FILE} is not JSON ({bounded}); prepare the corpus again"),
+        (main, ["--config", TINY, *pipeline, f"pipeline.table={table}"],
+         "error: pipeline.table: must be a JSON schedule table {stages, chunks, microbatches, ticks: [[{work: "
+         f"F|B|I|W, tasks: [[microbatch, chunk] or null per stage]}}]]}}: ValueError: {bounded}"),
+        (convert.main, ["from-hf", "--hf", str(config_dir), "--out", str(tmp_path / "out3")],
+         f"error: --hf: {config_dir / hf.CONFIG_FILE} is not valid JSON: {bounded}"),
+        (convert.main, ["from-hf", "--hf", str(index_hf), "--out", str(tmp_path / "out4")],
+         f"error: --hf: {index_hf / hf.INDEX_FILE} is not a safetensors index (ValueError: {bounded}); expected "
+         '{"weight_map": {tensor: file}}'),
+        (convert.main, ["to-hf", "--from", str(export), "--out", str(tmp_path / "out5")],
+         f"error: --from: cannot read {export / EXPORT_META}: {bounded}"),
+    ]
+    for tool, argv, expected in cases:
+        assert (tool(argv), capsys.readouterr().err) == (2, expected + "\n"), argv
+
+
+def test_issue38_item9_json_files_are_bounded_like_the_yaml_config_and_jsonl_lines_are_not():
+    from meshtrain import jsonio
+
+    assert jsonio.loads("[" * 64 + "]" * 64) is not None
+    with pytest.raises(ValueError, match=r"^nested more than 64 levels deep$"):
+        jsonio.loads('{"a": ' + "[" * 64 + "]" * 64 + "}")
+    assert jsonio.loads('{"text": "x", "meta": ' + "[" * 200 + "]" * 200 + "}", max_depth=None)["text"] == "x"
+    with pytest.raises(ValueError, match=r"^nested too deeply for Python to parse$"):
+        jsonio.loads(DEEP.encode(), max_depth=None)

@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
 
+from meshtrain import jsonio
 from meshtrain.data.files import commit_file, write_file
 from meshtrain.data.tokenizer import (TOKENIZER_FILE, end_of_document_id, file_sha256, load_tokenizer,
                                       tokenizer_file)
@@ -140,7 +141,7 @@ class DocumentReader:
                 continue
             where = f"{path}:{number}"
             try:
-                record = json.loads(line)
+                record = jsonio.loads(line, max_depth=None)  # a document's other fields are not ours to bound
             except ValueError as err:
                 raise ConfigError(self.field, f"{where} is not a line of JSON ({err})") from None
             if not isinstance(record, dict) or self.text_field not in record:
@@ -429,7 +430,8 @@ class CorpusSplit:
         self.name, self.dtype, self.field = name, dtype, field
         self.num_tokens, self.num_documents = int(record["tokens"]), int(record["documents"])
         self.text_bytes = int(record["text_bytes"])
-        self.shard_paths = [str(directory / shard["file"]) for shard in record["shards"]]
+        self.shard_files = [shard["file"] for shard in record["shards"]]  # as index.json names them
+        self.shard_paths = [str(directory / name) for name in self.shard_files]
         self._shards = record["shards"]
         self._bounds = np.cumsum([0] + [int(shard["tokens"]) for shard in self._shards])  # [shards + 1]
         self._maps: dict[int, np.memmap] = {}
@@ -517,7 +519,7 @@ class PreparedCorpus:
             raise ConfigError(field, f"{path} is not a prepared directory (no {INDEX_FILE}); make one with "
                               "python -m meshtrain.data prepare")
         try:
-            index = json.loads((directory / INDEX_FILE).read_text())
+            index = jsonio.loads((directory / INDEX_FILE).read_text())
         except (ValueError, UnicodeDecodeError) as err:
             raise _index_error(directory, field, f"is not JSON ({err})") from None
         if not isinstance(index, dict) or index.get("format") != FORMAT:
@@ -534,6 +536,12 @@ class PreparedCorpus:
                             for name, split in index["splits"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise _index_error(directory, field, f"is malformed ({type(err).__name__}: {err})") from None
+        named = [("tokenizer", record["file"])] + [(f"{name} shard", shard) for name, split in splits.items()
+                                                   for shard in split.shard_files]
+        outside = next(((what, name) for what, name in named if not jsonio.is_plain_file_name(name)), None)
+        if outside is not None:  # read from outside the directory otherwise
+            raise _index_error(directory, field, f"names {outside[0]} file {outside[1]!r}, which is not a plain file "
+                               "name in its directory (no directory part, not . or ..)")
         if TRAIN not in splits:
             raise _index_error(directory, field, f"has no {TRAIN!r} split")
         for name, split in splits.items():

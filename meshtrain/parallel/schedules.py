@@ -40,6 +40,7 @@ from collections.abc import Iterable
 import jax
 import numpy as np
 
+from meshtrain import jsonio
 from meshtrain.errors import ConfigError
 
 
@@ -392,7 +393,7 @@ class ScheduleTable:
     @classmethod
     def from_json(cls, text: str, field: str = "pipeline.table") -> ScheduleTable:
         try:
-            data = json.loads(text)
+            data = jsonio.loads(text)
             ticks = tuple(tuple(Slot(Work(s["work"]), tuple(None if x is None else Task(int(x[0]), int(x[1]))
                                                             for x in s["tasks"])) for s in tick)
                           for tick in data["ticks"])
