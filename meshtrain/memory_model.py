@@ -183,9 +183,23 @@ def _schedule_table(layout: Layout) -> ScheduleTable | None:
     return None if table.problems() else table
 
 
-def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Hardware) -> Estimate:
+SpecTables = tuple[dict, ...]
+
+
+def spec_tables(layout: Layout) -> SpecTables:
+    """Per parameter path, the specs ``estimate`` reads: at rest under the rules, the ZeRO stage's
+    params, grads and optimizer moments, and the compute layout. They depend on the rules, the ZeRO
+    stage and whether there is a pipeline only, so a planner computes them once for all candidates
+    that share those (``make_plan``)."""
+    state, compute = layout.state_specs(), layout.state_specs(ZeroStage.NONE).params
+    return tuple({path: spec.get_value() for path, spec in nnx.to_flat_state(tree)}
+                 for tree in (layout.param_specs(), state.params, state.grads, state.optimizer, compute))
+
+
+def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Hardware,
+             specs: SpecTables | None = None) -> Estimate:
     """The analytic estimate of ``candidate``, laid out by ``layout`` (see the module docstring and
-    docs/memory.md)."""
+    docs/memory.md); ``specs``: ``spec_tables(layout)``, when the caller has them."""
     est = Estimate(candidate)
     model, family = layout.model, layout.family
     mesh = layout.mesh_shape
@@ -206,13 +220,11 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     fsdp_reduced = data_reduced = 0.0  # gradient elements per device reduced over fsdp / over data
     # The state's specs (the ZeRO stage applied; experts keep their expert-parallel split) and the
     # compute layout of every parameter: the rules' split less the ZeRO axis (what ZeRO-0 stores).
-    state, compute = layout.state_specs(), layout.state_specs(ZeroStage.NONE).params
-    flat = [dict(nnx.to_flat_state(tree)) for tree in (layout.param_specs(), state.params, state.grads,
-                                                      state.optimizer, compute)]
+    flat = specs if specs is not None else spec_tables(layout)
     for path, variable in nnx.to_flat_state(layout.abstract_params):
         size = math.prod(variable.shape)
-        sharded, p, g, o, c = (size / math.prod(layout.ways(specs[path].get_value())) for specs in flat)
-        compute_axes = {axis for entry in flat[-1][path].get_value() for axis in mesh_axes_of(entry)}
+        sharded, p, g, o, c = (size / math.prod(layout.ways(table[path])) for table in flat)
+        compute_axes = {axis for entry in flat[-1][path] for axis in mesh_axes_of(entry)}
         p_local, g_local, o_local = p_local + p, g_local + g, o_local + o
         fsdp_reduced += c if ZERO_AXIS not in compute_axes else 0.0
         data_reduced += g if "data" not in compute_axes else 0.0
@@ -261,7 +273,7 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     experts = math.prod(mesh[a] for a in expert_mesh_axes)
     saved, working = family.activation_bytes(model, mesh["tensor"], candidate.remat, compute_bytes, sp, keys, experts)
     est.activations = round(layers_here * tokens * saved)
-    table = _schedule_table(layout)
+    table = None if est.reasons else _schedule_table(layout)  # a layout that cannot be built has none
     if table is not None:
         # The stash holds the table's peak in-flight chunk activations (1/V of a stage's each), and
         # the executor's fp32 buffers of received activations and gradients one microbatch each.

@@ -25,7 +25,8 @@ import numpy as np
 from meshtrain.cli import ArgumentParser, run
 from meshtrain.config import Config, load_config
 from meshtrain.errors import ConfigError
-from meshtrain.memory_model import ACTIVATION_COEFFICIENTS, UNRELIABLE, Estimate, Hardware, Candidate, estimate
+from meshtrain.memory_model import (ACTIVATION_COEFFICIENTS, UNRELIABLE, Candidate, Estimate, Hardware, SpecTables,
+                                    estimate, spec_tables)
 from meshtrain.mesh import MESH_AXES
 from meshtrain.metrics import peak_bf16_tflops
 from meshtrain.parallel.layout import Layout, abstract_model
@@ -149,6 +150,7 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
     compute_bytes = np.dtype(cfg.train.precision.compute_dtype).itemsize
     offloads = sorted({False, True} if host_memory is not None else {cfg.offload.optimizer})
     estimates = []
+    tables: dict[tuple[bool, int], SpecTables] = {}  # (pipelined, ZeRO stage) -> the candidates' specs
     for mesh in meshes if meshes is not None else _meshes(devices, rules):
         if math.prod(mesh) != devices:
             raise ConfigError("--mesh", f"{mesh} multiplies to {math.prod(mesh)}, not --devices {devices}")
@@ -164,8 +166,11 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
                 for micro in micros:
                     for offload in offloads:
                         candidate = Candidate(data, fsdp, tensor, stage, zero, remat, micro, offload)
-                        estimates.append(estimate(candidate_layout(cfg, candidate, rules, abstract_params), candidate,
-                                                  compute_bytes=compute_bytes, hw=hardware))
+                        layout = candidate_layout(cfg, candidate, rules, abstract_params)
+                        if (stage > 1, zero) not in tables:
+                            tables[(stage > 1, zero)] = spec_tables(layout)
+                        estimates.append(estimate(layout, candidate, compute_bytes=compute_bytes, hw=hardware,
+                                                  specs=tables[(stage > 1, zero)]))
     return Plan(cfg, devices, device_memory, host_memory, hardware, estimates)
 
 

@@ -180,3 +180,18 @@ def test_memory_sizes_parse():
     assert planner.parse_bytes("80GiB", "x") == 80 * 2 ** 30
     assert planner.parse_bytes("40GB", "x") == 40e9
     assert planner.parse_bytes("1TiB", "x") == 2 ** 40
+
+
+@pytest.mark.slow
+def test_the_1024_device_search_stays_bounded():
+    """An 8B Llama on 1,024 devices: the layouts the search enumerates, and the pipeline tables it
+    builds to cost them (one per schedule shape: a layout that cannot be built builds none), are
+    bounded; scripts/bench_plan.py times the answers (docs/memory.md)."""
+    from meshtrain.parallel import schedules
+
+    schedules.gpipe.cache_clear()
+    plan = planner.make_plan(load_config("configs/llama_8b.yaml"), 1024, 141e9)
+    assert len(plan.estimates) <= 6000
+    assert schedules.gpipe.cache_info().misses <= 25  # 25 shapes (stages 2..16 x microbatches) today
+    fit, _, _ = plan.ranked()
+    assert fit and all(est.candidate.devices == 1024 for est in fit)

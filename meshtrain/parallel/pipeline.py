@@ -132,6 +132,8 @@ class PipelineConfig:
             found.append(Infeasible("model.seq_len", f"{seq_len} is not divisible by mesh.stage={stages} (the "
                                     "head runs split over the stages by sequence position)",
                                     f"seq {seq_len} not divisible by stage={stages}"))
+        if found:  # the table's own checks would only repeat these (and cost the planner its time)
+            return found
         try:
             table = self.schedule_table(stages)
         except ConfigError as error:

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
@@ -170,6 +171,27 @@ class Columns:
                 Work.WEIGHT_GRAD: self.weight_grad}[work]
 
 
+def _kept(method: Callable) -> Callable:
+    """A method of the (frozen, immutable) table whose result for its arguments is kept on the
+    instance: the planner asks thousands of candidate layouts the same questions of a few tables
+    (``gpipe`` and the other builders return one table per shape). Arrays in it are read-only."""
+
+    @functools.wraps(method)
+    def kept(self, *args):
+        memo = self.__dict__.setdefault("_kept", {})
+        key = (method.__name__, args)
+        if key not in memo:
+            result = method(self, *args)
+            for leaf in jax.tree.leaves(result):
+                if isinstance(leaf, np.ndarray):
+                    leaf.setflags(write=False)
+            memo[key] = tuple(result) if isinstance(result, list) else result
+        result = memo[key]
+        return list(result) if method.__name__ == "problems" else result
+
+    return kept
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduleTable:
     stages: int
@@ -208,6 +230,7 @@ class ScheduleTable:
         return any(slot.work is Work.INPUT_GRAD for tick in self.ticks for slot in tick)
 
     # ----- cost -----
+    @_kept
     def time(self, costs: OpCosts = OpCosts()) -> float:
         """Lock-step time: per tick, the cost of each slot kind present (a chunk is 1/V of a
         stage's layers) plus the head's share (1/S of it) when one runs."""
@@ -223,6 +246,7 @@ class ScheduleTable:
         return 1.0 - work / self.time(costs)
 
     # ----- memory -----
+    @_kept
     def in_flight(self) -> np.ndarray:
         """[stages] peak count of (microbatch, chunk) forwards whose stash is still held (from the
         forward until its backward, or its weight-gradient half)."""
@@ -251,6 +275,7 @@ class ScheduleTable:
                 f"({self.peak_in_flight / self.chunks:g} microbatches' worth of a stage)")
 
     # ----- checks -----
+    @_kept
     def problems(self) -> list[str]:
         """Why the table cannot run (empty when it can)."""
         found = []
@@ -315,6 +340,7 @@ class ScheduleTable:
         return found
 
     # ----- buffers -----
+    @_kept
     def buffers(self) -> tuple[Columns, Buffers]:
         """Static buffer slots for every task (lowest free slot at each allocation): the table's
         ``Columns`` (-1 where unused) and the number of slots of each buffer."""
@@ -417,6 +443,7 @@ def _table(stages: int, chunks: int, microbatches: int,
     return ScheduleTable(stages, chunks, microbatches, ticks)
 
 
+@functools.lru_cache(maxsize=512)
 def gpipe(stages: int, microbatches: int) -> ScheduleTable:
     """All forwards (F(m) on stage s at tick m+s), then all backwards in reverse."""
     S, M = stages, microbatches
@@ -425,6 +452,7 @@ def gpipe(stages: int, microbatches: int) -> ScheduleTable:
     return _table(S, 1, M, placed, (Work.FORWARD, Work.BACKWARD))
 
 
+@functools.lru_cache(maxsize=512)
 def one_f_one_b(stages: int, microbatches: int) -> ScheduleTable:
     """F(m) on stage s at tick m+s, B(m) at tick m+2S-2-s (the last stage's B follows its F and the
     head in the same tick)."""
@@ -434,6 +462,7 @@ def one_f_one_b(stages: int, microbatches: int) -> ScheduleTable:
     return _table(S, 1, M, placed, (Work.FORWARD, Work.BACKWARD))
 
 
+@functools.lru_cache(maxsize=512)
 def interleaved_1f1b(stages: int, microbatches: int, chunks: int) -> ScheduleTable:
     """Megatron's interleaved 1F1B: microbatch m = g*S + i walks chunk v; F(m, v) on stage s at tick
     g*S*V + v*S + i + s, B(m, v) at tick g*S*V + i + (2V - v)*S - 2 - s. Needs M % S == 0."""
@@ -450,6 +479,7 @@ def interleaved_1f1b(stages: int, microbatches: int, chunks: int) -> ScheduleTab
     return _table(S, V, M, placed, (Work.FORWARD, Work.BACKWARD))
 
 
+@functools.lru_cache(maxsize=512)
 def zb_h1(stages: int, microbatches: int) -> ScheduleTable:
     """ZB-H1: 1F1B's F and (input-gradient) I; every stage's W(m) at tick m+2S-2, so only M ticks
     carry a W slot."""
