@@ -69,7 +69,8 @@ LOGITS_FP32_COPIES = 3
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One candidate: mesh sizes, ZeRO stage, remat policy, pipeline microbatches, offload."""
+    """One candidate: mesh sizes, ZeRO stage, remat policy, pipeline microbatches, offload, gradient
+    accumulation steps."""
 
     data: int
     fsdp: int
@@ -79,6 +80,7 @@ class Candidate:
     remat: RematPolicy
     microbatches: int = 1
     offload: bool = False
+    grad_accum: int = 1
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -92,7 +94,7 @@ class Candidate:
         """``section.field=value`` overrides that make a config use this layout."""
         out = [f"mesh.{axis}={size}" for axis, size in self.mesh.items()]
         out += [f"zero.stage={self.zero}", f"model.remat={self.remat.value}",
-                f"offload.optimizer={str(self.offload).lower()}"]
+                f"offload.optimizer={str(self.offload).lower()}", f"train.grad_accum={self.grad_accum}"]
         if self.stage > 1:
             out.append(f"pipeline.microbatches={self.microbatches}")
         return out

@@ -137,8 +137,11 @@ def _parse_list(text: str, field: str, parse) -> list:
 
 def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: float | None = None, *,
               hardware: Hardware = Hardware(), meshes: list[tuple[int, int, int, int]] | None = None,
-              zero_stages: list[int] = (0, 1, 2, 3), remats: list[RematPolicy] = DEFAULT_REMATS) -> Plan:
-    """Estimates of every candidate layout of ``cfg`` on ``devices`` devices."""
+              zero_stages: list[int] = (0, 1, 2, 3), remats: list[RematPolicy] = DEFAULT_REMATS,
+              search_accumulation: bool = True) -> Plan:
+    """Estimates of every candidate layout of ``cfg`` on ``devices`` devices; with
+    ``search_accumulation``, a candidate too big for the device memory is tried again in twice the
+    gradient-accumulation steps (the global batch kept) until it fits or the batch no longer divides."""
     if devices < 1:
         raise ConfigError("--devices", f"must be a positive integer, got {devices}")
     for remat in remats:
@@ -165,22 +168,40 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
             for remat in remats:
                 for micro in micros:
                     for offload in offloads:
-                        candidate = Candidate(data, fsdp, tensor, stage, zero, remat, micro, offload)
-                        layout = candidate_layout(cfg, candidate, rules, abstract_params)
-                        if (stage > 1, zero) not in tables:
-                            tables[(stage > 1, zero)] = spec_tables(layout)
-                        estimates.append(estimate(layout, candidate, compute_bytes=compute_bytes, hw=hardware,
-                                                  specs=tables[(stage > 1, zero)]))
+                        accum = cfg.train.grad_accum
+                        while True:
+                            candidate = Candidate(data, fsdp, tensor, stage, zero, remat, micro, offload, accum)
+                            layout = candidate_layout(cfg, candidate, rules, abstract_params)
+                            if (stage > 1, zero) not in tables:
+                                tables[(stage > 1, zero)] = spec_tables(layout)
+                            est = estimate(layout, candidate, compute_bytes=compute_bytes, hw=hardware,
+                                           specs=tables[(stage > 1, zero)])
+                            estimates.append(est)
+                            # Too big only for its activations' sake: the same step in twice the
+                            # accumulation steps (the global batch kept), while the rows divide.
+                            accum *= 2
+                            if not (search_accumulation and not est.reasons and est.total > device_memory
+                                    and _accumulation_divides(cfg.train.batch_size, dp, accum, micro, stage)):
+                                break
     return Plan(cfg, devices, device_memory, host_memory, hardware, estimates)
+
+
+def _accumulation_divides(batch_size: int, dp: int, accum: int, microbatches: int, stages: int) -> bool:
+    """Whether ``batch_size`` rows split into ``dp`` shards of ``accum`` accumulation steps (each
+    into ``microbatches`` when pipelined) evenly."""
+    if batch_size % (dp * accum):
+        return False
+    return stages == 1 or (batch_size // (dp * accum)) % microbatches == 0
 
 
 def candidate_layout(cfg: Config, candidate: Candidate, rules: ShardingRules, abstract_params=None) -> Layout:
     """The ``Layout`` of ``cfg`` with ``candidate`` applied: the object the trainer builds from."""
     pipeline = dataclasses.replace(cfg.pipeline, microbatches=candidate.microbatches) if candidate.stage > 1 \
         else cfg.pipeline
-    return Layout.of(dataclasses.replace(cfg.model, remat=candidate.remat), candidate.mesh, rules,
-                           cfg.train, pipeline, ZeroConfig(ZeroStage(candidate.zero)),
-                           OffloadConfig(optimizer=candidate.offload), abstract_params=abstract_params)
+    train = dataclasses.replace(cfg.train, grad_accum=candidate.grad_accum)
+    return Layout.of(dataclasses.replace(cfg.model, remat=candidate.remat), candidate.mesh, rules, train, pipeline,
+                     ZeroConfig(ZeroStage(candidate.zero)), OffloadConfig(optimizer=candidate.offload),
+                     abstract_params=abstract_params)
 
 
 def _gb(nbytes: float) -> str:
@@ -191,7 +212,8 @@ def _gb(nbytes: float) -> str:
 def _row(rank: str, est: Estimate, verdict: str) -> list[str]:
     lay = est.candidate
     piped = lay.stage > 1 and est.in_flight
-    return [rank, lay.label(), str(lay.zero), lay.remat.value, str(lay.microbatches) if lay.stage > 1 else "-",
+    return [rank, lay.label(), str(lay.zero), lay.remat.value, str(lay.grad_accum),
+            str(lay.microbatches) if lay.stage > 1 else "-",
             f"{est.bubble:.1%}" if piped else "-", str(est.in_flight) if piped else "-",
             "yes" if lay.offload else "-", _gb(est.params), _gb(est.grads),
             _gb(est.optimizer),
@@ -200,7 +222,7 @@ def _row(rank: str, est: Estimate, verdict: str) -> list[str]:
             f"{sum(est.comm_s.values()):.3g}", verdict]
 
 
-HEADER = ["#", "mesh d,f,t,s", "zero", "remat", "mb", "bubble", "flight", "offl", "params", "grads", "optim",
+HEADER = ["#", "mesh d,f,t,s", "zero", "remat", "acc", "mb", "bubble", "flight", "offl", "params", "grads", "optim",
           "activ", "temps", "update", "total GB", "host GB", "step s", "comp s", "comm s", "verdict"]
 
 
