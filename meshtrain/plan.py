@@ -16,14 +16,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import pathlib
 import re
 import sys
 import time
 
 import numpy as np
+import yaml
 
 from meshtrain.cli import ArgumentParser, run
-from meshtrain.config import Config, load_config
+from meshtrain.config import Config, load_config, to_dict
 from meshtrain.errors import ConfigError
 from meshtrain.memory_model import (ACTIVATION_COEFFICIENTS, UNRELIABLE, Candidate, Estimate, Hardware, SpecTables,
                                     estimate, spec_tables)
@@ -77,6 +79,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--inter-node-bandwidth", default="50GB",
                    help="bytes/s per device across nodes (one 400 Gb/s NIC per GPU; default 50GB)")
     p.add_argument("--node-size", type=int, default=8, help="devices per node (default 8)")
+    p.add_argument("--write-config", metavar="FILE",
+                   help="write the config with the best layout applied, for meshtrain.train --config FILE")
     return p.parse_args(argv)
 
 
@@ -356,10 +360,31 @@ def _plan(argv: list[str] | None) -> None:
     plan = make_plan(cfg, args.devices, device_memory, host_memory, hardware=hardware, meshes=meshes,
                      zero_stages=zeros, remats=remats)
     print(format_plan(plan, args.top, args.show_infeasible), flush=True)
+    if args.write_config:
+        write_config(plan, args.config, args.overrides, pathlib.Path(args.write_config))
     if args.verify:
         best = plan.ranked()[0][:args.verify]
         results = [(est, verify(args.config, args.overrides, est, args.devices)) for est in best]
         print(format_verify(results, args.devices, device_memory))
+
+
+def write_config(plan: Plan, config: str | None, overrides: list[str], path: pathlib.Path) -> None:
+    """Writes ``config`` with ``overrides`` and the best layout of ``plan`` applied (its mesh, ZeRO
+    stage, remat, accumulation, microbatches, offload) to ``path`` as YAML that ``meshtrain.train
+    --config`` runs as is; a one-line error, nothing written, when no layout fits."""
+    fit = plan.ranked()[0]
+    if not fit:
+        raise ConfigError("--write-config", f"no layout fits on {plan.devices} devices; nothing written to {path}")
+    if path.is_dir():
+        raise ConfigError("--write-config", f"{path} is a directory; give a file name")
+    chosen = load_config(config, [*overrides, *fit[0].candidate.overrides()])
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        temporary.write_text(yaml.safe_dump(to_dict(chosen), sort_keys=False))
+        temporary.replace(path)
+    except OSError as error:
+        raise ConfigError("--write-config", f"cannot write {path}: {error.strerror}") from None
+    print(f"wrote {path}: layout 1, {' '.join(fit[0].candidate.overrides())}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

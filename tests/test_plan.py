@@ -195,3 +195,31 @@ def test_the_1024_device_search_stays_bounded():
     assert schedules.gpipe.cache_info().misses <= 25  # 25 shapes (stages 2..16 x microbatches) today
     fit, _, _ = plan.ranked()
     assert fit and all(est.candidate.devices == 1024 for est in fit)
+
+
+def test_the_written_config_trains_as_planned(tmp_path, capsys):
+    """``plan --write-config`` then ``train --config`` of the written file on the 8 simulated devices:
+    the run's mesh, ZeRO stage, remat and accumulation are the plan's first row."""
+    from meshtrain.train import main as train_main
+
+    out = tmp_path / "planned.yaml"
+    assert planner.main(["--config", "configs/tiny.yaml", "--devices", "8", "--device-memory", "1GB",
+                         "--write-config", str(out), "train.steps=2"]) == 0
+    written = capsys.readouterr().out.strip().splitlines()[-1]
+    assert written.startswith(f"wrote {out}: layout 1, mesh.data=")
+    cfg = load_config(out)
+    chosen = dict(item.split("=", 1) for item in written.split(", ", 1)[1].split())
+    assert {f"mesh.{a}": str(getattr(cfg.mesh, a)) for a in ("data", "fsdp", "tensor", "stage")}.items() \
+        <= chosen.items()
+    assert chosen["zero.stage"] == str(cfg.zero.stage) and chosen["train.grad_accum"] == str(cfg.train.grad_accum)
+    assert train_main(["--config", str(out), f"run.dir={tmp_path / 'run'}", "checkpoint.every=0"]) == 0
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"step"') == 2
+
+
+def test_write_config_when_nothing_fits_is_one_line_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "planned.yaml"
+    assert planner.main(["--config", "configs/llama_70b.yaml", "--devices", "8", "--device-memory", "1GB",
+                         "--write-config", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --write-config: no layout fits on 8 devices; nothing written to {out}"]
+    assert not out.exists()
