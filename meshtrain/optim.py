@@ -1,9 +1,11 @@
-"""AdamW with linear warmup, cosine decay, global-norm clipping and a weight-decay mask; sign descent
-for a model's ``SignDescent`` variables."""
+"""The optimizer (AdamW or Lion) with its learning-rate schedule (warmup, then cosine, linear,
+constant, warmup-stable-decay or inverse square root), global-norm clipping and a weight-decay mask;
+sign descent for a model's ``SignDescent`` variables."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import jax
@@ -13,16 +15,42 @@ import optax
 from flax import nnx
 
 from meshtrain.errors import ConfigError
-from models.common import SignDescent, logical_axes_of
+from models.common import SignDescent, coerce_enums, logical_axes_of
+
+
+class OptimizerName(str, enum.Enum):
+    """``optimizer.name``. ADAMW: optax's AdamW. LION: optax's Lion (``b1``, ``b2``; sign updates, so
+    a learning rate ~3-10x below AdamW's)."""
+
+    ADAMW = "adamw"
+    LION = "lion"
+
+
+class LRSchedule(str, enum.Enum):
+    """``optimizer.schedule``, after ``warmup_steps`` of linear warmup from 0 to ``learning_rate``.
+    COSINE: cosine decay to ``min_lr_ratio x learning_rate`` at ``train.steps``. LINEAR: linear decay
+    to it. CONSTANT: ``learning_rate`` to the end. WSD (warmup-stable-decay): constant, then a linear
+    decay to ``min_lr_ratio x learning_rate`` over the last ``decay_fraction`` of the steps.
+    INVERSE_SQRT: ``learning_rate x sqrt(warmup_steps / step)`` after the warmup (``warmup_steps``
+    at least 1)."""
+
+    COSINE = "cosine"
+    LINEAR = "linear"
+    CONSTANT = "constant"
+    WSD = "wsd"
+    INVERSE_SQRT = "inverse_sqrt"
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW hyper-parameters; the schedule decays over ``train.steps``."""
+    """The optimizer and its hyper-parameters; the schedule runs over ``train.steps``."""
 
+    name: OptimizerName = OptimizerName.ADAMW
     learning_rate: float = 3e-3
+    schedule: LRSchedule = LRSchedule.COSINE
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2  # WSD: the share of the steps in the final decay
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
@@ -30,6 +58,10 @@ class OptimizerConfig:
     clip_norm: float = 1.0
 
     def __post_init__(self):
+        coerce_enums(self, ConfigError)
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError("decay_fraction", f"must be in (0, 1] (the share of the steps WSD decays over), "
+                              f"got {self.decay_fraction}")
         if self.learning_rate <= 0:
             raise ConfigError("learning_rate", f"must be > 0, got {self.learning_rate}")
         if self.warmup_steps < 0:
@@ -50,11 +82,23 @@ class OptimizerConfig:
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    """0 -> learning_rate over ``warmup_steps``, then cosine to ``min_lr_ratio * learning_rate``."""
+    """0 -> learning_rate over ``warmup_steps``, then ``cfg.schedule`` (``LRSchedule``) to ``total_steps``."""
     warmup = min(cfg.warmup_steps, total_steps)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1), end_value=cfg.learning_rate * cfg.min_lr_ratio)
+    peak, floor = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+    if cfg.schedule is LRSchedule.COSINE:
+        return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak, warmup_steps=warmup,
+                                                  decay_steps=max(total_steps, warmup + 1), end_value=floor)
+    ramp = optax.linear_schedule(0.0, peak, warmup)
+    after = {LRSchedule.LINEAR: optax.linear_schedule(peak, floor, max(total_steps - warmup, 1)),
+             LRSchedule.CONSTANT: optax.constant_schedule(peak),
+             LRSchedule.INVERSE_SQRT: lambda step: peak * jnp.sqrt(
+                 max(warmup, 1) / jnp.maximum(jnp.asarray(step, jnp.float32) + max(warmup, 1), max(warmup, 1)))}
+    if cfg.schedule is LRSchedule.WSD:
+        decay = max(1, round(cfg.decay_fraction * (total_steps - warmup)))
+        stable = max(total_steps - warmup - decay, 0)
+        return optax.join_schedules([ramp, optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay)],
+                                    [warmup, warmup + stable])
+    return optax.join_schedules([ramp, after[cfg.schedule]], [warmup])
 
 
 def weight_decay_mask(abstract_params: nnx.State) -> nnx.State:
@@ -71,11 +115,14 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int,
     """The AdamW transformation (clipping first) and its learning-rate schedule; the model's
     ``SignDescent`` variables, if any, move by their rate times the sign of their gradient instead."""
     schedule = learning_rate_schedule(cfg, total_steps)
-    tx = optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else optax.identity(),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                    mask=weight_decay_mask(abstract_params)),
-    )
+    decay = weight_decay_mask(abstract_params)
+    update = {
+        OptimizerName.ADAMW: lambda: optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                                 weight_decay=cfg.weight_decay, mask=decay),
+        OptimizerName.LION: lambda: optax.lion(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                                               mask=decay),
+    }[cfg.name]()
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else optax.identity(), update)
     rates = sign_descent_rates(abstract_params)
     return (with_sign_descent(tx, rates) if any(jax.tree.leaves(rates)) else tx), schedule
 
