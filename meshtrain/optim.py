@@ -1,4 +1,4 @@
-"""The optimizer (AdamW or Lion) with its learning-rate schedule (warmup, then cosine, linear,
+"""The optimizer (AdamW, Lion, Adafactor or Muon) with its learning-rate schedule (warmup, then cosine, linear,
 constant, warmup-stable-decay or inverse square root), global-norm clipping and a weight-decay mask;
 sign descent for a model's ``SignDescent`` variables."""
 
@@ -20,10 +20,15 @@ from models.common import SignDescent, coerce_enums, logical_axes_of
 
 class OptimizerName(str, enum.Enum):
     """``optimizer.name``. ADAMW: optax's AdamW. LION: optax's Lion (``b1``, ``b2``; sign updates, so
-    a learning rate ~3-10x below AdamW's)."""
+    a learning rate ~3-10x below AdamW's). ADAFACTOR: optax's Adafactor (factored second moments,
+    the update scaled by the parameter's scale; ``weight_decay`` as its decay rate). MUON:
+    optax.contrib's Muon on the matrices (Newton-Schulz orthogonalised momentum with ``b2`` as its
+    momentum), AdamW (``b1``, ``b2``) on the rest (``muon_matrices``)."""
 
     ADAMW = "adamw"
     LION = "lion"
+    ADAFACTOR = "adafactor"
+    MUON = "muon"
 
 
 class LRSchedule(str, enum.Enum):
@@ -121,10 +126,36 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int,
                                                  weight_decay=cfg.weight_decay, mask=decay),
         OptimizerName.LION: lambda: optax.lion(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
                                                mask=decay),
+        OptimizerName.ADAFACTOR: lambda: optax.adafactor(schedule, weight_decay_rate=cfg.weight_decay or None,
+                                                         weight_decay_mask=decay),
+        OptimizerName.MUON: lambda: optax.contrib.muon(
+            schedule, beta=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, weight_decay_mask=decay,
+            adam_b1=cfg.b1, adam_b2=cfg.b2, adam_weight_decay=cfg.weight_decay,
+            muon_weight_dimension_numbers=muon_matrices(abstract_params)),
     }[cfg.name]()
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm > 0 else optax.identity(), update)
     rates = sign_descent_rates(abstract_params)
     return (with_sign_descent(tx, rates) if any(jax.tree.leaves(rates)) else tx), schedule
+
+
+def muon_matrices(abstract_params: nnx.State) -> nnx.State:
+    """Per parameter, Muon's ``MuonDimensionNumbers`` (which axes are the matrix's rows and columns;
+    ``layers`` and ``experts`` are batch axes), or None for AdamW: parameters with fewer than two
+    such axes (norm scales), the embedding and head (``vocab``), as Muon's authors do, and
+    ``SignDescent`` variables. A last axis ``embed`` (or ``expert_embed``) is the matrix's output
+    (an out-projection); else the first axis is its input."""
+    from optax.contrib import MuonDimensionNumbers
+
+    def dims(variable: nnx.Variable) -> nnx.Variable:
+        axes = logical_axes_of(variable)
+        free = [i for i, axis in enumerate(axes) if axis not in ("layers", "experts")]
+        if len(free) < 2 or "vocab" in axes or isinstance(variable, SignDescent):
+            return variable.replace(None)
+        if axes[free[-1]] in ("embed", "expert_embed"):
+            return variable.replace(MuonDimensionNumbers(tuple(free[:-1]), (free[-1],)))
+        return variable.replace(MuonDimensionNumbers((free[0],), tuple(free[1:])))
+
+    return jax.tree.map(dims, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def sign_descent_rates(abstract_params: nnx.State) -> Any:

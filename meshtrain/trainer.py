@@ -74,7 +74,7 @@ class Trainer:
         replicated = NamedSharding(mesh, PartitionSpec())
         abstract_opt_state = jax.eval_shape(self.tx.init, self.abstract_params)
         # Where the optimizer state is updated (device memory) and where it rests between steps.
-        self.optimizer_compute_shardings = optimizer_shardings(self.tx, abstract_opt_state,
+        self.optimizer_compute_shardings = optimizer_shardings(abstract_opt_state, self.abstract_params,
                                                                self.state_layout.optimizer, mesh)
         self.state_shardings = TrainState(
             step=replicated, params=self.param_shardings,

@@ -1,10 +1,11 @@
-"""Learning-rate schedules against their closed forms, Lion equal to one device under ZeRO-3 x TP,
+"""Learning-rate schedules against their closed forms, each optimizer equal to one device under ZeRO-3 x TP,
 and bad optimizer input as one line (meshtrain/optim.py)."""
 
 from __future__ import annotations
 
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -54,21 +55,27 @@ def test_wsd_decays_over_its_fraction():
         assert float(lr(step)) == pytest.approx(_closed_form(LRSchedule.WSD, step, 0.5), rel=1e-5, abs=1e-12)
 
 
-def test_lion_under_zero3_and_tensor_parallelism_equals_one_device():
-    """Three Lion steps on (2, 2, 2, 1) with ZeRO-3: the losses of one device (fp32, rel 1e-5); the
-    moments live in the parameters' ZeRO layout like AdamW's."""
-    optimizer = OptimizerConfig(name=OptimizerName.LION, learning_rate=1e-3, warmup_steps=0)
+@pytest.mark.parametrize("name, learning_rate", [(OptimizerName.LION, 1e-3), (OptimizerName.ADAFACTOR, 1e-2),
+                                                 (OptimizerName.MUON, 1e-2)], ids=lambda x: getattr(x, "value", ""))
+def test_each_optimizer_under_zero3_and_tensor_parallelism_equals_one_device(name, learning_rate):
+    """Three steps on (2, 2, 2, 1) with ZeRO-3: the losses of one device (fp32, rel 1e-5); the state
+    leaves shaped like a parameter live in its ZeRO layout (``optimizer_shardings``), and the
+    loss falls."""
+    optimizer = OptimizerConfig(name=name, learning_rate=learning_rate, warmup_steps=0)
     losses = {}
     for shape in ((1, 1, 1, 1), (2, 2, 2, 1)):
         base = make_trainer(shape, zero=ZeroConfig(ZeroStage.PARAMETERS))
         trainer = Trainer(base.layout, base.mesh, optimizer)
         losses[shape] = run_steps(trainer).losses
+    # The moments of the 8-device run are split like their parameters (not replicated).
+    specs = [s.spec for s in jax.tree.leaves(trainer.optimizer_compute_shardings)]
+    assert sum(any(spec) for spec in specs) >= len(jax.tree.leaves(trainer.abstract_params)) // 2, specs
     np.testing.assert_allclose(losses[(2, 2, 2, 1)], losses[(1, 1, 1, 1)], rtol=1e-5)
     assert losses[(1, 1, 1, 1)][-1] < losses[(1, 1, 1, 1)][0]
 
 
 @pytest.mark.parametrize("override, field, hint", [
-    ("optimizer.name=sgd", "optimizer.name", "adamw | lion"),
+    ("optimizer.name=sgd", "optimizer.name", "adamw | lion | adafactor | muon"),
     ("optimizer.schedule=step", "optimizer.schedule", "| wsd |"),
     ("optimizer.decay_fraction=0", "optimizer.decay_fraction", "(0, 1]"),
     ("optimizer.decay_fraction=1.5", "optimizer.decay_fraction", "(0, 1]"),

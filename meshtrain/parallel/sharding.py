@@ -13,7 +13,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -169,13 +168,25 @@ def data_parallel_size(rules: ShardingRules, mesh_shape: Mapping[str, int]) -> i
     return math.prod(mesh_shape[axis] for axis in mesh_axes_of(rules.activation_spec(("batch",))[0]))
 
 
-def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state: Any,
-                        params_shardings: nnx.State, mesh: Mesh) -> Any:
-    """Optimizer-state shardings: moments like their parameter, counters replicated."""
+def optimizer_shardings(abstract_opt_state: Any, abstract_params: nnx.State, params_shardings: nnx.State,
+                        mesh: Mesh) -> Any:
+    """Optimizer-state shardings: a leaf whose key path ends with a parameter's and whose shape is
+    the parameter's (a moment, a momentum) is laid out like that parameter in ``params_shardings``;
+    every other leaf (counters, masked-out placeholders, factored statistics) is replicated. Matching
+    by path and shape serves any optax transformation, whatever its state's nesting."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    return optax.tree_map_params(tx, lambda _, sharding: sharding, abstract_opt_state, params_shardings,
-                                 transform_non_params=lambda _: replicated,
-                                 is_leaf=lambda x: isinstance(x, NamedSharding))
+    shardings = jax.tree_util.tree_leaves(params_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    by_path = {tuple(path): (leaf.shape, sharding) for (path, leaf), sharding
+               in zip(jax.tree_util.tree_flatten_with_path(abstract_params)[0], shardings, strict=True)}
+
+    def choose(path, leaf) -> NamedSharding:
+        for start in range(len(path)):
+            found = by_path.get(tuple(path[start:]))
+            if found is not None:
+                return found[1] if found[0] == leaf.shape else replicated
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(choose, abstract_opt_state)
 
 
 def parameter_table(abstract_params: nnx.State, shardings: nnx.State) -> str:
