@@ -19,6 +19,12 @@ Sections and their owners::
 
 An override ``a.b=value`` parses ``value`` as YAML (``mesh.data=2``, ``train.precision=bf16``,
 ``sharding.rules.vocab={params: null, activations: tensor}``) and replaces ``a.b``.
+
+A YAML file may name another with a top-level ``base: FILE`` (relative to its own directory, or
+absolute): the chain of bases is read first, each file merged over the one it names (mappings
+merge key by key at every depth, anything else replaces the base's value whole), then the
+overrides. ``resolve_config`` also returns where each value came from, which ``annotated_yaml``
+prints as a comment beside it (``python -m meshtrain.train --print-config``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import dataclasses
 import difflib
 import enum
 import math
+import os
 import pathlib
 import re
 import typing
@@ -177,15 +184,21 @@ def _suggest(name: str, valid: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+def _set_dotted(raw: dict, dotted: str, value: Any, sources: dict | None = None) -> None:
+    """Sets ``raw[a][b]... = value`` for ``dotted`` ``"a.b..."``; ``sources`` (the provenance tree
+    mirroring ``raw``, see ``resolve_config``) records the value as the command line's."""
     keys = dotted.split(".")
-    node = raw
+    node, origin = raw, sources if sources is not None else {}
     for depth, key in enumerate(keys[:-1]):
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
             raise ConfigError(".".join(keys[:depth + 1]), f"is a value, not a section; cannot set {dotted}")
         node = child
+        if not isinstance(origin.get(key), dict):
+            origin[key] = {}
+        origin = origin[key]
     node[keys[-1]] = value
+    origin[keys[-1]] = _labelled(value, FROM_COMMAND_LINE)
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -310,35 +323,116 @@ def _invalid_enum(cls: type, raw: dict) -> tuple[str, str] | None:
     return None
 
 
+BASE_FIELD = "base"
+# The comments ``annotated_yaml`` prints beside each value: where it came from.
+FROM_COMMAND_LINE, DEFAULT = "from the command line", "default"
+
+
 def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> Config:
-    """Reads YAML ``path`` (or defaults when None), applies ``overrides``, validates every section."""
-    raw: dict = {}
-    if path is not None:
-        path = pathlib.Path(path)
-        if path.is_dir():
-            raise ConfigError("--config", f"{path} is a directory; give a YAML config file")
-        if not path.is_file():
-            raise ConfigError("--config", f"no such file: {path}")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:  # a binary file
-            raise ConfigError("--config", f"{path} is not a UTF-8 text file (byte {err.start})") from None
-        except OSError as err:
-            raise ConfigError("--config", f"cannot read {path}: {err.strerror or err}") from None
-        try:
-            raw = _load_yaml(text) or {}
-        except ValueError as err:  # e.g. an integer of more than 4300 digits
-            raise ConfigError("--config", f"{path} is not valid YAML: {_cut(str(err))}") from None
-        except yaml.YAMLError as err:
-            raise ConfigError("--config", f"{path} is not valid YAML: {_yaml_problem(err)}") from None
-        except _Refused as err:
-            raise ConfigError("--config", f"{path} is refused: {err}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError("--config", f"{path} must hold a mapping of sections {list(SECTIONS)}")
+    """Reads YAML ``path`` (or defaults when None) and the chain of files its ``base:`` names,
+    applies ``overrides``, validates every section."""
+    return resolve_config(path, overrides)[0]
+
+
+def resolve_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> tuple[Config, dict]:
+    """``load_config``'s config and where each value came from: a tree mirroring the raw mapping
+    whose leaves are ``"from FILE"`` or ``FROM_COMMAND_LINE`` (a field it lacks is a default)."""
+    raw, sources = _read_chain(pathlib.Path(path)) if path is not None else ({}, {})
     for text in overrides:
         key, value = parse_override(text)
-        _set_dotted(raw, key, value)
-    return config_from_dict(raw)
+        if key.split(".")[0] == BASE_FIELD:
+            raise ConfigError(BASE_FIELD, f"names a base config inside a YAML file ({BASE_FIELD}: FILE), "
+                              "not as an override")
+        _set_dotted(raw, key, value, sources)
+    for (section, field), (owner, owned) in _ALIASES.items():  # the value is printed where it is stored
+        if isinstance(sources.get(section), dict) and field in sources[section]:
+            origin = sources[section].pop(field)
+            if not isinstance(sources.get(owner), dict):
+                sources[owner] = {}
+            sources[owner][owned] = origin
+    return config_from_dict(raw), sources
+
+
+def _read_chain(path: pathlib.Path) -> tuple[dict, dict]:
+    """The raw mapping of ``path`` merged over its chain of bases, and its provenance tree."""
+    layers: list[tuple[str, dict]] = []  # (the file as shown, its mapping), the named file first
+    shown, field, where = str(path), "--config", ""
+    seen: dict[pathlib.Path, str] = {}
+    while True:
+        try:
+            identity = path.resolve()
+        except (OSError, RuntimeError):  # a symlink loop: reading it fails below, naming the file
+            identity = path.absolute()
+        if identity in seen:
+            chain = " -> ".join([*seen.values(), shown])
+            raise ConfigError(BASE_FIELD, f"the base files form a cycle: {chain}; remove one of their "
+                              f"{BASE_FIELD}: keys")
+        seen[identity] = shown
+        raw = _read_mapping(path, shown, field, where)
+        layers.append((shown, raw))
+        if BASE_FIELD not in raw:
+            break
+        base = raw.pop(BASE_FIELD)
+        if not isinstance(base, str) or not base:
+            raise ConfigError(BASE_FIELD, f"must be the path of a YAML config file (relative to the "
+                              f"directory of {shown}, or absolute), got {_shown(base)} in {shown}")
+        where = f" (the {BASE_FIELD} named in {shown})"
+        path, shown, field = path.parent / base, os.path.normpath(pathlib.Path(shown).parent / base), BASE_FIELD
+    raw, sources = {}, {}
+    for shown, layer in reversed(layers):
+        raw, sources = _merged(raw, sources, layer, f"from {shown}", sections=True)
+    return raw, sources
+
+
+def _read_mapping(path: pathlib.Path, shown: str, field: str, where: str) -> dict:
+    """The YAML mapping in file ``path``; an error names ``field``, the file as ``shown`` and ends
+    with ``where``."""
+    if path.is_dir():
+        raise ConfigError(field, f"{shown} is a directory; give a YAML config file{where}")
+    if not path.is_file():
+        raise ConfigError(field, f"no such file: {shown}{where}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:  # a binary file
+        raise ConfigError(field, f"{shown} is not a UTF-8 text file (byte {err.start}){where}") from None
+    except OSError as err:
+        raise ConfigError(field, f"cannot read {shown}: {err.strerror or err}{where}") from None
+    try:
+        raw = _load_yaml(text) or {}  # an empty file: no fields
+    except ValueError as err:  # e.g. an integer of more than 4300 digits
+        raise ConfigError(field, f"{shown} is not valid YAML: {_cut(str(err))}{where}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(field, f"{shown} is not valid YAML: {_yaml_problem(err)}{where}") from None
+    except _Refused as err:
+        raise ConfigError(field, f"{shown} is refused: {err}{where}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(field, f"{shown} must hold a mapping of sections {list(SECTIONS)}{where}")
+    return raw
+
+
+def _labelled(value: Any, origin: str) -> Any:
+    """The provenance tree of ``value``: ``origin`` at each leaf (a non-mapping or empty mapping)."""
+    if isinstance(value, dict) and value:
+        return {key: _labelled(item, origin) for key, item in value.items()}
+    return origin
+
+
+def _merged(base: dict, sources: dict, child: dict, origin: str, sections: bool = False) -> tuple[dict, dict]:
+    """``child`` (from ``origin``) merged over ``base`` (whose provenance tree is ``sources``):
+    a mapping over a mapping merges key by key, anything else replaces the base's value whole.
+    At the top level (``sections``) a section left empty (``train:``, read as None) keeps the
+    base's, as it would keep the defaults."""
+    base, sources = dict(base), dict(sources)
+    for key, value in child.items():
+        below = base.get(key)
+        if isinstance(below, dict) and (isinstance(value, dict) or (sections and value is None)):
+            if value and below:
+                base[key], sources[key] = _merged(below, sources[key], value, origin)
+            elif value:
+                base[key], sources[key] = value, _labelled(value, origin)
+            continue  # an empty mapping keeps the base's
+        base[key], sources[key] = value, _labelled(value, origin)
+    return base, sources
 
 
 def config_from_dict(raw: dict) -> Config:
@@ -403,3 +497,53 @@ def model_dict(model_cfg: Any) -> dict:
 def to_dict(cfg: Config) -> dict:
     """A YAML-ready plain dict of ``cfg`` (enums as their values, the model section with its family)."""
     return {**_plain(cfg), "model": model_dict(cfg.model)}
+
+
+class _OneLineDumper(yaml.SafeDumper):
+    """Writes a value on one line: strings with line breaks double-quoted (``\\n`` escaped)."""
+
+    def represent_str(self, data: str):
+        if any(char in data for char in "\n\r\x85\u2028\u2029"):
+            return self.represent_scalar("tag:yaml.org,2002:str", data, style='"')
+        return super().represent_str(data)
+
+
+_OneLineDumper.add_representer(str, _OneLineDumper.represent_str)
+
+
+def _one_line(value: Any) -> str:
+    """``value`` as YAML on one line (flow style)."""
+    text = yaml.dump(value, Dumper=_OneLineDumper, default_flow_style=True, width=math.inf, sort_keys=False)
+    return text.removesuffix("\n...\n").rstrip("\n")
+
+
+def _origin(sources: dict, path: tuple) -> str:
+    """Where the value at ``path`` came from: its leaf in the provenance tree, else ``DEFAULT``."""
+    node: Any = sources
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return DEFAULT
+        node = node[key]
+    return node if isinstance(node, str) else DEFAULT
+
+
+def annotated_yaml(cfg: Config, sources: dict, column: int = 48) -> str:
+    """``cfg`` as YAML (``load_config`` reads it back to ``cfg``), each value followed by a comment
+    saying where it came from (``resolve_config``'s ``sources``): ``# from FILE``, ``# from the
+    command line`` or ``# default``. Comments start at ``column`` where the lines allow."""
+    lines: list[tuple[str, str | None]] = []
+
+    def walk(mapping: dict, path: tuple, indent: str) -> None:
+        for key, value in mapping.items():
+            head = f"{indent}{_one_line(key)}:"
+            if isinstance(value, dict) and value:
+                lines.append((head, None))
+                walk(value, (*path, key), indent + "  ")
+            else:
+                lines.append((f"{head} {_one_line(value)}", _origin(sources, (*path, key))))
+
+    walk(to_dict(cfg), (), "")
+    breaks = str.maketrans({"\n": "\\n", "\r": "\\r", "\x85": "\\x85", "\u2028": "\\u2028",
+                            "\u2029": "\\u2029"})  # a file name's line break would end the comment
+    return "".join(f"{text:<{column}}  # {origin.translate(breaks)}\n" if origin else f"{text}\n"
+                   for text, origin in lines)

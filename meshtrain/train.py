@@ -1,7 +1,9 @@
 """``python -m meshtrain.train --config configs/tiny.yaml [section.field=value ...]``: the command line.
 
-Flags: ``--host-devices N`` simulates N CPU devices; ``--print-config`` prints the resolved config;
-``--print-sharding`` prints the per-parameter sharding table. Both print flags exit without training.
+Flags: ``--host-devices N`` simulates N CPU devices; ``--print-config`` prints the resolved config
+(the ``base:`` chain and the overrides applied), each value with a ``# from FILE``, ``# from the command
+line`` or ``# default`` comment; ``--print-sharding`` prints the per-parameter sharding table. Both print
+flags exit without training.
 ``--fresh`` refuses to resume from checkpoints already in ``run.dir``.
 Bad input prints one ``error: field: what is wrong`` line and exits 2.
 
@@ -20,12 +22,10 @@ import os
 import re
 import sys
 
-import yaml
-
 from meshtrain import distributed
 from meshtrain.checkpoint import SaveFailed
 from meshtrain.cli import EXIT_USER_ERROR, ArgumentParser, run, use_host_devices
-from meshtrain.config import load_config, to_dict
+from meshtrain.config import annotated_yaml, resolve_config
 from meshtrain.errors import ConfigError
 from meshtrain.loop import train
 from meshtrain.policies import NonFiniteStop
@@ -39,7 +39,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", help="YAML config file (default: the dataclass defaults of every section)")
     parser.add_argument("--host-devices", type=int, metavar="N",
                         help="simulate N CPU devices (must be given before JAX starts)")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config, where each value came from as a comment, and exit")
     parser.add_argument("--print-sharding", action="store_true",
                         help="print the per-parameter sharding table and exit")
     parser.add_argument("--fresh", action="store_true",
@@ -77,9 +78,9 @@ def _main(argv: list[str] | None) -> int:
             command += f" --host-devices {args.host_devices}"
         else:  # GPU runs: the recommended XLA flags (meshtrain/xla_flags.py), before backends start
             apply_recommended()
-        cfg = load_config(args.config, args.overrides)
+        cfg, sources = resolve_config(args.config, args.overrides)
         if args.print_config:
-            print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+            print(annotated_yaml(cfg, sources), end="")
         else:
             distributed.initialize(_distributed_flags(args, cfg.distributed))  # before JAX's backends start
             train(cfg, print_sharding=args.print_sharding, fresh=args.fresh, command=command)
