@@ -1,4 +1,5 @@
-"""One live run per ``run.dir``: a lock file naming the process and host that holds the directory.
+"""One live process per ``run.dir`` (or prepared corpus ``--out``): a lock file naming the process and
+host that holds the directory.
 
 ``run.dir/.meshtrain.lock`` is created atomically (``O_CREAT | O_EXCL``) by process 0 before the run
 writes anything, and removed when the run ends. A second run on the same directory refuses with one
@@ -38,9 +39,12 @@ def _alive(pid: int) -> bool:
 
 
 class RunLock:
-    """Holds ``run_dir`` for this process while inside ``with`` (``acquire``/``release``)."""
+    """Holds ``run_dir`` for this process while inside ``with`` (``acquire``/``release``); errors name
+    ``field`` and call the holder a ``holder`` (``run.dir`` and a run for training, ``--out`` and a
+    prepare for a corpus being prepared)."""
 
-    def __init__(self, run_dir: str | pathlib.Path):
+    def __init__(self, run_dir: str | pathlib.Path, field: str = "run.dir", holder: str = "run"):
+        self.field, self.holder = field, holder
         self.path = pathlib.Path(run_dir) / LOCK_FILE
         self.owner = {"pid": os.getpid(), "host": socket.gethostname(),
                       "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -67,7 +71,7 @@ class RunLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise ConfigError("run.dir", f"cannot create {self.path.parent}: {err.strerror or err}") from None
+            raise ConfigError(self.field, f"cannot create {self.path.parent}: {err.strerror or err}") from None
         for _ in range(3):  # a racing run may take over or release the lock between two looks
             if self._create():
                 self.held = True
@@ -91,11 +95,11 @@ class RunLock:
                 continue
             where = f"process {pid} on host {host}" if pid > 0 else "an unreadable lock"
             since = f" since {holder['started']}" if "started" in holder else ""
-            remedy = ("wait for it to finish or choose another run.dir" if host == self.owner["host"]
-                      else f"if that run is gone, remove {self.path}")
-            raise ConfigError("run.dir", f"{self.path.parent} is in use by a live run ({where}{since}); "
+            remedy = (f"wait for it to finish or choose another {self.field}" if host == self.owner["host"]
+                      else f"if that {self.holder} is gone, remove {self.path}")
+            raise ConfigError(self.field, f"{self.path.parent} is in use by a live {self.holder} ({where}{since}); "
                               f"{remedy}")
-        raise ConfigError("run.dir", f"could not take {self.path}: other runs keep taking it")
+        raise ConfigError(self.field, f"could not take {self.path}: other {self.holder}s keep taking it")
 
     def release(self) -> None:
         if not self.held:

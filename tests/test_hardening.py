@@ -784,3 +784,38 @@ def test_issue38_item9_json_files_are_bounded_like_the_yaml_config_and_jsonl_lin
     assert jsonio.loads('{"text": "x", "meta": ' + "[" * 200 + "]" * 200 + "}", max_depth=None)["text"] == "x"
     with pytest.raises(ValueError, match=r"^nested too deeply for Python to parse$"):
         jsonio.loads(DEEP.encode(), max_depth=None)
+
+
+def test_issue38_item8_a_second_prepare_into_a_running_ones_out_refuses_and_removes_nothing(prepared, tmp_path,
+                                                                                           capsys):
+    """A prepare holds its --out (``.meshtrain.lock``, as training holds run.dir): a second one into
+    the same directory while the first is live (its lock names this test's parent process, alive)
+    is one line naming --out, and the first one's partial files stay; a lock left by a process
+    that is gone is taken over and the corpus prepared."""
+    import json
+    import os
+    import socket
+
+    from meshtrain.data.__main__ import main as data_main
+    from meshtrain.data.corpus import INCOMPLETE_MARKER
+    from meshtrain.run_lock import LOCK_FILE
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / INCOMPLETE_MARKER).touch()  # the first prepare, mid-way
+    (out / "train-00000.bin.tmp").write_bytes(b"\x01\x02")
+    live = {"pid": os.getppid(), "host": socket.gethostname(), "started": "2026-12-04T19:00:00Z"}
+    (out / LOCK_FILE).write_text(json.dumps(live))
+    command = ["prepare", "--tokenizer", str(prepared["tokenizer"]), "--input", str(prepared["root"] / "doc-*.txt"),
+               "--out", str(out)]
+    assert data_main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --out: {out} is in use by a live prepare (process {os.getppid()} on host "
+                   f"{socket.gethostname()} since 2026-12-04T19:00:00Z); wait for it to finish or choose another "
+                   "--out"], err
+    assert (out / "train-00000.bin.tmp").read_bytes() == b"\x01\x02" and (out / INCOMPLETE_MARKER).exists()
+    # The first one died (a PID no process can have): the next prepare takes over and finishes.
+    (out / LOCK_FILE).write_text(json.dumps({**live, "pid": 2 ** 22 + 12345}))
+    assert data_main(command) == 0
+    assert (out / "index.json").exists() and not (out / LOCK_FILE).exists() and not (out / INCOMPLETE_MARKER).exists()
+    assert "taking over" in capsys.readouterr().err

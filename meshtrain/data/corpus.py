@@ -40,6 +40,7 @@ from meshtrain.data.files import commit_file, write_file
 from meshtrain.data.tokenizer import (TOKENIZER_FILE, end_of_document_id, file_sha256, load_tokenizer,
                                       tokenizer_file)
 from meshtrain.errors import ConfigError
+from meshtrain.run_lock import LOCK_FILE, RunLock
 
 FORMAT = "meshtrain-corpus/1"
 INDEX_FILE = "index.json"
@@ -250,7 +251,7 @@ def _claim(out: pathlib.Path, overwrite: bool, say: Callable[[str], None]) -> No
         if not overwrite:
             raise ConfigError("--out", f"{out} is already prepared; remove it or choose another directory "
                               "(or pass --overwrite)")
-    elif out.exists() and any(out.iterdir()):
+    elif out.exists() and any(path.name != LOCK_FILE for path in out.iterdir()):
         raise ConfigError("--out", f"{out} is not empty and holds no prepared corpus; give a new or empty directory")
     out.mkdir(parents=True, exist_ok=True)
     (out / INCOMPLETE_MARKER).touch()
@@ -365,45 +366,48 @@ def prepare(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fractio
         raise ConfigError("--input", f"matches files inside --out {out_dir}")
     if os.environ.get("TOKENIZERS_PARALLELISM", "true").strip().lower() in _PARALLELISM_OFF:
         say("warning: TOKENIZERS_PARALLELISM turns off tokenizers' threads: one core encodes; unset it")
-    _claim(out_dir, overwrite, say)
-
-    readers = [(DocumentReader(train_files, text_field, "--input", say), None)]
-    if val_files:
-        readers.append((DocumentReader(val_files, text_field, "--val-input", say), VAL))
-    encoder = _Encoder(tokenizer, eos_id, {split: _SplitWriter(out_dir, split, dtype, shard_tokens)
-                                           for split in ([TRAIN, VAL] if val_files or val_fraction else [TRAIN])})
-    all_files = train_files + val_files
-    bar = _Progress(console, sum(path.stat().st_size for path in all_files), len(all_files), progress)
-    with bar.bar:
-        done_bytes = done_files = 0
-        for reader, split in readers:
-            batch, size = [], 0
-            for number, (text, text_bytes) in enumerate(reader):
-                batch.append((text, text_bytes, split or (VAL if is_val(number) else TRAIN)))
-                size += text_bytes
-                if size >= batch_bytes:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError("--out", f"{out_dir} is a file, not a directory")
+    # Another prepare writing into --out holds it: a second one refuses instead of removing its files.
+    with RunLock(out_dir, field="--out", holder="prepare"):
+        _claim(out_dir, overwrite, say)
+        readers = [(DocumentReader(train_files, text_field, "--input", say), None)]
+        if val_files:
+            readers.append((DocumentReader(val_files, text_field, "--val-input", say), VAL))
+        encoder = _Encoder(tokenizer, eos_id, {split: _SplitWriter(out_dir, split, dtype, shard_tokens)
+                                               for split in ([TRAIN, VAL] if val_files or val_fraction else [TRAIN])})
+        all_files = train_files + val_files
+        bar = _Progress(console, sum(path.stat().st_size for path in all_files), len(all_files), progress)
+        with bar.bar:
+            done_bytes = done_files = 0
+            for reader, split in readers:
+                batch, size = [], 0
+                for number, (text, text_bytes) in enumerate(reader):
+                    batch.append((text, text_bytes, split or (VAL if is_val(number) else TRAIN)))
+                    size += text_bytes
+                    if size >= batch_bytes:
+                        encoder.encode(batch)
+                        batch, size = [], 0
+                        bar.update(done_bytes + reader.bytes_read, done_files + reader.files_read, encoder.writers)
+                if batch:
                     encoder.encode(batch)
-                    batch, size = [], 0
-                    bar.update(done_bytes + reader.bytes_read, done_files + reader.files_read, encoder.writers)
-            if batch:
-                encoder.encode(batch)
-            done_bytes, done_files = done_bytes + reader.bytes_read, done_files + reader.files_read
-            bar.update(done_bytes, done_files, encoder.writers)
-    writers = encoder.writers
-    if val_fraction and not writers[VAL].documents:
-        raise ConfigError("--val-fraction", f"{val_fraction} of {writers[TRAIN].documents} documents rounds "
-                          "down to no val document; raise it or use --val-input")
+                done_bytes, done_files = done_bytes + reader.bytes_read, done_files + reader.files_read
+                bar.update(done_bytes, done_files, encoder.writers)
+        writers = encoder.writers
+        if val_fraction and not writers[VAL].documents:
+            raise ConfigError("--val-fraction", f"{val_fraction} of {writers[TRAIN].documents} documents rounds "
+                              "down to no val document; raise it or use --val-input")
 
-    write_file(out_dir / TOKENIZER_FILE, tokenizer_file(tokenizer_path).read_bytes())
-    index = {"format": FORMAT, "dtype": dtype.name,
-             "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(out_dir / TOKENIZER_FILE),
-                           "vocab_size": vocab_size, "eos": eos_token, "eos_id": eos_id},
-             "splits": {split: writer.record() for split, writer in writers.items()}}
-    _fsync_dir(out_dir)
-    write_file(out_dir / INDEX_FILE, (json.dumps(index, indent=1) + "\n").encode())
-    (out_dir / INCOMPLETE_MARKER).unlink()
-    _fsync_dir(out_dir)
-    return PrepareReport(PreparedCorpus.open(str(out_dir), field="--out"), encoder.seconds)
+        write_file(out_dir / TOKENIZER_FILE, tokenizer_file(tokenizer_path).read_bytes())
+        index = {"format": FORMAT, "dtype": dtype.name,
+                 "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(out_dir / TOKENIZER_FILE),
+                               "vocab_size": vocab_size, "eos": eos_token, "eos_id": eos_id},
+                 "splits": {split: writer.record() for split, writer in writers.items()}}
+        _fsync_dir(out_dir)
+        write_file(out_dir / INDEX_FILE, (json.dumps(index, indent=1) + "\n").encode())
+        (out_dir / INCOMPLETE_MARKER).unlink()
+        _fsync_dir(out_dir)
+        return PrepareReport(PreparedCorpus.open(str(out_dir), field="--out"), encoder.seconds)
 
 
 # ---- reading a prepared directory ----
