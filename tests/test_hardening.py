@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from meshtrain.errors import ConfigError
 from meshtrain.checkpoint import CHECKPOINT_DIR
 from meshtrain.run_lock import LOCK_FILE
 from meshtrain.loop import train
@@ -819,3 +820,38 @@ def test_issue38_item8_a_second_prepare_into_a_running_ones_out_refuses_and_remo
     assert data_main(command) == 0
     assert (out / "index.json").exists() and not (out / LOCK_FILE).exists() and not (out / INCOMPLETE_MARKER).exists()
     assert "taking over" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, field, hint", [
+    (["data.mixture=[{path: a, weight: 1.0e+308}, {path: b, weight: 1.0e+308}]"], "data.mixture", "sum to inf"),
+    (["data.mixture=[{path: a, weight: 5.0e-324}, {path: b, weight: 1}]"], "data.mixture[0].weight", "underflows"),
+], ids=["sum-overflows", "share-underflows"])
+def test_issue38_item11_mixture_weights_whose_sum_or_share_is_not_a_float_are_one_line(overrides, field, hint):
+    from meshtrain.config import load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["data.source=tokens", *overrides])
+    assert info.value.field == field and hint in info.value.message, info.value
+
+
+@pytest.mark.parametrize("stages", ["Infinity", "1e400", "2.5", "true", "-1"])
+def test_issue38_item11_a_pipeline_table_with_a_non_integer_count_is_one_line(tmp_path, stages):
+    from meshtrain.parallel.schedules import ScheduleTable, gpipe
+
+    text = gpipe(2, 2).to_json().replace('"stages": 2', f'"stages": {stages}', 1)
+    assert f'"stages": {stages}' in text
+    with pytest.raises(ConfigError) as info:
+        ScheduleTable.from_json(text)
+    assert info.value.field == "pipeline.table" and "is not an integer >= 0" in info.value.message
+
+
+@pytest.mark.parametrize("size", [str(2 ** 32 + 1), str(2 ** 31)])
+def test_issue38_item11_a_vocabulary_the_tokenizers_library_cannot_train_is_one_line(tmp_path, capsys, size):
+    from meshtrain.data.__main__ import main as data_main
+
+    (tmp_path / "a.txt").write_text("some text " * 20)
+    assert data_main(["train-tokenizer", "--input", str(tmp_path / "a.txt"), "--vocab-size", size,
+                      "--out", str(tmp_path / "tok")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --vocab-size: must be at most 2,147,483,647 (2**31 - 1), got {int(size):,}"], err
+    assert not (tmp_path / "tok").exists()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import sys
 from collections.abc import Callable
 
 import jax
@@ -108,6 +109,15 @@ class DataConfig:
                     raise ConfigError(f"mixture[{i}].path", "must name a prepared directory or .npy/.bin file")
                 if not isinstance(entry.weight, (int, float)) or not 0 < entry.weight < math.inf:
                     raise ConfigError(f"mixture[{i}].weight", f"got {entry.weight!r}; must be a finite number > 0")
+            total = sum(float(entry.weight) for entry in self.mixture)
+            if not math.isfinite(total):
+                raise ConfigError("mixture", f"the weights sum to {total} (too large for a float); scale them down "
+                                  "(only their ratios matter)")
+            for i, entry in enumerate(self.mixture):
+                if not entry.weight / total >= sys.float_info.min:  # a share that underflows to 0 or a denormal
+                    raise ConfigError(f"mixture[{i}].weight", f"{entry.weight!r} is too small next to the others' "
+                                      f"sum {total:g} (its share {entry.weight / total:g} underflows); scale the "
+                                      "weights so that every share is above 1e-300")
         elif self.source is not DataSource.MARKOV and not self.path:
             raise ConfigError(
                 "path", f"required when source is {self.source.value!r}: "

@@ -65,6 +65,9 @@ def end_of_document_id(tokenizer: Tokenizer, eos: str | None, field: str) -> tup
                       f"{', '.join(COMMON_EOS_TOKENS)}; name one with --eos")
 
 
+MAX_VOCAB_SIZE = 2 ** 31 - 1  # ids a prepared corpus stores (uint32) and the tokenizers library trains
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | pathlib.Path, *, min_frequency: int = 2,
               progress: bool = False, overwrite: bool = False) -> pathlib.Path:
     """Trains a byte-level BPE (every byte in its alphabet, ``<|endoftext|>`` its one special token)
@@ -74,6 +77,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | pathlib.Path
     if vocab_size < BYTE_ALPHABET_SIZE + 1:
         raise ConfigError("--vocab-size", f"must be at least {BYTE_ALPHABET_SIZE + 1} (the {BYTE_ALPHABET_SIZE} "
                           f"bytes and {TRAINED_EOS_TOKEN}), got {vocab_size}")
+    if vocab_size > MAX_VOCAB_SIZE:  # the tokenizers library aborts the process on larger ones
+        raise ConfigError("--vocab-size", f"must be at most {MAX_VOCAB_SIZE:,} (2**31 - 1), got {vocab_size:,}")
     out = pathlib.Path(out_dir)
     if (out / TOKENIZER_FILE).exists() and not overwrite:
         raise ConfigError("--out", f"{out} already has a {TOKENIZER_FILE}; remove it, choose another directory "

@@ -420,14 +420,22 @@ class ScheduleTable:
     def from_json(cls, text: str, field: str = "pipeline.table") -> ScheduleTable:
         try:
             data = jsonio.loads(text)
-            ticks = tuple(tuple(Slot(Work(s["work"]), tuple(None if x is None else Task(int(x[0]), int(x[1]))
+            ticks = tuple(tuple(Slot(Work(s["work"]), tuple(None if x is None else Task(_count(x[0]), _count(x[1]))
                                                             for x in s["tasks"])) for s in tick)
                           for tick in data["ticks"])
-            return cls(int(data["stages"]), int(data["chunks"]), int(data["microbatches"]), ticks)
+            return cls(_count(data["stages"]), _count(data["chunks"]), _count(data["microbatches"]), ticks)
         except (ValueError, KeyError, TypeError, IndexError) as error:
             raise ConfigError(field, "must be a JSON schedule table {stages, chunks, microbatches, ticks: "
                               "[[{work: F|B|I|W, tasks: [[microbatch, chunk] or null per stage]}]]}: "
                               f"{type(error).__name__}: {error}") from None
+
+
+def _count(value) -> int:
+    """A table's integer (a JSON integer >= 0), or ``ValueError``: no floats (``2.5``, ``Infinity``,
+    ``1e400``), no booleans."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not an integer >= 0")
+    return value
 
 
 def _table(stages: int, chunks: int, microbatches: int,
