@@ -47,7 +47,9 @@ from meshtrain.parallel.layer_order import LayerOrder
 CHECKPOINT_DIR = "checkpoints"  # under run.dir
 PARAMS_DIR = "params"  # under an export directory
 EXPORT_META = "meshtrain.json"  # under an export directory
-FORMAT_VERSION = 1
+# 1: the first format; 2: every checkpoint's meta holds its arrays' checksums, so that a meta which
+# lost them is detected (a format-1 checkpoint may have none).
+FORMAT_VERSION = 2
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _UNREADABLE = ".unreadable"
 SAVE_MARGIN_BYTES = 16 * 10 ** 6  # beyond a checkpoint's own size: metadata, the meta JSON
@@ -330,9 +332,16 @@ class RunCheckpoints:
         if held_step is not None and int(held_step) != step:
             raise UnreadableCheckpoint(f"its directory says step {step} but its state is step {int(held_step)}'s")
         expected = meta.get(CHECKSUMS)
+        written_in = meta.get("format", 1)
+        if not isinstance(written_in, int) or written_in > FORMAT_VERSION:
+            raise UnreadableCheckpoint(f"its meta's format {written_in!r} is not one this meshtrain reads "
+                                       f"(1..{FORMAT_VERSION})")
+        if expected is None and written_in >= 2:
+            raise UnreadableCheckpoint(f"its meta (format {written_in}) has lost its {CHECKSUMS}: its arrays "
+                                       "cannot be checked")
         if expected is not None and not isinstance(expected, dict):
             raise UnreadableCheckpoint(f"its meta's {CHECKSUMS} are not a mapping of array names to checksums")
-        if expected is not None:  # checkpoints written before checksums have none
+        if expected is not None:  # format-1 checkpoints written before checksums have none
             found = state_checksums(state)
             wrong = [name for name, value in expected.items() if found.get(name) != value]
             if wrong:

@@ -221,6 +221,13 @@ def _meta_config_not_a_mapping(step_dir):
     path.write_text(json.dumps({**meta, "config": "not a mapping"}))
 
 
+def _meta_without_checksums(step_dir):
+    import json
+
+    path = step_dir / "meta" / "metadata"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "checksums"}))
+
+
 def _meta_checksums_not_a_mapping(step_dir):
     import json
 
@@ -250,9 +257,10 @@ def _meta_without_mesh(step_dir):
     (_meta_without_mesh, "holds no mesh"),  # item 5
     (lambda step_dir: (step_dir / "state" / "_METADATA").unlink(), "holds no array metadata"),  # item 5
     (_meta_checksums_not_a_mapping, "checksums are not a mapping"),  # issue 38 item 13
+    (_meta_without_checksums, "has lost its checksums"),  # issue 38 item 13
     (_another_steps_files, "its directory says step 2 but its state is step 1's"),  # issue 38 item 3
 ], ids=["flipped-array-byte", "checksum-mismatch", "meta-config-not-a-mapping", "meta-without-mesh",
-        "state-metadata-deleted", "meta-checksums-not-a-mapping", "another-steps-files"])
+        "state-metadata-deleted", "meta-checksums-not-a-mapping", "meta-without-checksums", "another-steps-files"])
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_items3_5_damaged_checkpoints_are_unreadable_and_fall_back(two_checkpoints, tmp_path, capsys, damage,
                                                                    reason):
