@@ -863,3 +863,34 @@ def test_issue38_item11_a_vocabulary_the_tokenizers_library_cannot_train_is_one_
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --vocab-size: must be at most 2,147,483,647 (2**31 - 1), got {int(size):,}"], err
     assert not (tmp_path / "tok").exists()
+
+
+@pytest.mark.usefixtures("no_compile")
+@pytest.mark.parametrize("forged", [False, True], ids=["damaged-shard-byte", "forged-index"])
+def test_issue38_item2_a_prepared_corpus_with_ids_outside_the_vocabulary_stops_before_training(
+        prepared, tmp_path, capsys, forged):
+    """A shard byte changed to an id beyond the vocabulary: its SHA-256 no longer matches index.json;
+    with the index forged to match, the id itself is found (one pass at start-up, before compiling).
+    Either way one line naming data.path and the shard, exit 2."""
+    import json
+    import shutil
+
+    from meshtrain.data.tokenizer import file_sha256
+
+    corpus = tmp_path / "corpus"
+    shutil.copytree(prepared["good"], corpus)
+    shard = corpus / "train-00000.bin"
+    ids = np.fromfile(shard, np.uint16)
+    ids[5] = 60000
+    ids.tofile(shard)
+    if forged:
+        index = json.loads((corpus / "index.json").read_text())
+        index["splits"]["train"]["shards"][0]["sha256"] = file_sha256(shard)
+        (corpus / "index.json").write_text(json.dumps(index))
+    rc = main(["--config", TINY, *overrides(tmp_path / "run"), "data.source=tokens", f"data.path={corpus}",
+               "model.vocab_size=300"])
+    err = capsys.readouterr().err.strip().splitlines()
+    expected = (f"error: data.path: {shard}: token id 60000 is not below the vocabulary size 300; the corpus is "
+                "damaged or its index.json forged: prepare it again") if forged else \
+        f"error: data.path: {shard}: SHA-256 differs from index.json; the shard changed"
+    assert rc == 2 and err == [expected], err

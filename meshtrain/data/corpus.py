@@ -493,8 +493,11 @@ class CorpusSplit:
             if np.any(tokens[self._shard_starts(shard)[1:] - 1] != eos_id):
                 raise ConfigError(self.field, f"{path}: a document does not end in the EOS id {eos_id}")
             for chunk in range(0, len(tokens), _HASH_CHUNK_TOKENS):
-                if int(tokens[chunk:chunk + _HASH_CHUNK_TOKENS].max()) >= vocab_size:
-                    raise ConfigError(self.field, f"{path}: an id is not below the vocabulary size {vocab_size}")
+                high = int(tokens[chunk:chunk + _HASH_CHUNK_TOKENS].max())
+                if high >= vocab_size:
+                    raise ConfigError(self.field, f"{path}: token id {high} is not below the vocabulary size "
+                                      f"{vocab_size}; the corpus is damaged or its index.json forged: prepare it "
+                                      "again")
 
 
 def _index_error(path: pathlib.Path, field: str, problem: str) -> ConfigError:

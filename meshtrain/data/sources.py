@@ -321,6 +321,9 @@ def id_stream(path: str, field: str, vocab_size: int, given: tuple[str, str] | N
             raise ConfigError("model.vocab_size", f"is {vocab_size}, smaller than the {record.vocab_size} "
                               f"tokens of the tokenizer {path} was prepared with; raise model.vocab_size")
         part: CorpusSplit = corpus.split(split, field=field)
+        # One pass over the split's shards: their SHA-256 against index.json (a damaged byte) and every
+        # id below the model's vocabulary (a forged index's vocab_size), before any step trains on them.
+        part.verify(record.eos_id, vocab_size)
         starts = part.document_starts() if documents else None
         per_token = part.text_bytes / part.num_tokens if part.text_bytes and part.num_tokens else None
         info = StreamInfo(f"{path} ({split}: {part.num_documents:,} documents)", tuple(part.shard_paths),
