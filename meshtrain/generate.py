@@ -29,6 +29,8 @@ from meshtrain import jsonio
 from meshtrain.data.tokenizer import TOKENIZER_FILE, end_of_document_id, load_tokenizer
 from meshtrain.loading import LoadedModel, load_model, mesh_from_args
 from meshtrain.errors import ConfigError
+from meshtrain.mesh import device_memory_bytes
+from meshtrain.metrics import format_bytes
 from meshtrain.parallel.sharding import data_parallel_size
 from meshtrain.cli import ArgumentParser, add_mesh_arguments, run
 from models.api import CachedDecoder, family_of
@@ -133,6 +135,7 @@ def generate_tokens(graphdef: nnx.GraphDef, params: nnx.State, prompt: np.ndarra
     """
     length = prompt.shape[1]
     static = {"graphdef": graphdef, "shard": shard}
+    _check_cache_memory(params, prompt, length + max_new_tokens, static)
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     temperature = jnp.float32(temperature)
     token, cache = _prefill(params, jnp.asarray(prompt, jnp.int32), keys[0], temperature,
@@ -144,6 +147,22 @@ def generate_tokens(graphdef: nnx.GraphDef, params: nnx.State, prompt: np.ndarra
         token, cache = _step(params, token, cache, jnp.int32(length + i - 1), keys[i], temperature, **static)
         tokens.append(token)
     return np.asarray(jax.device_get(jnp.stack(tokens, axis=1)))
+
+
+def _check_cache_memory(params: nnx.State, prompt: np.ndarray, max_len: int, static: dict) -> None:
+    """``ConfigError("--max-new-tokens")`` before anything is allocated when the KV cache of
+    ``max_len`` positions (its shapes from the prefill, traced abstractly) would not fit a device's
+    memory: the cache lives whole on every device holding a row of the prompt."""
+    leaves = jax.tree.leaves(params)
+    available = device_memory_bytes(leaves[0].sharding.device_set.pop()) if leaves else None
+    if available is None:
+        return
+    abstract = jax.eval_shape(functools.partial(_prefill, max_len=max_len, **static), params,
+                              jax.ShapeDtypeStruct(prompt.shape, jnp.int32), jax.random.key(0), jnp.float32(0))
+    cache = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract[1]))
+    if cache > available:
+        raise ConfigError("--max-new-tokens", f"a KV cache of {max_len:,} positions needs {format_bytes(cache)} and a "
+                          f"device has {format_bytes(available)}; ask for fewer new tokens")
 
 
 def _pick(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:

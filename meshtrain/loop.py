@@ -31,7 +31,7 @@ from meshtrain.data.dataset import TokenDataset
 from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.errors import ConfigError
 from meshtrain.evaluation import Evaluator
-from meshtrain.mesh import make_mesh, mesh_shape
+from meshtrain.mesh import device_memory_bytes, make_mesh, mesh_shape
 from meshtrain.metrics import MetricsLogger, format_bytes, peak_bf16_tflops
 from meshtrain.parallel.accumulate import Batch
 from meshtrain.parallel.experts import describe_exchange
@@ -71,6 +71,31 @@ def run_loop(train_step: Callable, state: TrainState, batch: Batch, next_batch: 
     return state
 
 
+# A run whose estimated per-device memory (meshtrain.plan's model) exceeds the devices' memory this
+# many times is refused before anything is allocated: far beyond the estimate's error (within a
+# few tens of percent of XLA), so only shapes that cannot run (seq_len 2**31, 10**9 layers) are.
+MEMORY_REFUSAL_FACTOR = 4
+
+
+def _check_memory(cfg: Config, trainer: Trainer) -> None:
+    """One line, before any array is allocated, for a run that could not fit ``MEMORY_REFUSAL_FACTOR``
+    times over (``meshtrain.memory_model``'s estimate of this layout against the device memory)."""
+    available = device_memory_bytes(trainer.mesh.devices.flat[0])
+    if available is None:
+        return
+    import numpy as np
+
+    from meshtrain.memory_model import layout_estimate
+
+    est = layout_estimate(trainer.layout, np.dtype(cfg.train.precision.compute_dtype).itemsize)
+    if est.total > MEMORY_REFUSAL_FACTOR * available:
+        state, working = est.params + est.grads + est.optimizer, est.activations + est.temporaries
+        raise ConfigError("model", f"this run needs about {format_bytes(est.total)} per device ({format_bytes(state)} "
+                          f"of parameters, gradients and optimizer state, {format_bytes(working)} of activations) "
+                          f"and a device has {format_bytes(available)}; shrink the model, model.seq_len or "
+                          "train.batch_size, or find a layout with python -m meshtrain.plan")
+
+
 def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
           devices: Sequence[jax.Device] | None = None, command: str = "python -m meshtrain.train",
           policies: Sequence[Policy] = ()) -> dict[str, object]:
@@ -95,6 +120,7 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
         print("\n".join(filter(None, [trainer.pipeline_description,
                                        parameter_table(trainer.abstract_params, trainer.param_shardings)])))
         return {}
+    _check_memory(cfg, trainer)
     for name in replicated_parameters(trainer.abstract_params, trainer.rules, mesh,
                                       cfg.sharding.replicated_warning_bytes):
         log(f"warning: {name} stays fully replicated on mesh {dict(mesh.shape)} under rules {trainer.rules.name}")

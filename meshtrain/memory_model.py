@@ -358,3 +358,13 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
         comm["stage"] = (grad_accum * (sends + 2 * ring(stages) * heads) * working_tokens * model.embed_dim * FP32)
     est.comm_s = {axis: nbytes / _axis_bandwidth(axis, mesh, hw) for axis, nbytes in comm.items()}
     return est
+
+
+def layout_estimate(layout: Layout, compute_bytes: int) -> Estimate:
+    """``estimate`` of the layout a run was configured with (its mesh, ZeRO stage, remat, pipeline
+    microbatches, offload and accumulation as they are)."""
+    mesh = layout.mesh_shape
+    candidate = Candidate(mesh["data"], mesh["fsdp"], mesh["tensor"], mesh["stage"], int(layout.zero.stage),
+                          layout.model.remat, layout.pipeline.microbatches, layout.offload.optimizer,
+                          layout.train.grad_accum)
+    return estimate(layout, candidate, compute_bytes=compute_bytes, hw=Hardware())

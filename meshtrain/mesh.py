@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 
 import jax
@@ -138,3 +139,14 @@ def _hybrid_device_array(cfg: MeshConfig, sizes: dict[str, int], devices: list[j
 def mesh_shape(mesh: Mesh) -> tuple[int, ...]:
     """(data, fsdp, tensor, stage) sizes of ``mesh``."""
     return tuple(mesh.shape[axis] for axis in MESH_AXES)
+
+
+def device_memory_bytes(device: jax.Device) -> int | None:
+    """Bytes one device may use: its allocator's limit, or on CPU the host's RAM over the local
+    devices; None where neither is known."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    if device.platform == "cpu" and hasattr(os, "sysconf"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, jax.local_device_count())
+    return None

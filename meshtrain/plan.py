@@ -139,6 +139,9 @@ def _parse_list(text: str, field: str, parse) -> list:
         raise ConfigError(field, f"cannot read {text!r}; give a comma-separated list") from None
 
 
+MAX_DEVICES = 2 ** 20  # beyond any cluster; the factorisations of 10**12 devices took hours
+
+
 def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: float | None = None, *,
               hardware: Hardware = Hardware(), meshes: list[tuple[int, int, int, int]] | None = None,
               zero_stages: list[int] = (0, 1, 2, 3), remats: list[RematPolicy] = DEFAULT_REMATS,
@@ -146,8 +149,8 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
     """Estimates of every candidate layout of ``cfg`` on ``devices`` devices; with
     ``search_accumulation``, a candidate too big for the device memory is tried again in twice the
     gradient-accumulation steps (the global batch kept) until it fits or the batch no longer divides."""
-    if devices < 1:
-        raise ConfigError("--devices", f"must be a positive integer, got {devices}")
+    if not 1 <= devices <= MAX_DEVICES:
+        raise ConfigError("--devices", f"must be an integer in [1, {MAX_DEVICES:,}], got {devices:,}")
     for remat in remats:
         if remat not in ACTIVATION_COEFFICIENTS:
             raise ConfigError("--remat", f"{remat.value!r} is not modelled; use one of "
@@ -332,8 +335,8 @@ def format_verify(results: list[tuple[Estimate, dict]], devices: int, device_mem
 
 def _plan(argv: list[str] | None) -> None:
     args = _parse_args(argv)
-    if args.devices < 1:
-        raise ConfigError("--devices", f"must be a positive integer, got {args.devices}")
+    if not 1 <= args.devices <= MAX_DEVICES:
+        raise ConfigError("--devices", f"must be an integer in [1, {MAX_DEVICES:,}], got {args.devices:,}")
     for name in ("top", "show_infeasible", "verify", "node_size"):
         if getattr(args, name) < (1 if name in ("top", "node_size") else 0):
             raise ConfigError(f"--{name.replace('_', '-')}", f"must be a positive integer, got "

@@ -894,3 +894,46 @@ def test_issue38_item2_a_prepared_corpus_with_ids_outside_the_vocabulary_stops_b
                 "damaged or its index.json forged: prepare it again") if forged else \
         f"error: data.path: {shard}: SHA-256 differs from index.json; the shard changed"
     assert rc == 2 and err == [expected], err
+
+
+# --- issue 38 item 12: shapes that cannot fit stop before anything is allocated ------------------------
+
+@pytest.mark.usefixtures("no_compile")
+@pytest.mark.parametrize("override", ["model.seq_len=2147483648", "model.num_layers=1000000000"],
+                         ids=["seq_len-2**31", "num_layers-1e9"])
+def test_issue38_item12_a_run_far_beyond_the_device_memory_is_one_line_before_allocating(tmp_path, capsys, override):
+    """meshtrain.plan's estimate of the run's own layout against the device memory (host RAM over the
+    simulated devices here): more than 4x over is refused at once (the OOM killer took 62 s)."""
+    started = time.perf_counter()
+    assert main(["--config", TINY, *overrides(tmp_path / "run"), override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: model: this run needs about ") and "per device" in err[0], err
+    assert "python -m meshtrain.plan" in err[0] and time.perf_counter() - started < 30
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_issue38_item12_a_kv_cache_beyond_the_device_memory_is_one_line(tmp_path):
+    """``generate_tokens`` (what ``meshtrain.generate --max-new-tokens`` calls) sizes the KV cache
+    from the prefill's abstract shapes before allocating anything (here 10**9 new tokens)."""
+    import jax
+
+    from meshtrain.generate import generate_tokens
+    from meshtrain.loading import load_model
+    from meshtrain.mesh import MeshConfig, make_mesh
+    from meshtrain.parallel.rules import Preset
+
+    mesh = make_mesh(MeshConfig(1, 1, 1, 1), jax.devices()[:1])
+    model = load_model(_tiny_hf(tmp_path / "hf"), mesh, Preset.FSDP_TP.rules, field="--hf")
+    with pytest.raises(ConfigError) as info:
+        generate_tokens(model.graphdef, model.params, np.zeros((1, 2), np.int32), 10 ** 9)
+    assert info.value.field == "--max-new-tokens"
+    assert info.value.message.startswith("a KV cache of 1,000,000,002 positions needs ") and "ask for fewer" in \
+        info.value.message
+
+
+def test_issue38_item12_plan_devices_are_capped(capsys):
+    from meshtrain import plan
+
+    assert plan.main(["--config", TINY, "--devices", str(10 ** 12), "--device-memory", "80GB"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "error: --devices: must be an integer in [1, 1,048,576], got 1,000,000,000,000"
