@@ -153,8 +153,9 @@ def _check_cache_memory(params: nnx.State, prompt: np.ndarray, max_len: int, sta
     """``ConfigError("--max-new-tokens")`` before anything is allocated when the KV cache of
     ``max_len`` positions (its shapes from the prefill, traced abstractly) would not fit a device's
     memory: the cache lives whole on every device holding a row of the prompt."""
-    leaves = jax.tree.leaves(params)
-    available = device_memory_bytes(leaves[0].sharding.device_set.pop()) if leaves else None
+    device = next((next(iter(leaf.sharding.device_set)) for leaf in jax.tree.leaves(params)
+                   if isinstance(leaf, jax.Array)), None)
+    available = device_memory_bytes(device) if device is not None else None
     if available is None:
         return
     abstract = jax.eval_shape(functools.partial(_prefill, max_len=max_len, **static), params,

@@ -142,8 +142,11 @@ def mesh_shape(mesh: Mesh) -> tuple[int, ...]:
 
 
 def device_memory_bytes(device: jax.Device) -> int | None:
-    """Bytes one device may use: its allocator's limit, or on CPU the host's RAM over the local
-    devices; None where neither is known."""
+    """Bytes one device like ``device`` may use: its allocator's limit, or on CPU the host's RAM
+    over the local devices; None where neither is known. Another process's device is answered by
+    this process's own first device (only addressable devices report memory)."""
+    if device.process_index != jax.process_index():
+        device = jax.local_devices()[0]
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
