@@ -14,6 +14,7 @@ Bad input prints one ``error: field: what is wrong`` line and exits 2.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import dataclasses
 import math
 import pathlib
@@ -145,10 +146,11 @@ MAX_DEVICES = 2 ** 20  # beyond any cluster; the factorisations of 10**12 device
 def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: float | None = None, *,
               hardware: Hardware = Hardware(), meshes: list[tuple[int, int, int, int]] | None = None,
               zero_stages: list[int] = (0, 1, 2, 3), remats: list[RematPolicy] = DEFAULT_REMATS,
-              search_accumulation: bool = True) -> Plan:
+              search_accumulation: bool = True, progress: Callable[[int], None] | None = None) -> Plan:
     """Estimates of every candidate layout of ``cfg`` on ``devices`` devices; with
     ``search_accumulation``, a candidate too big for the device memory is tried again in twice the
-    gradient-accumulation steps (the global batch kept) until it fits or the batch no longer divides."""
+    gradient-accumulation steps (the global batch kept) until it fits or the batch no longer divides.
+    ``progress`` is called with the number of layouts estimated so far after each one."""
     if not 1 <= devices <= MAX_DEVICES:
         raise ConfigError("--devices", f"must be an integer in [1, {MAX_DEVICES:,}], got {devices:,}")
     for remat in remats:
@@ -184,6 +186,8 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
                             est = estimate(layout, candidate, compute_bytes=compute_bytes, hw=hardware,
                                            specs=tables[(stage > 1, zero)])
                             estimates.append(est)
+                            if progress is not None:
+                                progress(len(estimates))
                             # Too big only for its activations' sake: the same step in twice the
                             # accumulation steps (the global batch kept), while the rows divide.
                             accum *= 2
@@ -361,7 +365,8 @@ def _plan(argv: list[str] | None) -> None:
         _start_devices(args.devices)
     cfg = load_config(args.config, args.overrides)
     plan = make_plan(cfg, args.devices, device_memory, host_memory, hardware=hardware, meshes=meshes,
-                     zero_stages=zeros, remats=remats)
+                     zero_stages=zeros, remats=remats, progress=(progress := ProgressLine()))
+    progress.finish()
     print(format_plan(plan, args.top, args.show_infeasible), flush=True)
     if args.write_config:
         write_config(plan, args.config, args.overrides, pathlib.Path(args.write_config))
@@ -369,6 +374,31 @@ def _plan(argv: list[str] | None) -> None:
         best = plan.ranked()[0][:args.verify]
         results = [(est, verify(args.config, args.overrides, est, args.devices)) for est in best]
         print(format_verify(results, args.devices, device_memory))
+
+
+class ProgressLine:
+    """The search's progress on stderr, for a search longer than a second: one line rewritten in
+    place on a terminal (else a line every 2 s), ``planning: N layouts estimated (T s)``."""
+
+    def __init__(self):
+        self.started = self.last = time.perf_counter()
+        self.shown = False
+
+    def __call__(self, count: int) -> None:
+        now = time.perf_counter()
+        interval = 0.2 if sys.stderr.isatty() else 2.0
+        if now - self.started < 1.0 or now - self.last < interval:
+            return
+        self.last = now
+        end = "\r" if sys.stderr.isatty() else "\n"
+        print(f"planning: {count:,} layouts estimated ({now - self.started:.1f} s)", end=end, file=sys.stderr,
+              flush=True)
+        self.shown = True
+
+    def finish(self) -> None:
+        """Ends a rewritten line (so that what follows starts on its own)."""
+        if self.shown and sys.stderr.isatty():
+            print(file=sys.stderr, flush=True)
 
 
 def write_config(plan: Plan, config: str | None, overrides: list[str], path: pathlib.Path) -> None:

@@ -223,3 +223,16 @@ def test_write_config_when_nothing_fits_is_one_line_and_writes_nothing(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --write-config: no layout fits on 8 devices; nothing written to {out}"]
     assert not out.exists()
+
+
+def test_a_search_longer_than_a_second_shows_its_progress(capsys):
+    """The CLI's progress line (on stderr, not a terminal here: a line every 2 s) for the 1,024-device
+    search; ``make_plan`` reports each estimate to its ``progress`` callback."""
+    counts = []
+    plan = planner.make_plan(load_config("configs/tiny.yaml"), 8, 1e9, progress=counts.append)
+    assert counts == list(range(1, len(plan.estimates) + 1))
+    line = planner.ProgressLine()
+    line.started -= 5.0  # as if the search had run 5 s
+    line.last -= 5.0
+    line(1234)
+    assert capsys.readouterr().err.startswith("planning: 1,234 layouts estimated (5.0 s)")
