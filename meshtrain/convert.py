@@ -28,7 +28,7 @@ import jax
 from meshtrain import hf
 from meshtrain.checkpoint import save_params
 from meshtrain.cli import ArgumentParser, add_mesh_arguments, run
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, writable_directory
 from meshtrain.config import model_dict
 from meshtrain.loading import SourceKind, load_model, mesh_from_args, source_kind
 from meshtrain.parallel.rules import ShardingRules
@@ -39,7 +39,7 @@ def _new_dir(path: str, field: str = "--out") -> pathlib.Path:
     out = pathlib.Path(path)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(field, f"{path} exists and is not empty; choose a new directory")
-    return out
+    return writable_directory(out, field, create=False)  # a failed conversion leaves no --out behind
 
 
 def _copy_side_files(source: pathlib.Path, out: pathlib.Path) -> list[str]:

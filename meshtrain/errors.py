@@ -1,7 +1,10 @@
-"""The one error type for bad user input (the CLI prints it as one line and exits 2), and the
-infeasibility of a layout, which the trainer raises and the planner lists."""
+"""The one error type for bad user input (the CLI prints it as one line and exits 2), the check of
+an output directory that turns the file system's refusals into it, and the infeasibility of a
+layout, which the trainer raises and the planner lists."""
 
 import dataclasses
+import os
+import pathlib
 
 
 class ConfigError(ValueError):
@@ -20,6 +23,40 @@ class ConfigError(ValueError):
     def within(self, section: str) -> "ConfigError":
         """The same error with its field prefixed by ``section`` (``"train"`` + ``"steps"``)."""
         return ConfigError(f"{section}.{self.field}", self.message)
+
+
+WRITE_CHECK_PREFIX = ".meshtrain-write-check-"  # the probe file writable_directory creates and removes
+
+
+def writable_directory(path: str | os.PathLike, field: str, *, create: bool = True) -> pathlib.Path:
+    """``path`` as a directory this process can create files in, made (with its parents) if missing;
+    ``ConfigError(field)`` in one line otherwise: it or a parent is a file, or the file system
+    refuses (permissions, a read-only file system). Call it before the work that writes there starts.
+    ``create=False`` creates nothing (for a command whose failures must leave no directory behind):
+    the nearest existing ancestor must be a directory this process may write in."""
+    directory = pathlib.Path(path)
+    if not create:
+        existing = directory
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            where = "is a file" if existing == directory else f"has a parent that is a file ({existing})"
+            raise ConfigError(field, f"{directory} {where}, not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(field, f"cannot write in {existing}: permission denied")
+        return directory
+    probe = directory / f"{WRITE_CHECK_PREFIX}{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except FileExistsError:
+        raise ConfigError(field, f"{directory} is a file, not a directory") from None
+    except NotADirectoryError:
+        raise ConfigError(field, f"{directory}: a parent of it is a file, not a directory") from None
+    except OSError as error:
+        raise ConfigError(field, f"cannot write in {directory}: {error.strerror or error}") from None
+    return directory
 
 
 @dataclasses.dataclass(frozen=True)

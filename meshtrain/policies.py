@@ -29,7 +29,7 @@ import numpy as np
 from meshtrain.checkpoint import RunCheckpoints, checkpoint_meta
 from meshtrain.config import Config, to_dict
 from meshtrain.data.sources import DataChanged
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, writable_directory
 from meshtrain.evaluation import Evaluator
 from meshtrain.metrics import MetricsLogger, mfu
 from meshtrain.trainer import Metrics, TrainState
@@ -357,6 +357,8 @@ class Profiler(Policy):
         if steps is not None and steps[1] <= start:
             log(f"train.profile_steps {steps[0]}-{steps[1]}: the run resumes after step {start}; not profiling")
             self.steps = None
+        if self.steps is not None:
+            writable_directory(log_dir, "train.profile_steps")  # before the first step, not mid-run
         self._start_before(start + 1)
 
     def _start_before(self, step: int) -> None:

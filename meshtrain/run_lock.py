@@ -18,7 +18,7 @@ import sys
 import time
 
 from meshtrain import jsonio
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, writable_directory
 
 LOCK_FILE = ".meshtrain.lock"
 
@@ -68,10 +68,7 @@ class RunLock:
 
     def acquire(self) -> None:
         """Takes the directory, or raises ``ConfigError("run.dir", ...)`` naming who holds it."""
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ConfigError(self.field, f"cannot create {self.path.parent}: {err.strerror or err}") from None
+        writable_directory(self.path.parent, self.field)
         for _ in range(3):  # a racing run may take over or release the lock between two looks
             if self._create():
                 self.held = True

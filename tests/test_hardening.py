@@ -937,3 +937,52 @@ def test_issue38_item12_plan_devices_are_capped(capsys):
     assert plan.main(["--config", TINY, "--devices", str(10 ** 12), "--device-memory", "80GB"]) == 2
     assert capsys.readouterr().err.strip() == \
         "error: --devices: must be an integer in [1, 1,048,576], got 1,000,000,000,000"
+
+
+# --- issue 38 item 10: the file system's refusals are one line, before the work --------------------------
+
+def test_issue38_item10_outputs_under_a_file_are_one_line_before_any_work(prepared, tmp_path, capsys, monkeypatch):
+    """prepare, train-tokenizer (checked before training, not after), convert to-hf and train's
+    run.dir, each asked to write under a path that is a file: one line naming the flag, exit 2
+    (``meshtrain.errors.writable_directory``; a permission refusal takes the same path, but these
+    tests run as root, which permissions do not stop)."""
+    from tokenizers import Tokenizer
+
+    from meshtrain.convert import main as convert_main
+    from meshtrain.data.__main__ import main as data_main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    under = blocker / "out"
+    docs = str(prepared["root"] / "doc-*.txt")
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("train-tokenizer trained before checking --out")
+
+    monkeypatch.setattr(Tokenizer, "train_from_iterator", no_training)
+    cases = [
+        (data_main, ["prepare", "--tokenizer", str(prepared["tokenizer"]), "--input", docs, "--out", str(under)],
+         f"error: --out: {under}: a parent of it is a file, not a directory"),
+        (data_main, ["train-tokenizer", "--input", docs, "--vocab-size", "300", "--out", str(under)],
+         f"error: --out: {under}: a parent of it is a file, not a directory"),
+        (convert_main, ["to-hf", "--from", str(prepared["root"]), "--out", str(under)], None),
+        (main, ["--config", TINY, *overrides(under)], f"error: run.dir: {under}: a parent of it is a file, not a "
+                                                     "directory"),
+    ]
+    for entry, argv, expected in cases:
+        assert entry(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
+        if expected is not None:
+            assert err[0] == expected, err
+    assert blocker.read_text() == "not a directory"
+
+
+def test_issue38_item10_a_profile_directory_that_is_a_file_stops_before_the_first_step(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "profile").write_text("a file where the traces would go")
+    assert main(["--config", TINY, *overrides(run_dir), "train.profile_steps=1-2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: train.profile_steps: {run_dir / 'profile'} is a file, not a directory", err
+    assert not (run_dir / "metrics.jsonl").exists() or "loss" not in (run_dir / "metrics.jsonl").read_text()

@@ -39,7 +39,7 @@ from meshtrain import jsonio
 from meshtrain.data.files import commit_file, write_file
 from meshtrain.data.tokenizer import (TOKENIZER_FILE, end_of_document_id, file_sha256, load_tokenizer,
                                       tokenizer_file)
-from meshtrain.errors import ConfigError
+from meshtrain.errors import WRITE_CHECK_PREFIX, ConfigError, writable_directory
 from meshtrain.run_lock import LOCK_FILE, RunLock
 
 FORMAT = "meshtrain-corpus/1"
@@ -251,7 +251,8 @@ def _claim(out: pathlib.Path, overwrite: bool, say: Callable[[str], None]) -> No
         if not overwrite:
             raise ConfigError("--out", f"{out} is already prepared; remove it or choose another directory "
                               "(or pass --overwrite)")
-    elif out.exists() and any(path.name != LOCK_FILE for path in out.iterdir()):
+    elif out.exists() and any(path.name != LOCK_FILE and not path.name.startswith(WRITE_CHECK_PREFIX)
+                              for path in out.iterdir()):
         raise ConfigError("--out", f"{out} is not empty and holds no prepared corpus; give a new or empty directory")
     out.mkdir(parents=True, exist_ok=True)
     (out / INCOMPLETE_MARKER).touch()
@@ -366,8 +367,7 @@ def prepare(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fractio
         raise ConfigError("--input", f"matches files inside --out {out_dir}")
     if os.environ.get("TOKENIZERS_PARALLELISM", "true").strip().lower() in _PARALLELISM_OFF:
         say("warning: TOKENIZERS_PARALLELISM turns off tokenizers' threads: one core encodes; unset it")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError("--out", f"{out_dir} is a file, not a directory")
+    writable_directory(out_dir, "--out")
     # Another prepare writing into --out holds it: a second one refuses instead of removing its files.
     with RunLock(out_dir, field="--out", holder="prepare"):
         _claim(out_dir, overwrite, say)

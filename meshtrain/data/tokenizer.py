@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshtrain.data.files import write_file
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, writable_directory
 
 TOKENIZER_FILE = "tokenizer.json"
 # End-of-document tokens of the common families, in the order they are looked for.
@@ -79,7 +79,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | pathlib.Path
                           f"bytes and {TRAINED_EOS_TOKEN}), got {vocab_size}")
     if vocab_size > MAX_VOCAB_SIZE:  # the tokenizers library aborts the process on larger ones
         raise ConfigError("--vocab-size", f"must be at most {MAX_VOCAB_SIZE:,} (2**31 - 1), got {vocab_size:,}")
-    out = pathlib.Path(out_dir)
+    out = writable_directory(out_dir, "--out")  # before training, not after
     if (out / TOKENIZER_FILE).exists() and not overwrite:
         raise ConfigError("--out", f"{out} already has a {TOKENIZER_FILE}; remove it, choose another directory "
                           "or pass --overwrite")
@@ -90,6 +90,5 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | pathlib.Path
                                   special_tokens=[TRAINED_EOS_TOKEN],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer)
-    out.mkdir(parents=True, exist_ok=True)
     write_file(out / TOKENIZER_FILE, tokenizer.to_str(pretty=True).encode())
     return out / TOKENIZER_FILE
