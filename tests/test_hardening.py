@@ -903,12 +903,12 @@ def test_issue38_item2_a_prepared_corpus_with_ids_outside_the_vocabulary_stops_b
                          ids=["seq_len-2**31", "num_layers-1e9"])
 def test_issue38_item12_a_run_far_beyond_the_device_memory_is_one_line_before_allocating(tmp_path, capsys, override):
     """meshtrain.plan's estimate of the run's own layout against the device memory (host RAM over the
-    simulated devices here): more than 4x over is refused at once (the OOM killer took 62 s)."""
-    started = time.perf_counter()
+    simulated devices here): more than 4x over is refused before anything is allocated or compiled
+    (``no_compile``; the OOM killer took 62 s)."""
     assert main(["--config", TINY, *overrides(tmp_path / "run"), override]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: model: this run needs about ") and "per device" in err[0], err
-    assert "python -m meshtrain.plan" in err[0] and time.perf_counter() - started < 30
+    assert "python -m meshtrain.plan" in err[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

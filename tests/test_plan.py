@@ -220,7 +220,8 @@ def test_write_config_when_nothing_fits_is_one_line_and_writes_nothing(tmp_path,
     out = tmp_path / "planned.yaml"
     assert planner.main(["--config", "configs/llama_70b.yaml", "--devices", "8", "--device-memory", "1GB",
                          "--write-config", str(out)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    # Besides the progress lines a slow search prints (``ProgressLine``), one error line.
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("planning: ")]
     assert err == [f"error: --write-config: no layout fits on 8 devices; nothing written to {out}"]
     assert not out.exists()
 
