@@ -177,7 +177,7 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
             for remat in remats:
                 for micro in micros:
                     for offload in offloads:
-                        accum = cfg.train.grad_accum
+                        accum, previous = cfg.train.grad_accum, None
                         while True:
                             candidate = Candidate(data, fsdp, tensor, stage, zero, remat, micro, offload, accum)
                             layout = candidate_layout(cfg, candidate, rules, abstract_params)
@@ -185,12 +185,14 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
                                 tables[(stage > 1, zero)] = spec_tables(layout)
                             est = estimate(layout, candidate, compute_bytes=compute_bytes, hw=hardware,
                                            specs=tables[(stage > 1, zero)])
+                            if previous is not None and est.total >= previous.total:
+                                break  # more accumulation no longer helps (the state, not activations)
                             estimates.append(est)
                             if progress is not None:
                                 progress(len(estimates))
-                            # Too big only for its activations' sake: the same step in twice the
+                            # Too big for its activations' sake: the same step in twice the
                             # accumulation steps (the global batch kept), while the rows divide.
-                            accum *= 2
+                            accum, previous = accum * 2, est
                             if not (search_accumulation and not est.reasons and est.total > device_memory
                                     and _accumulation_divides(cfg.train.batch_size, dp, accum, micro, stage)):
                                 break
