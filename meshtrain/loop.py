@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 import yaml
 
 from meshtrain import distributed
@@ -31,6 +32,7 @@ from meshtrain.data.dataset import TokenDataset
 from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.errors import ConfigError
 from meshtrain.evaluation import Evaluator
+from meshtrain.memory_model import layout_estimate
 from meshtrain.mesh import device_memory_bytes, make_mesh, mesh_shape
 from meshtrain.metrics import MetricsLogger, format_bytes, peak_bf16_tflops
 from meshtrain.parallel.accumulate import Batch
@@ -83,10 +85,6 @@ def _check_memory(cfg: Config, trainer: Trainer) -> None:
     available = device_memory_bytes(trainer.mesh.devices.flat[0])
     if available is None:
         return
-    import numpy as np
-
-    from meshtrain.memory_model import layout_estimate
-
     est = layout_estimate(trainer.layout, np.dtype(cfg.train.precision.compute_dtype).itemsize)
     if est.total > MEMORY_REFUSAL_FACTOR * available:
         state, working = est.params + est.grads + est.optimizer, est.activations + est.temporaries

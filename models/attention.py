@@ -141,12 +141,17 @@ SoftmaxState = tuple[jax.Array, jax.Array, jax.Array]
 Gradients = tuple[jax.Array, jax.Array, jax.Array]
 
 
+def varying_axes(value: jax.Array) -> set[str]:
+    """The manual mesh axes ``value`` varies over (inside a ``shard_map``; empty outside)."""
+    aval = jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)
+    return set(manual.varying) if manual is not None else set(getattr(aval, "vma", ()))
+
+
 def varying_like(value: jax.Array, reference: jax.Array) -> jax.Array:
     """``value`` made varying over the manual mesh axes ``reference`` varies over (inside a
     ``shard_map``), so that a loop carry starting as ``value`` keeps one type; else unchanged."""
-    aval = jax.typeof(reference)
-    manual = getattr(aval, "manual_axis_type", None)
-    axes = tuple(manual.varying) if manual is not None else tuple(getattr(aval, "vma", ()))
+    axes = tuple(varying_axes(reference))
     return jax.lax.pcast(value, axes, to="varying") if axes else value
 
 

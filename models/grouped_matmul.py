@@ -27,6 +27,8 @@ import enum
 import jax
 import jax.numpy as jnp
 
+from models.attention import varying_axes
+
 
 class GroupedKernel(str, enum.Enum):
     """``model.grouped_matmul``: which kernel runs the experts' grouped matmuls (module docstring)."""
@@ -64,22 +66,16 @@ def _dot(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
     return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _varying_axes(value: jax.Array) -> set[str]:
-    aval = jax.typeof(value)
-    manual = getattr(aval, "manual_axis_type", None)
-    return set(manual.varying) if manual is not None else set(getattr(aval, "vma", ()))
-
-
 def _varying_as(value: jax.Array, *references: jax.Array) -> jax.Array:
     """``value`` made varying over every manual mesh axis the ``references`` vary over (inside a
     ``shard_map``; its transpose sums the gradient over them), else unchanged."""
-    missing = sorted({a for r in references for a in _varying_axes(r)} - _varying_axes(value))
+    missing = sorted({a for r in references for a in varying_axes(r)} - varying_axes(value))
     return jax.lax.pcast(value, tuple(missing), to="varying") if missing else value
 
 
 def _summed_as(value: jax.Array, reference: jax.Array) -> jax.Array:
     """``value`` summed over the manual mesh axes it varies over and ``reference`` does not."""
-    extra = tuple(sorted(_varying_axes(value) - _varying_axes(reference)))
+    extra = tuple(sorted(varying_axes(value) - varying_axes(reference)))
     return jax.lax.psum(value, extra) if extra else value
 
 
