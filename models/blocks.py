@@ -5,7 +5,9 @@ What a pre-norm decoder with rotary attention is made of, whatever its feed-forw
 * ``Attention``: grouped-query causal self-attention with rotary embeddings (``AttentionKernel``
   picks the training kernel; ``rotary_tables``/``apply_rotary``, rescaled by ``RopeScalingConfig``);
   parameters ``query`` [embed, heads, head_dim], ``key``/``value`` [embed, kv_heads, head_dim],
-  ``out`` [heads, head_dim, embed].
+  ``out`` [heads, head_dim, embed]. ``QKNormAttention``: the same, with Qwen3's RMSNorm of each
+  query and key head before the rotary embedding when the config's ``qk_norm`` is true (``query_norm``
+  / ``key_norm``: ``scale`` [head_dim] each; absent otherwise).
 * ``RMSNorm`` (``scale`` [embed], or [head_dim] for per-head norms) and the ``SwiGLU`` feed-forward
   (``gate``/``up`` [embed, mlp], ``down`` [mlp, embed]).
 * ``PreNormLayer``: x + attention(norm(x)), then the family's feed-forward block, with the KV-cache
@@ -95,6 +97,7 @@ class BlockConfig(Protocol):
     norm_eps: float
     tie_embeddings: bool
     init_std: float
+    qk_norm: bool  # read by QKNormAttention only
     attention: AttentionKernel
     attention_block: int
     sliding_window: int
@@ -217,7 +220,7 @@ class Attention(nnx.Module):
         return matmul("btnh,nhd->btd", attended, self.out[...])
 
     def _normalize_heads(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Queries and keys before the rotary embedding (here unchanged; a subclass may norm them)."""
+        """Queries and keys before the rotary embedding (here unchanged; ``QKNormAttention`` norms them)."""
         return q, k
 
     def __call__(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], positions: jax.Array,
@@ -242,6 +245,22 @@ class Attention(nnx.Module):
         visible = attention_mask(start + jnp.arange(x.shape[1]), jnp.arange(keys.shape[1]), window=self.spec.window)
         attended = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible)
         return self._output(attended, shard), keys, values
+
+
+class QKNormAttention(Attention):
+    """The shared attention, with Qwen3's RMSNorm of each query and key head (over ``head_dim``,
+    before the rotary embedding, with the config's ``norm_eps``) when ``cfg.qk_norm``; exactly
+    ``Attention`` otherwise."""
+
+    def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs)
+        self.query_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, "head_dim") if cfg.qk_norm else None
+        self.key_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, "head_dim") if cfg.qk_norm else None
+
+    def _normalize_heads(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if self.query_norm is None:
+            return q, k
+        return self.query_norm(q), self.key_norm(k)
 
 
 class SwiGLU(nnx.Module):

@@ -1,4 +1,5 @@
-"""Hugging Face Llama-family checkpoints (``LlamaForCausalLM``, ``MistralForCausalLM``) <-> ``LlamaConfig``.
+"""Hugging Face Llama-family checkpoints (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen3ForCausalLM``)
+<-> ``LlamaConfig``.
 
 Weight mapping (HF ``nn.Linear`` weights are ``[out_features, in_features]``; ``L`` = layer)::
 
@@ -12,6 +13,8 @@ Weight mapping (HF ``nn.Linear`` weights are ``[out_features, in_features]``; ``
                                              -> layers.attention.value [L, embed, kv_heads, head_dim]
     model.layers.L.self_attn.o_proj.weight   [embed, heads*head_dim]
                                              -> layers.attention.out   [L, heads, head_dim, embed]
+    model.layers.L.self_attn.q_norm.weight / k_norm.weight   [head_dim]   (Qwen3 only: ``qk_norm``)
+                                             -> layers.attention.query_norm.scale / key_norm.scale [L, head_dim]
     model.layers.L.post_attention_layernorm.weight [embed]         -> layers.mlp_norm.scale [L, embed]
     model.layers.L.mlp.gate_proj.weight / up_proj  [mlp, embed]    -> layers.mlp.gate / up [L, embed, mlp]
     model.layers.L.mlp.down_proj.weight      [embed, mlp]          -> layers.mlp.down [L, mlp, embed]
@@ -20,6 +23,9 @@ Weight mapping (HF ``nn.Linear`` weights are ``[out_features, in_features]``; ``
 
 No rotary permutation is needed: HF stores q/k rows in the layout its ``rotate_half`` (half-split)
 expects, which is the convention of ``models.blocks.apply_rotary``.
+
+Which architecture a config is written as follows from ``qk_norm`` and ``sliding_window``: Qwen3
+(``qk_norm``, with or without a window on every layer), else Mistral (a window), else Llama.
 """
 
 from __future__ import annotations
@@ -47,6 +53,17 @@ GLOBAL_TENSORS: dict[tuple[str, ...], TensorSpec] = {
     ("final_norm", "scale"): TensorSpec("model.norm.weight", (("embed",),)),
     ("head",): TensorSpec("lm_head.weight", (("vocab",), ("embed",))),
 }
+# Qwen3's per-head query and key norms (dense and MoE): only in a config with ``qk_norm``.
+QK_NORM_TENSORS: dict[tuple[str, ...], TensorSpec] = {
+    ("attention", "query_norm", "scale"): TensorSpec("self_attn.q_norm.weight", (("head_dim",),)),
+    ("attention", "key_norm", "scale"): TensorSpec("self_attn.k_norm.weight", (("head_dim",),)),
+}
+_QWEN3_TENSORS = {**LAYER_TENSORS, **QK_NORM_TENSORS}
+# What transformers' Qwen3Config assumes for a key that config.json leaves out, where that differs
+# from what ``LlamaHF.decoder_fields`` / ``sliding_window`` assume (head_dim: not hidden / heads;
+# key/value heads: not the query heads; no window unless use_sliding_window).
+_QWEN3_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 32, "use_sliding_window": False,
+                   "sliding_window": 4096, "max_window_layers": 28}
 
 
 def rope_parameters(config: dict, *, default_theta: float = 10000.0) -> tuple[float, RopeScalingConfig]:
@@ -108,19 +125,24 @@ class LlamaHF:
     """The ``models.api.HFAdapter`` of the Llama family; other Llama-shaped decoders (the MoE
     family) subclass it for the checks, fields and tensors they share."""
 
-    model_types = ("llama", "mistral")
+    model_types = ("llama", "mistral", "qwen3")
     architecture_fields = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                           "mlp_dim", "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "sliding_window")
+                           "mlp_dim", "qk_norm", "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings",
+                           "sliding_window")
 
     def config_from_hf(self, config: dict, *, seq_len: int | None = None) -> LlamaConfig:
-        """The ``LlamaConfig`` of an HF ``config.json``. ``seq_len`` (the training length, which HF
+        """The ``LlamaConfig`` of an HF ``config.json`` (Llama, Mistral, or Qwen3 with ``qk_norm``, a key
+        it leaves out read as transformers' Qwen3Config does). ``seq_len`` (the training length, which HF
         does not record) defaults to ``min(max_position_embeddings, 2048)``.
 
         Raises:
           InvalidField: naming the ``config.json`` key of an option this Llama does not implement.
         """
+        qwen3 = config.get("model_type") == "qwen3"
+        if qwen3:
+            config = {**_QWEN3_DEFAULTS, **config}
         self.check_decoder(config, ("intermediate_size",))
-        return LlamaConfig(mlp_dim=config["intermediate_size"], **self.decoder_fields(config, seq_len))
+        return LlamaConfig(mlp_dim=config["intermediate_size"], qk_norm=qwen3, **self.decoder_fields(config, seq_len))
 
     def check_decoder(self, config: dict, sizes: tuple[str, ...]) -> None:
         """InvalidField naming the first ``config.json`` key of a Llama-shaped decoder that meshtrain
@@ -163,9 +185,16 @@ class LlamaHF:
             "sliding_window": sliding_window(config)}
 
     def hf_config(self, cfg: LlamaConfig, *, dtype: str, base: dict | None = None) -> dict:
-        """A ``config.json`` for ``cfg``: LlamaForCausalLM, or MistralForCausalLM with a sliding window
-        (Llama's has none). Fields of ``base`` (the config an import came from) that do not describe
-        the architecture are kept: token ids, max_position_embeddings."""
+        """A ``config.json`` for ``cfg``: Qwen3ForCausalLM with ``qk_norm`` (a sliding window, if any, on
+        every layer: ``use_sliding_window`` with ``max_window_layers`` 0), else MistralForCausalLM with a
+        sliding window (Llama's has none), else LlamaForCausalLM. Fields of ``base`` (the config an
+        import came from) that do not describe the architecture are kept: token ids,
+        max_position_embeddings."""
+        if cfg.qk_norm:
+            return self.decoder_config(cfg, dtype=dtype, base=base, architecture="Qwen3ForCausalLM",
+                                       model_type="qwen3", intermediate_size=cfg.mlp_dim,
+                                       use_sliding_window=bool(cfg.sliding_window),
+                                       max_window_layers=0 if cfg.sliding_window else cfg.num_layers)
         if cfg.sliding_window:
             return self.decoder_config(cfg, dtype=dtype, base=base, architecture="MistralForCausalLM",
                                        model_type="mistral", intermediate_size=cfg.mlp_dim)
@@ -204,8 +233,9 @@ class LlamaHF:
 
     def layer_tensors(self, cfg: Any) -> dict[tuple[str, ...], TensorSpec]:
         """The HF tensor of each per-layer parameter (path within a layer; names within
-        ``model.layers.L``) in a checkpoint of ``cfg``."""
-        return LAYER_TENSORS
+        ``model.layers.L``) in a checkpoint of ``cfg``: with Qwen3's q_norm/k_norm when ``qk_norm``."""
+        # getattr: a subclass's family may have a config without qk_norm.
+        return _QWEN3_TENSORS if getattr(cfg, "qk_norm", False) else LAYER_TENSORS
 
     def tensor(self, cfg: Any, path: tuple[str, ...]) -> TensorSpec:
         if path[0] == "layers":

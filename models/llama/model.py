@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3 shapes) in Flax NNX, annotated with logical axes only.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen3 dense shapes) in Flax NNX, annotated with logical axes only.
 
 Parameters (logical axes in brackets; ``layers`` leads every per-layer parameter, which is
 stacked and run with ``lax.scan`` so compile time does not grow with depth):
@@ -9,6 +9,7 @@ stacked and run with ``lax.scan`` so compile time does not grow with depth):
     layers.attention.key     [layers, embed, kv_heads, head_dim]
     layers.attention.value   [layers, embed, kv_heads, head_dim]
     layers.attention.out     [layers, heads, head_dim, embed]      row-parallel under TP
+    layers.attention.query_norm.scale, key_norm.scale   [layers, head_dim]   (``qk_norm`` only: Qwen3)
     layers.mlp_norm.scale    [layers, embed]
     layers.mlp.gate, .up     [layers, embed, mlp]                  column-parallel under TP
     layers.mlp.down          [layers, mlp, embed]                  row-parallel under TP
@@ -33,7 +34,7 @@ from flax import nnx
 
 from models.api import RESIDUAL_AXES
 from models.attention import AttentionSpec
-from models.blocks import (BLOCK_CHECKPOINT_NAMES, Attention, AttentionKernel, Decoder, PreNormLayer, RMSNorm,
+from models.blocks import (BLOCK_CHECKPOINT_NAMES, AttentionKernel, Decoder, PreNormLayer, QKNormAttention, RMSNorm,
                            RopeScalingConfig, SwiGLU, check_attention_fields, score_bytes)
 from models.common import ActivationSharding, InvalidField, RematPolicy, coerce_enums, palm_train_flops_per_token
 
@@ -58,6 +59,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3)
     attention: AttentionKernel = AttentionKernel.AUTO
     attention_block: int = 512  # positions per query and key block of the blockwise kernel
     sliding_window: int = 0  # positions a query attends, itself included (Mistral); 0 = all earlier
@@ -82,12 +84,18 @@ class LlamaConfig:
         return self.num_heads * self.head_dim
 
     @property
+    def layer_norm_params(self) -> int:
+        """Norm scales of one decoder layer: attention and MLP norms, and the per-head query and key
+        norms when ``qk_norm``."""
+        return 2 * self.embed_dim + (2 * self.head_dim if self.qk_norm else 0)
+
+    @property
     def layer_params(self) -> int:
         """Parameters of one decoder layer."""
         qkv = self.embed_dim * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         out = self.attention_dim * self.embed_dim
         mlp = 3 * self.embed_dim * self.mlp_dim
-        return qkv + out + mlp + 2 * self.embed_dim
+        return qkv + out + mlp + self.layer_norm_params
 
     @property
     def num_params(self) -> int:
@@ -99,7 +107,7 @@ class LlamaConfig:
     @property
     def matmul_params(self) -> int:
         """Parameters that take part in matmuls: all but the input-embedding gather and norms."""
-        per_layer = self.layer_params - 2 * self.embed_dim
+        per_layer = self.layer_params - self.layer_norm_params
         return self.num_layers * per_layer + self.embed_dim * self.vocab_size
 
 
@@ -118,7 +126,7 @@ def recompute_flops_per_token(cfg: LlamaConfig, remat: RematPolicy) -> float:
     recompute whatever their names do not keep (with the default names, the q/k/v, gate/up and
     output projections and the attention scores)."""
     attention_forward = 4 * cfg.num_layers * cfg.seq_len * cfg.attention_dim
-    layer_matmul = cfg.num_layers * (cfg.layer_params - 2 * cfg.embed_dim)
+    layer_matmul = cfg.num_layers * (cfg.layer_params - cfg.layer_norm_params)
     down_projection = cfg.num_layers * cfg.mlp_dim * cfg.embed_dim
     return {RematPolicy.DOTS: attention_forward,
             RematPolicy.FULL: 2 * (layer_matmul - down_projection) + attention_forward}.get(remat, 0.0)
@@ -154,11 +162,12 @@ def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_
 
 
 class DecoderLayer(PreNormLayer):
-    """Pre-norm residual layer: x + attention(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm residual layer: x + attention(norm(x)) (queries and keys normed per head when
+    ``qk_norm``), then + mlp(norm(x))."""
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.attention = Attention(cfg, rngs)
+        self.attention = QKNormAttention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg, cfg.mlp_dim, rngs)
 

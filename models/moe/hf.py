@@ -31,14 +31,10 @@ import dataclasses
 
 from models.api import LAYERS_KEY, TensorSpec
 from models.common import InvalidField
-from models.llama.hf import LAYER_TENSORS, LlamaHF
+from models.llama.hf import LAYER_TENSORS, QK_NORM_TENSORS, LlamaHF
 from models.moe.model import Dispatch, MoEConfig, RouterScore
 
 _ATTENTION_TENSORS = {path: spec for path, spec in LAYER_TENSORS.items() if path[0] != "mlp"}
-_QK_NORM_TENSORS = {
-    ("attention", "query_norm", "scale"): TensorSpec("self_attn.q_norm.weight", (("head_dim",),)),
-    ("attention", "key_norm", "scale"): TensorSpec("self_attn.k_norm.weight", (("head_dim",),)),
-}
 
 
 def _sparse_tensors(block: str, gate: str, up: str, down: str) -> dict[tuple[str, ...], TensorSpec]:
@@ -54,7 +50,7 @@ def _sparse_tensors(block: str, gate: str, up: str, down: str) -> dict[tuple[str
 
 
 _MIXTRAL_TENSORS = {**_ATTENTION_TENSORS, **_sparse_tensors("block_sparse_moe", "w1", "w3", "w2")}
-_QWEN3_TENSORS = {**_ATTENTION_TENSORS, **_QK_NORM_TENSORS,
+_QWEN3_TENSORS = {**_ATTENTION_TENSORS, **QK_NORM_TENSORS,
                   **_sparse_tensors("mlp", "gate_proj", "up_proj", "down_proj")}
 
 

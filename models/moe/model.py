@@ -9,7 +9,7 @@ Parameters (logical axes in brackets, ``layers`` leading every per-layer paramet
 
     embedding                 [vocab, embed]
     layers.attn_norm.scale    [layers, embed]
-    layers.attention.query/key/value/out   as Llama's (models/blocks.py: Attention)
+    layers.attention.query/key/value/out   as Llama's (models/blocks.py: QKNormAttention)
     layers.attention.query_norm.scale, key_norm.scale   [layers, head_dim]   (qk_norm only)
     layers.mlp_norm.scale     [layers, embed]
     layers.moe.router         [layers, embed, expert_logits]               replicated, run in fp32
@@ -63,7 +63,7 @@ from models.api import AUX_LOSS, RESIDUAL_AXES, Documents, LayerAux
 from models.attention import AttentionSpec
 from models.grouped_matmul import (BlockLayout, GroupedKernel, GroupedSpec, auto_block, blocked_matmul,
                                    ragged_matmul)
-from models.blocks import (BLOCK_CHECKPOINT_NAMES, Attention, AttentionKernel, Decoder, PreNormLayer, RMSNorm,
+from models.blocks import (BLOCK_CHECKPOINT_NAMES, AttentionKernel, Decoder, PreNormLayer, QKNormAttention, RMSNorm,
                            RopeScalingConfig, SwiGLU, check_attention_fields, normal, score_bytes)
 from models.common import (CHECKPOINT_DOT, ActivationSharding, InvalidField, RematPolicy, coerce_enums,
                            logical_param, matmul, palm_train_flops_per_token, sign_descent_variable,
@@ -309,21 +309,6 @@ def _sorted_terms(cfg: MoEConfig, tensor: int, experts: int) -> tuple[float, flo
     choice_d, rows_d, rows_f = cfg.top_k * cfg.embed_dim, rows * cfg.embed_dim, rows * cfg.expert_mlp_dim / tensor
     return (3 * choice_d + 3.5 * rows_d + 3 * rows_f, 2.5 * rows_d + 2 * rows_f,
             3 * choice_d + 10 * rows_d + 5 * rows_f, (cfg.top_k + 2) * cfg.num_experts * 4)
-
-
-class QKNormAttention(Attention):
-    """The shared attention, with Qwen3's RMSNorm of each query and key head (over ``head_dim``,
-    before the rotary embedding) when ``qk_norm``."""
-
-    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
-        super().__init__(cfg, rngs)
-        self.query_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, "head_dim") if cfg.qk_norm else None
-        self.key_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, "head_dim") if cfg.qk_norm else None
-
-    def _normalize_heads(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
-        if self.query_norm is None:
-            return q, k
-        return self.query_norm(q), self.key_norm(k)
 
 
 @jax.tree_util.register_dataclass
