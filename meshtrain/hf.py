@@ -30,7 +30,7 @@ from flax import nnx
 
 from meshtrain import jsonio
 from meshtrain.errors import ConfigError
-from models.api import LAYERS_KEY, HFAdapter, ModelFamily, families, family_named, family_of
+from models.api import LAYERS_KEY, AxisRole, HFAdapter, ModelFamily, families, family_named, family_of
 from models.common import InvalidField, logical_axes_of
 
 INIT_PREFIX = "hf:"  # checkpoint.init_from=hf:DIR
@@ -208,15 +208,20 @@ class TensorMap:
     sizes: dict[str, int]  # size of each of our axes
     stacked: bool
     per_tensor: tuple[str, ...] = ()  # our axes that index separate HF tensors, e.g. ("experts",)
+    layer_offset: int = 0  # the HF layer number of the stack's first layer
+    stack_size: int = 0  # layers in a stack other than ``layers`` (a STACKED axis); 0: ``layers``'
 
     def hf_tensor(self, layer: int | None, index: tuple[int, ...] = ()) -> str:
-        """The HF name of layer ``layer``'s tensor at ``index`` (one int per ``per_tensor`` axis)."""
-        return self.hf_name.format(layer=layer, **dict(zip(self.per_tensor, index)))
+        """The HF name of layer ``layer``'s tensor (its index in the stack) at ``index`` (one int
+        per ``per_tensor`` axis)."""
+        return self.hf_name.format(layer=None if layer is None else layer + self.layer_offset,
+                                   **dict(zip(self.per_tensor, index)))
 
     def hf_tensors(self, num_layers: int) -> list[str]:
-        """Every HF tensor this parameter is stored in, layer by layer, then in index order."""
-        return [self.hf_tensor(layer, index) for layer in (range(num_layers) if self.stacked else [None])
-                for index in np.ndindex(*self.per_tensor_shape)]
+        """Every HF tensor this parameter is stored in, layer by layer, then in index order
+        (``num_layers``: the ``layers`` stack's size; another stack has its own)."""
+        layers = range(self.stack_size or num_layers) if self.stacked else [None]
+        return [self.hf_tensor(layer, index) for layer in layers for index in np.ndindex(*self.per_tensor_shape)]
 
     @property
     def per_tensor_shape(self) -> tuple[int, ...]:
@@ -265,10 +270,13 @@ def tensor_maps(adapter: HFAdapter, cfg: Any, abstract_params: nnx.State) -> lis
     """The mapping of every parameter in ``abstract_params`` (an abstract model's state of model
     config ``cfg``)."""
     maps = []
+    roles = family_of(cfg).axis_roles
     for path, variable in nnx.to_flat_state(abstract_params):
         path = tuple(str(key) for key in path)
         axes, shape = logical_axes_of(variable), variable.shape
-        stacked = path[0] == LAYERS_KEY
+        other_stack = roles.get(axes[0]) is AxisRole.STACKED if axes else False
+        stacked = path[0] == LAYERS_KEY or other_stack
+        stack_size = shape[0] if other_stack else 0
         if stacked:
             axes, shape = axes[1:], shape[1:]
         try:
@@ -276,7 +284,7 @@ def tensor_maps(adapter: HFAdapter, cfg: Any, abstract_params: nnx.State) -> lis
         except InvalidField as err:  # a parameter no HF tensor holds, named by the model field that makes it
             raise ConfigError(f"model.{err.field}", err.message) from None
         maps.append(TensorMap(path, spec.name, spec.groups, tuple(axes), dict(zip(axes, shape)), stacked,
-                              spec.per_tensor))
+                              spec.per_tensor, spec.layer_offset, stack_size))
     return maps
 
 
@@ -346,7 +354,8 @@ def load_params(files: SafetensorsFiles, adapter: HFAdapter, cfg: Any, abstract_
             if not tensor_map.stacked:
                 return tensor_map.read(files, None, dict(zip(tensor_map.axes, ranges))).astype(np.float32)
             ours = dict(zip(tensor_map.axes, ranges[1:]))
-            layers = [tensor_map.read(files, int(order[i]), ours) for i in range(ranges[0].start, ranges[0].stop)]
+            stored = range(tensor_map.stack_size) if tensor_map.stack_size else order  # only ``layers`` is reordered
+            layers = [tensor_map.read(files, int(stored[i]), ours) for i in range(ranges[0].start, ranges[0].stop)]
             return np.stack(layers).astype(np.float32)
 
         array = jax.make_array_from_callback(shape, sharding.get_value(), shard)

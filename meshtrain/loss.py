@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.parallel.accumulate import Batch
-from models.api import AUX_LOSS, DecoderModel, LayerAux
+from models.api import AUX_LOSS, MTP_LOSS, Documents, LayerAux, PredictsAhead
 from models.common import ActivationSharding
 
 # The head's input: whole positions, as ``DecoderModel.logits`` takes them.
@@ -49,12 +49,15 @@ class Objective:
     ``DecoderModel.run_layers``) -> its share of the loss.
     loss_chunk: positions per chunk and row (``train.loss_chunk``; 0: all positions at once).
     length_ways: how many ways the rules split ``length`` over the mesh: each chunk keeps that split.
+    predicts_ahead: whether a model's multi-token prediction (``models.api.PredictsAhead``) is part
+    of it (training: yes; evaluation: the main loss alone).
     """
 
     of_logits: Callable[[jax.Array, Batch], jax.Array]
     of_aux: Callable[[jax.Array], jax.Array]
     loss_chunk: int = 0
     length_ways: int = 1
+    predicts_ahead: bool = False
 
     def of_layers(self, aux: LayerAux) -> jax.Array:
         """The share of the loss of the layers' aux terms ``aux``."""
@@ -85,13 +88,14 @@ def _strided(x: jax.Array, chunks: int) -> jax.Array:
     return jnp.moveaxis(x.reshape(rows, length // chunks, chunks, *x.shape[2:]), 2, 0)
 
 
-def head_loss(model: DecoderModel, x: jax.Array, batch: Batch, shard: ActivationSharding,
-              objective: Objective) -> jax.Array:
-    """The token loss ``objective.of_logits`` of the model's head on ``x`` [batch, length, embed]
-    (the layers' output), in chunks of ``objective.chunk_length(length)`` positions per row (see the
-    module docstring). ``batch``: the microbatch's [batch, length] arrays at the same positions."""
+def head_loss(logits_of: Callable[[jax.Array, ActivationSharding], jax.Array], x: jax.Array, batch: Batch,
+              shard: ActivationSharding, objective: Objective) -> jax.Array:
+    """The token loss ``objective.of_logits`` of a head ``logits_of`` (the model's ``logits``, or a
+    prediction depth's ``ahead_logits``) on ``x`` [batch, length, embed] (the layers' output), in
+    chunks of ``objective.chunk_length(length)`` positions per row (see the module docstring).
+    ``batch``: the microbatch's [batch, length] arrays at the same positions."""
     def chunk_loss(x_chunk: jax.Array, batch_chunk: Batch) -> jax.Array:
-        return objective.of_logits(model.logits(x_chunk, shard), batch_chunk)
+        return objective.of_logits(logits_of(x_chunk, shard), batch_chunk)
 
     length = x.shape[1]
     chunks = length // objective.chunk_length(length)
@@ -105,3 +109,28 @@ def head_loss(model: DecoderModel, x: jax.Array, batch: Batch, shard: Activation
     _, losses = jax.lax.scan(lambda _, chunk: (None, remat_loss(*chunk)), None,
                              (x_chunks, jax.tree.map(lambda a: _strided(a, chunks), batch)))
     return jnp.sum(losses)
+
+
+def shifted_targets(batch: Batch, shift: int, documents: Documents | None) -> Batch:
+    """``batch`` with each position's target and mask taken ``shift`` positions later (zero past the
+    row's end, and where that position lies in another document of a packed row)."""
+    later = lambda a: jnp.pad(a[:, shift:], [(0, 0), (0, shift)])
+    mask = later(batch["mask"])
+    if documents is not None:
+        mask = mask * (later(documents.segments) == documents.segments)
+    return {**batch, "targets": later(batch["targets"]), "mask": mask.astype(batch["mask"].dtype)}
+
+
+def ahead_loss(model, x: jax.Array, batch: Batch, shard: ActivationSharding, objective: Objective,
+               documents: Documents | None) -> tuple[jax.Array, LayerAux]:
+    """Multi-token prediction's share of the loss (``models.api.PredictsAhead``) on the layers'
+    output ``x`` [batch, length, embed] and its statistic: (``ahead_weight`` x the mean over depths
+    of their token losses + the depths' auxiliary loss, {MTP_LOSS: that mean}); (0, {}) for a model
+    without it or an objective that leaves it out. Each depth's head runs in the objective's chunks."""
+    if not (objective.predicts_ahead and isinstance(model, PredictsAhead) and model.ahead_depths):
+        return jnp.zeros((), jnp.float32), {}
+    streams, aux = model.predict_ahead(x, batch["inputs"], shard, documents)
+    losses = [head_loss(model.ahead_logits, streams[depth], shifted_targets(batch, depth + 1, documents), shard,
+                        objective) for depth in range(streams.shape[0])]
+    mean = sum(losses) / len(losses)
+    return model.ahead_weight * mean + objective.of_layers(aux), {MTP_LOSS: mean}

@@ -32,7 +32,7 @@ from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, na
                                          ring_axis)
 from meshtrain.parallel.zero import StateLayout
 from meshtrain.precision import LossScale, Precision, initial_loss_scale
-from models.api import AUX_LOSS, DecoderModel
+from models.api import AUX_LOSS, MTP_LOSS, DecoderModel
 
 Metrics = dict[str, jax.Array]
 
@@ -147,10 +147,11 @@ class Trainer:
         return nnx.merge(self.graphdef, params)
 
     def _objective(self, of_logits: Callable[[jax.Array, Batch], jax.Array],
-                   of_aux: Callable[[jax.Array], jax.Array]) -> Objective:
+                   of_aux: Callable[[jax.Array], jax.Array], predicts_ahead: bool = False) -> Objective:
         """The objective of these token and aux terms, its head run in ``train.loss_chunk`` chunks
-        that keep the rules' split of ``length``."""
-        return Objective(of_logits, of_aux, self.layout.train.loss_chunk, self.layout.length_ways)
+        that keep the rules' split of ``length``; with a model's multi-token prediction when
+        ``predicts_ahead`` (training)."""
+        return Objective(of_logits, of_aux, self.layout.train.loss_chunk, self.layout.length_ways, predicts_ahead)
 
     def evaluate(self, params: nnx.State, batch: Batch) -> Metrics:
         """Forward only: the summed token cross-entropy of a global batch (``loss_sum``, fp32) and its
@@ -191,7 +192,7 @@ class Trainer:
             return state.loss_scale.scale_loss(aux_sum.astype(jnp.float32) / rows)
 
         value_and_grad = make_value_and_grad(self.layout.pipeline, self.mesh, self._model_of,
-                                             self._objective(of_logits, of_aux),
+                                             self._objective(of_logits, of_aux, predicts_ahead=True),
                                              activation_sharding(self.rules, self.mesh),
                                              compute_dtype)
 
@@ -201,7 +202,9 @@ class Trainer:
         scaled_loss, aux, scaled_grads = accumulate_gradients(
             value_and_grad, state.params, split_microbatches(batch, self.layout.train.grad_accum),
             constrain_grads)
-        statistics = {name: value / rows for name, value in aux.items() if name != AUX_LOSS}
+        # MTP_LOSS is already a share of the (scaled) loss; the rest are sums over rows.
+        statistics = {name: state.loss_scale.unscale(value) if name == MTP_LOSS else value / rows
+                      for name, value in aux.items() if name != AUX_LOSS}
         return (state.loss_scale.unscale(scaled_loss), state.loss_scale.unscale(scaled_grads),
                 target_count, statistics)
 

@@ -3,4 +3,4 @@
 Importing the package registers the built-in families.
 """
 
-from models import llama, moe  # noqa: F401  (register the families)
+from models import deepseek, llama, moe  # noqa: F401  (register the families)

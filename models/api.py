@@ -61,9 +61,13 @@ class AxisRole(str, enum.Enum):
     EXPERT_ROWS: the batch rows of an expert's token buffer: split over the batch's mesh axes that
     the EXPERT axes do not take (none under full expert parallelism; all of them when the experts
     are replicated), so that each token's expert work is done once.
+    STACKED: the leading axis of a stack of layers other than ``layers`` (which pipeline stages
+    split), e.g. dense layers a family runs inside ``embed``: never split; a Hugging Face checkpoint
+    stores one tensor per layer of it, as for ``layers`` (``TensorSpec.layer_offset``).
     """
 
     REPLICATED = "replicated"
+    STACKED = "stacked"
     TENSOR = "tensor_parallel"
     EXPERT = "expert_parallel"
     EXPERT_ROWS = "expert_rows"
@@ -154,6 +158,35 @@ class DecoderModel(Protocol):
         """x [batch, length, embed] -> logits [batch, length, vocab]."""
 
 
+# The metric of multi-token prediction: the mean over depths of their token losses, in the units of
+# the main loss (``PredictsAhead``).
+MTP_LOSS = "mtp_loss"
+
+
+@runtime_checkable
+class PredictsAhead(Protocol):
+    """The optional multi-token prediction path: heads that predict tokens further ahead.
+
+    Depth k (1..``ahead_depths``) reads, at position t, the token k positions after t's target (the
+    target of position t + k). The framework adds ``ahead_weight`` times the mean over depths of
+    their token losses (each as the main loss: summed over the targets, normalised by the main
+    loss's target count) and ``aux[AUX_LOSS]`` to the objective, and reports the mean as
+    ``MTP_LOSS``; under a pipeline the depths run with the head, on the last stage.
+    """
+
+    ahead_depths: int
+    ahead_weight: float
+
+    def predict_ahead(self, x: jax.Array, inputs: jax.Array, shard: ActivationSharding,
+                      documents: Documents | None = None) -> tuple[jax.Array, LayerAux]:
+        """x [batch, length, embed] (``run_layers``' output over all the layers), inputs int [batch,
+        length] -> (streams [depths, batch, length, embed], each read by ``ahead_logits``; aux with
+        ``AUX_LOSS``, the depths' auxiliary loss summed over the rows, as ``run_layers``')."""
+
+    def ahead_logits(self, stream: jax.Array, shard: ActivationSharding) -> jax.Array:
+        """One depth's stream [batch, length, embed] -> logits [batch, length, vocab]."""
+
+
 @runtime_checkable
 class CachedDecoder(Protocol):
     """The optional generation path (``meshtrain.generate``): a KV cache filled position by position."""
@@ -182,11 +215,14 @@ class TensorSpec:
     ``per_tensor``: our logical axes that HF stores as one tensor per index rather than as a
     dimension; ``name`` holds ``{axis}`` for each (Mixtral's experts:
     ``"model.layers.{layer}.block_sparse_moe.experts.{experts}.w1.weight"``, ``per_tensor=("experts",)``).
+    ``layer_offset``: for a stacked parameter (under ``layers`` or a ``STACKED`` axis), the HF layer
+    number of its first layer (``{layer}`` is the index in the stack plus it).
     """
 
     name: str
     groups: tuple[tuple[str, ...], ...]
     per_tensor: tuple[str, ...] = ()
+    layer_offset: int = 0
 
 
 class HFAdapter(Protocol):

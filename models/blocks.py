@@ -54,21 +54,32 @@ class RopeScaling(str, enum.Enum):
     LLAMA3: Llama 3.1's rule: wavelengths above ``original_max_len / low_freq_factor`` are divided
     by ``factor``, those below ``original_max_len / high_freq_factor`` kept, and those in between
     interpolated smoothly.
+    YARN: YaRN (DeepSeek-V3, Qwen long context): frequencies whose wavelength makes fewer than
+    ``beta_slow`` turns over ``original_max_len`` positions divided by ``factor``, more than
+    ``beta_fast`` turns kept, a linear ramp between; cos and sin scaled by ``attention_factor``.
     """
 
     NONE = "none"
     LLAMA3 = "llama3"
+    YARN = "yarn"
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScalingConfig:
-    """``model.rope_scaling``: the rotary frequency rescaling (Llama 3.1); ``kind: none`` = off."""
+    """``model.rope_scaling``: the rotary frequency rescaling (Llama 3.1's or YaRN); ``kind: none`` = off.
+    ``low_freq_factor`` / ``high_freq_factor``: Llama 3.1's; ``beta_fast``, ``beta_slow``, ``mscale``,
+    ``mscale_all_dim``, ``truncate``: YaRN's (as transformers reads them)."""
 
     kind: RopeScaling = RopeScaling.NONE
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_len: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
 
     def __post_init__(self):
         coerce_enums(self)
@@ -81,6 +92,51 @@ class RopeScalingConfig:
         if self.original_max_len <= 0:
             raise InvalidField("rope_scaling.original_max_len",
                                f"must be a positive integer, got {self.original_max_len}")
+        if not self.beta_fast > self.beta_slow > 0:
+            raise InvalidField("rope_scaling.beta_fast", f"must be > beta_slow={self.beta_slow} > 0, "
+                               f"got {self.beta_fast}")
+        for name in ("mscale", "mscale_all_dim"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise InvalidField(f"rope_scaling.{name}", f"must be a finite number >= 0, got {getattr(self, name)}")
+
+    @property
+    def attention_factor(self) -> float:
+        """What YaRN multiplies cos and sin by (1 for the other kinds): ``mscale(factor, mscale) /
+        mscale(factor, mscale_all_dim)`` when both are set, else ``mscale(factor, 1)``, with YaRN's
+        ``mscale(s, m) = 0.1 m ln(s) + 1`` (1 for s <= 1)."""
+        if self.kind is not RopeScaling.YARN:
+            return 1.0
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
+        return _yarn_mscale(self.factor, 1.0)
+
+    def softmax_scale(self, width: int) -> float:
+        """The attention softmax scale of query/key heads ``width`` wide: ``width ** -0.5``, times
+        ``mscale(factor, mscale_all_dim) ** 2`` under YaRN with ``mscale_all_dim`` (multi-head latent
+        attention's rule; other attention keeps ``width ** -0.5``)."""
+        scale = width ** -0.5
+        if self.kind is RopeScaling.YARN and self.mscale_all_dim:
+            scale *= _yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+        return scale
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_frequencies(inv_freq: jax.Array, head_dim: int, theta: float, scaling: RopeScalingConfig) -> jax.Array:
+    """YaRN's blend of interpolated (``/ factor``) and kept frequencies (``RopeScaling.YARN``)."""
+    def turns_dim(turns: float) -> float:  # the dimension whose wavelength turns that often
+        return head_dim * math.log(scaling.original_max_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = turns_dim(scaling.beta_fast), turns_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
 
 
 class BlockConfig(Protocol):
@@ -164,6 +220,8 @@ def rotary_frequencies(head_dim: int, theta: float,
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     if scaling.kind is RopeScaling.NONE:
         return inv_freq
+    if scaling.kind is RopeScaling.YARN:
+        return _yarn_frequencies(inv_freq, head_dim, theta, scaling)
     wavelength = 2 * math.pi / inv_freq
     long_limit = scaling.original_max_len / scaling.low_freq_factor  # longer: divided by factor
     short_limit = scaling.original_max_len / scaling.high_freq_factor  # shorter: kept
@@ -176,9 +234,11 @@ def rotary_frequencies(head_dim: int, theta: float,
 
 def rotary_tables(positions: jax.Array, head_dim: int, theta: float,
                   scaling: RopeScalingConfig = RopeScalingConfig()) -> tuple[jax.Array, jax.Array]:
-    """cos, sin: [batch or 1, length, head_dim // 2] in fp32 for positions int [batch or 1, length]."""
+    """cos, sin: [batch or 1, length, head_dim // 2] in fp32 for positions int [batch or 1, length]
+    (times YaRN's ``attention_factor``)."""
     angles = positions.astype(jnp.float32)[..., None] * rotary_frequencies(head_dim, theta, scaling)
-    return jnp.cos(angles), jnp.sin(angles)
+    factor = scaling.attention_factor
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -363,14 +423,15 @@ class Decoder(nnx.Module):
         x, _ = self._scan_layers(x, shard, documents)
         return x, no_aux()
 
-    def _scan_layers(self, x: jax.Array, shard: ActivationSharding, documents: Documents | None
-                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """x through the layers -> (x, each layer's statistics stacked on a leading layers axis)."""
+    def _scan_layers(self, x: jax.Array, shard: ActivationSharding, documents: Documents | None,
+                     layers: nnx.Module | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x through the stacked ``layers`` (default: ``self.layers``) -> (x, each layer's statistics
+        stacked on a leading layers axis)."""
         cfg = self.cfg
         positions = positions_of(documents, x.shape[1])
         rotary = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         segments = None if documents is None else documents.segments
-        layer_def, layer_state = nnx.split(self.layers)
+        layer_def, layer_state = nnx.split(self.layers if layers is None else layers)
 
         def run_layer(x: jax.Array, one_layer_state) -> tuple[jax.Array, dict[str, jax.Array]]:
             return nnx.merge(layer_def, one_layer_state)(x, rotary, positions, segments, shard)
@@ -381,9 +442,13 @@ class Decoder(nnx.Module):
     def logits(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
         """x: [batch, length, embed] -> logits [batch, length, vocab] in fp32 (the head's fp32 sums,
         not rounded to the compute dtype: the loss takes them in fp32)."""
-        head = self.embedding[...].T if self.head is None else self.head[...]
         x = shard(x, ("batch", "length", "embed"))  # whole positions: the vocabulary may split over tensor
-        logits = matmul("btd,dv->btv", self.final_norm(x), head, result_dtype=jnp.float32)
+        return self.vocab_logits(self.final_norm(x), shard)
+
+    def vocab_logits(self, normed: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
+        """The output head alone: normed [batch, length, embed] -> fp32 logits [batch, length, vocab]."""
+        head = self.embedding[...].T if self.head is None else self.head[...]
+        logits = matmul("btd,dv->btv", shard(normed, ("batch", "length", "embed")), head, result_dtype=jnp.float32)
         return shard(logits, ("batch", "length", "vocab"))
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
@@ -402,7 +467,16 @@ class Decoder(nnx.Module):
         x = self.embed(tokens, shard)
         rotary = rotary_tables(start + jnp.arange(tokens.shape[1])[None], cfg.head_dim, cfg.rope_theta,
                                cfg.rope_scaling)
-        layer_def, layer_state = nnx.split(self.layers)
+        x, keys, values = self._scan_cached(self.layers, x, rotary, cache.keys, cache.values, start, shard)
+        return self.logits(x, shard), KVCache(keys, values)
+
+    @staticmethod
+    def _scan_cached(layers: nnx.Module, x: jax.Array, rotary: tuple[jax.Array, jax.Array], keys: jax.Array,
+                     values: jax.Array, start: jax.Array, shard: ActivationSharding
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x through the stacked ``layers``' cached paths (``layer.cached``), each with its slice of the
+        cache arrays ``keys`` and ``values`` [layers, ...] -> (x, keys, values) with the positions written."""
+        layer_def, layer_state = nnx.split(layers)
 
         def run_layer(x: jax.Array, layer_and_cache) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
             one_layer_state, keys, values = layer_and_cache
@@ -410,5 +484,5 @@ class Decoder(nnx.Module):
                                                                            start, shard)
             return x, (keys, values)
 
-        x, (keys, values) = jax.lax.scan(run_layer, x, (layer_state, cache.keys, cache.values))
-        return self.logits(x, shard), KVCache(keys, values)
+        x, (keys, values) = jax.lax.scan(run_layer, x, (layer_state, keys, values))
+        return x, keys, values

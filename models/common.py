@@ -199,12 +199,15 @@ def logical_param(value: jax.Array, axes: LogicalAxes) -> nnx.Param:
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
-def stacked_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
-    """``num_layers`` layers built by ``make_layer``, their parameters stacked on a leading ``layers``
-    axis (``nnx.vmap``; each layer gets its own split of ``rngs``), ready for ``lax.scan``."""
+def stacked_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs,
+                   axis: str = "layers") -> nnx.Module:
+    """``num_layers`` layers built by ``make_layer``, their parameters stacked on a leading axis of
+    logical name ``axis`` (``nnx.vmap``; each layer gets its own split of ``rngs``), ready for
+    ``lax.scan``. ``layers`` is the stack the framework schedules (pipeline stages split it); a
+    family's other stacks name their own axis (``AxisRole.STACKED``)."""
 
     @nnx.split_rngs(splits=num_layers)
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make(layer_rngs: nnx.Rngs) -> nnx.Module:
         return make_layer(layer_rngs)
 

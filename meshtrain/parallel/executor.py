@@ -25,14 +25,14 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh, PartitionSpec
 
-from meshtrain.loss import Objective, head_loss
+from meshtrain.loss import Objective, ahead_loss, head_loss
 from meshtrain.parallel.accumulate import Batch, split_microbatches
 from meshtrain.parallel.backward_split import split_backward
 from meshtrain.parallel.layer_order import with_layers
 from meshtrain.parallel.schedules import (BackwardTasks, Buffers, Columns, ForwardTasks, InputGradTasks,
                                           ScheduleTable, WeightGradTasks, Work)
 from meshtrain.precision import cast_floating
-from models.api import RESIDUAL_AXES, Documents, LayerAux
+from models.api import MTP_LOSS, RESIDUAL_AXES, Documents, LayerAux, PredictsAhead
 
 
 STAGE = "stage"
@@ -79,6 +79,11 @@ def _if(active: jax.Array, compute: Callable[[], Any]) -> Any:
     varying = lambda tree: jax.tree.map(_stage_varying, tree)
     return jax.lax.cond(active, lambda: varying(compute()),
                         lambda: varying(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)))
+
+
+def _add_aux(total: LayerAux, aux: LayerAux) -> LayerAux:
+    """``total`` with each of ``aux``'s terms added (``total`` may hold more: the head's)."""
+    return {name: value + aux[name] if name in aux else value for name, value in total.items()}
 
 
 def _read(buffer: jax.Array, slot: jax.Array) -> jax.Array:
@@ -220,6 +225,9 @@ class TableExecutor:
         self.layers, self.rest = _without_layers(cast_floating(params, compute_dtype))
         self.per_chunk = jax.tree.leaves(self.layers)[0].shape[0] // table.chunks
         self.part = microbatches["inputs"].shape[-1] // table.stages
+        model = self.model_of(with_layers(self.rest, self.layers))
+        # Multi-token prediction runs with the head, on the last stage (``ahead_step``).
+        self.predicts_ahead = bool(objective.predicts_ahead and isinstance(model, PredictsAhead) and model.ahead_depths)
         # Example values of the types the tasks pass (a task's microbatch index differs per stage).
         self.x_example = _stage_varying(self.embed(self.rest, 0))
         documents_example = jax.tree.map(_stage_varying, documents_of(self.microbatch(0)))
@@ -258,7 +266,7 @@ class TableExecutor:
         ``y`` [rows, part, embed], in the objective's chunks of those positions (``meshtrain.loss``)."""
         mb = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, self.stage * self.part, self.part, axis=1),
                           self.microbatch(m))
-        return head_loss(self.model_of(with_layers(rest, self.layers)), y.astype(self.compute_dtype), mb,
+        return head_loss(self.model_of(with_layers(rest, self.layers)).logits, y.astype(self.compute_dtype), mb,
                          self.shard, self.objective)
 
     def backward(self, stash_and_params: tuple, cotangent: tuple) -> tuple[Any, jax.Array]:
@@ -270,6 +278,8 @@ class TableExecutor:
             lambda s: _stage_varying(jnp.zeros(lead + s.shape, s.dtype)), shapes)
         aux_shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
                                   jax.tree.unflatten(self.program.out_tree, self.program.forward.out_avals)[1])
+        if self.predicts_ahead:
+            aux_shapes = {**aux_shapes, MTP_LOSS: jax.ShapeDtypeStruct((), jnp.float32)}
         x_shape = jax.ShapeDtypeStruct(self.x_example.shape, self.x_example.dtype)
         sizes, split = self.sizes, self.split
         carry = Carry(inputs=zeros(x_shape, (sizes.inputs,)), gradients=zeros(x_shape, (sizes.gradients,)),
@@ -309,17 +319,43 @@ class TableExecutor:
 
         (y, aux_loss), aux, stash = _if(task.stash >= 0, compute)
         carry = carry.replace(stash=[_write(b, task.stash, s) for b, s in zip(carry.stash, stash)],
-                              loss=carry.loss + aux_loss, aux=jax.tree.map(jnp.add, carry.aux, aux))
+                              loss=carry.loss + aux_loss, aux=_add_aux(carry.aux, aux))
         return carry, y
+
+    def ahead_loss(self, rest: nnx.State, y: jax.Array, m: jax.Array) -> tuple[jax.Array, LayerAux]:
+        """Multi-token prediction's share of the loss on microbatch m's whole output ``y``."""
+        mb = self.microbatch(m)
+        return ahead_loss(self.model_of(with_layers(rest, self.layers)), y.astype(self.compute_dtype), mb,
+                          self.shard, self.objective, documents_of(mb))
+
+    def ahead_step(self, carry: Carry, y: jax.Array, m: jax.Array) -> tuple[Carry, jax.Array]:
+        """Microbatch m's multi-token prediction on the last stage, which holds its whole output ``y``
+        (the depths attend over every position, so they are not split by position as the head is):
+        (the carry with its loss, statistic and parameter gradients added, d loss / d y: zero on
+        the other stages)."""
+        last = self.stage == self.table.stages - 1
+        if not self.train:
+            loss, aux = _if(last, lambda: self.ahead_loss(self.rest, y, m))
+            return carry.replace(loss=carry.loss + loss, aux=_add_aux(carry.aux, aux)), jnp.zeros_like(y)
+        (loss, aux), (d_rest, d_y) = _if(last, lambda: jax.value_and_grad(self.ahead_loss, argnums=(0, 1),
+                                                                          has_aux=True)(self.rest, y, m))
+        return carry.replace(loss=carry.loss + loss, aux=_add_aux(carry.aux, aux),
+                             rest_grads=jax.tree.map(lambda g, d: g + d.astype(jnp.float32), carry.rest_grads,
+                                                     d_rest)), d_y
 
     def head_step(self, carry: Carry, y: jax.Array, m: jax.Array, gradient_slot: jax.Array) -> Carry:
         """Microbatch m's head and loss, split over the stages by position."""
         mine = jax.lax.psum_scatter(jnp.where(self.stage == self.table.stages - 1, y, 0.0), STAGE,
                                     scatter_dimension=1, tiled=True)
+        d_ahead = None
+        if self.predicts_ahead:
+            carry, d_ahead = self.ahead_step(carry, y, m)
         if not self.train:
             return carry.replace(loss=carry.loss + self.head_loss(self.rest, mine, m))
         loss, (d_rest, d_mine) = jax.value_and_grad(self.head_loss, argnums=(0, 1))(self.rest, mine, m)
         d_y = jax.lax.all_gather(d_mine.astype(CROSSING_DTYPE), STAGE, axis=1, tiled=True)
+        if d_ahead is not None:
+            d_y = d_y + d_ahead.astype(CROSSING_DTYPE)
         return carry.replace(loss=carry.loss + loss, gradients=_write(carry.gradients, gradient_slot, d_y),
                              rest_grads=jax.tree.map(lambda g, d: g + d.astype(jnp.float32), carry.rest_grads,
                                                      d_rest))

@@ -40,7 +40,7 @@ from jax.sharding import Mesh
 
 from meshtrain.errors import ConfigError, Infeasible
 from meshtrain.parallel.accumulate import Batch
-from meshtrain.loss import Objective, head_loss
+from meshtrain.loss import Objective, ahead_loss, head_loss
 from meshtrain.parallel.executor import STAGE, ModelOf, documents_of, run_table
 from meshtrain.parallel.rules import AxisRule, ShardingRules
 from meshtrain.parallel.schedules import ScheduleTable, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
@@ -161,7 +161,9 @@ def sequential_loss(model_of: ModelOf, objective: Objective, shard, compute_dtyp
     def loss(params: nnx.State, batch: Batch) -> tuple[jax.Array, LayerAux]:
         model, documents = model_of(cast_floating(params, compute_dtype)), documents_of(batch)
         x, aux = model.run_layers(model.embed(batch["inputs"], shard, documents), shard, documents)
-        return head_loss(model, x, batch, shard, objective) + objective.of_layers(aux), aux
+        ahead, ahead_aux = ahead_loss(model, x, batch, shard, objective, documents)
+        loss = head_loss(model.logits, x, batch, shard, objective) + objective.of_layers(aux) + ahead
+        return loss, {**aux, **ahead_aux}
 
     return loss
 

@@ -37,7 +37,7 @@ from models.moe.model import Dispatch, MoEConfig, RouterScore
 _ATTENTION_TENSORS = {path: spec for path, spec in LAYER_TENSORS.items() if path[0] != "mlp"}
 
 
-def _sparse_tensors(block: str, gate: str, up: str, down: str) -> dict[tuple[str, ...], TensorSpec]:
+def sparse_tensors(block: str, gate: str, up: str, down: str) -> dict[tuple[str, ...], TensorSpec]:
     """The router and the per-expert SwiGLU weights under ``block`` (with their HF names)."""
     experts = f"{block}.experts.{{experts}}"
     into, out_of = (("expert_mlp",), ("expert_embed",)), (("expert_embed",), ("expert_mlp",))
@@ -49,9 +49,9 @@ def _sparse_tensors(block: str, gate: str, up: str, down: str) -> dict[tuple[str
     }
 
 
-_MIXTRAL_TENSORS = {**_ATTENTION_TENSORS, **_sparse_tensors("block_sparse_moe", "w1", "w3", "w2")}
+_MIXTRAL_TENSORS = {**_ATTENTION_TENSORS, **sparse_tensors("block_sparse_moe", "w1", "w3", "w2")}
 _QWEN3_TENSORS = {**_ATTENTION_TENSORS, **QK_NORM_TENSORS,
-                  **_sparse_tensors("mlp", "gate_proj", "up_proj", "down_proj")}
+                  **sparse_tensors("mlp", "gate_proj", "up_proj", "down_proj")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +124,11 @@ class MoEHF(LlamaHF):
         if cfg.bias_update_rate:
             raise InvalidField("bias_update_rate", f"is {cfg.bias_update_rate}; neither MixtralForCausalLM nor "
                                "Qwen3MoeForCausalLM has a routing bias (only 0 can be written as Hugging Face)")
+        if cfg.expert_groups > 1 or cfg.routed_scaling_factor != 1.0:
+            field = "expert_groups" if cfg.expert_groups > 1 else "routed_scaling_factor"
+            raise InvalidField(field, f"is {getattr(cfg, field)}; MixtralForCausalLM and Qwen3MoeForCausalLM have no "
+                               "group-limited routing or gate scaling (only expert_groups 1 and "
+                               "routed_scaling_factor 1.0 can be written; the deepseek family has both)")
         if cfg.router_score is not RouterScore.SOFTMAX:
             raise InvalidField("router_score", f"is {cfg.router_score.value}; MixtralForCausalLM and "
                                "Qwen3MoeForCausalLM score experts by softmax (only softmax can be written)")

@@ -118,6 +118,11 @@ class MoEConfig:
     shared_mlp_dim: int = 0  # hidden size of the shared experts (0: none)
     norm_topk_prob: bool = True
     router_score: RouterScore = RouterScore.SOFTMAX
+    # Group-limited routing (DeepSeek-V3): a token's experts come from its ``groups_per_token`` best
+    # of ``expert_groups`` equal groups (a group scored by its two best scores); 1, 1: no limit.
+    expert_groups: int = 1
+    groups_per_token: int = 1
+    routed_scaling_factor: float = 1.0  # multiplies the gate weights
     # Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the scores for the top-k
     # choice only, moved by this much per step against each expert's load above the mean (0: none).
     bias_update_rate: float = 0.0
@@ -152,6 +157,7 @@ class MoEConfig:
                 raise InvalidField(name, f"must be a positive integer, got {getattr(self, name)}")
         if not 1 <= self.top_k <= self.num_experts:
             raise InvalidField("top_k", f"must be between 1 and num_experts={self.num_experts}, got {self.top_k}")
+        check_routing_groups(self)
         if self.shared_mlp_dim < 0:
             raise InvalidField("shared_mlp_dim", f"must be >= 0 (0: no shared experts), got {self.shared_mlp_dim}")
         if not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
@@ -247,8 +253,7 @@ def activation_bytes(cfg: MoEConfig, tensor: int, remat: RematPolicy, compute_by
     q = cfg.num_heads * cfg.head_dim / tensor
     k = cfg.num_kv_heads * cfg.head_dim / tensor
     g = cfg.shared_mlp_dim / tensor
-    none, dots, held, router = (_sorted_terms(cfg, tensor, experts) if cfg.dispatch is Dispatch.DROPLESS
-                                else _one_hot_terms(cfg, tensor))
+    none, dots, held, router = expert_terms(cfg, tensor, experts)
     saved_scores, working_scores = score_bytes(cfg, tensor, keys)
     c = compute_bytes
     attention = (6 * d + 3 * q + 3 * k) * c
@@ -272,6 +277,13 @@ def exchange_bytes(cfg: MoEConfig, experts: int, compute_bytes: int) -> float:
         group = cfg.group_size or cfg.seq_len
         rows = cfg.num_experts * cfg.slots(group) / group
     return rows * cfg.embed_dim * compute_bytes
+
+
+def expert_terms(cfg, tensor: int, experts: int) -> tuple[float, float, float, float]:
+    """The experts' (kept under ``none``, kept under ``dots``, held by one layer's backward) vectors
+    per token and the router's fp32 bytes per token, for ``cfg``'s dispatch (``_sorted_terms`` or
+    ``_one_hot_terms``); ``cfg`` any config with the MoE fields (this family's, DeepSeek-V3's)."""
+    return _sorted_terms(cfg, tensor, experts) if cfg.dispatch is Dispatch.DROPLESS else _one_hot_terms(cfg, tensor)
 
 
 def _one_hot_terms(cfg: MoEConfig, tensor: int) -> tuple[float, float, float, float]:
@@ -343,17 +355,46 @@ class Routing:
         return jnp.sum(choice * self.weights[..., None], axis=3), slot
 
 
+def check_routing_groups(cfg) -> None:
+    """``InvalidField`` for group-limited routing fields (``expert_groups``, ``groups_per_token``,
+    ``routed_scaling_factor``) that cannot route ``cfg.top_k`` of ``cfg.num_experts`` experts."""
+    if cfg.expert_groups < 1 or cfg.num_experts % cfg.expert_groups:
+        raise InvalidField("expert_groups", f"must divide num_experts={cfg.num_experts}, got {cfg.expert_groups}")
+    if cfg.expert_groups > 1 and cfg.num_experts // cfg.expert_groups < 2:
+        raise InvalidField("expert_groups", f"leaves {cfg.num_experts // cfg.expert_groups} expert per group; a "
+                           "group is scored by its two best experts (at least 2 per group, or 1 group)")
+    if not 1 <= cfg.groups_per_token <= cfg.expert_groups:
+        raise InvalidField("groups_per_token", f"must be between 1 and expert_groups={cfg.expert_groups}, "
+                           f"got {cfg.groups_per_token}")
+    reachable = cfg.groups_per_token * cfg.num_experts // cfg.expert_groups
+    if cfg.top_k > reachable:
+        raise InvalidField("top_k", f"must be at most the {reachable} experts of groups_per_token="
+                           f"{cfg.groups_per_token} groups, got {cfg.top_k}")
+    if not (cfg.routed_scaling_factor > 0 and math.isfinite(cfg.routed_scaling_factor)):
+        raise InvalidField("routed_scaling_factor", f"must be a finite number > 0, got {cfg.routed_scaling_factor}")
+
+
 def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, score: RouterScore = RouterScore.SOFTMAX,
-          bias: jax.Array | None = None) -> Routing:
+          bias: jax.Array | None = None, expert_groups: int = 1, groups_per_token: int = 1,
+          scaling: float = 1.0) -> Routing:
     """Top-k routing of fp32 ``logits`` [batch, groups, group, experts] (see ``Routing``): the
-    experts chosen by their scores plus ``bias`` [experts] (no gradient through it), their gate
-    weights the scores alone, renormalised to sum to 1 when ``norm_topk_prob``."""
+    experts chosen by their scores plus ``bias`` [experts] (no gradient through it) among the
+    ``groups_per_token`` best of ``expert_groups`` consecutive groups of experts (a group scored by
+    the sum of its two best biased scores), their gate weights the scores alone, renormalised to sum
+    to 1 when ``norm_topk_prob``, times ``scaling``."""
     scores = jax.nn.softmax(logits, axis=-1) if score is RouterScore.SOFTMAX else jax.nn.sigmoid(logits)
     selection = scores if bias is None else scores + jax.lax.stop_gradient(bias).astype(scores.dtype)
+    if expert_groups > 1:
+        grouped = selection.reshape(*selection.shape[:-1], expert_groups, -1)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [b, n, s, groups]
+        best_groups = jax.lax.top_k(group_scores, groups_per_token)[1]
+        kept = jnp.sum(jax.nn.one_hot(best_groups, expert_groups, dtype=jnp.bool_), axis=-2, dtype=jnp.bool_)
+        selection = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(selection.shape)
     top_experts = jax.lax.top_k(selection, top_k)[1]  # [b, n, s, k]
     top_scores = jnp.take_along_axis(scores, top_experts, axis=-1)
     if norm_topk_prob:
         top_scores = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
+    top_scores = top_scores * scaling
     probs = scores if score is RouterScore.SOFTMAX else scores / jnp.sum(scores, axis=-1, keepdims=True)
     return Routing(logits=logits, probs=probs, experts=top_experts, weights=top_scores)
 
@@ -427,7 +468,7 @@ class SparseMoE(nnx.Module):
         logits = jnp.einsum("bnsd,de->bnse", grouped.astype(jnp.float32), self.router[...].astype(jnp.float32))
         bias = None if self.routing_bias is None else self.routing_bias[...]
         routing = route(shard(logits, ("batch", None, None, "expert_logits")), cfg.top_k, cfg.norm_topk_prob,
-                        cfg.router_score, bias)
+                        cfg.router_score, bias, cfg.expert_groups, cfg.groups_per_token, cfg.routed_scaling_factor)
         dropped = overflow = jnp.zeros((), jnp.float32)
         if cfg.dispatch is Dispatch.DROPLESS:
             y, overflow = self._sorted(x, routing, shard)

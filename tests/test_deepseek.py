@@ -1,0 +1,229 @@
+"""The DeepSeek-V3 family (models/deepseek): every layout equals one device (loss, gradients and
+the experts' statistics, multi-token prediction included, fp32: loss rel 1e-5, each gradient's
+relative L2 error < 1e-5), multi-token prediction's loss equals a reference built from its pieces,
+the compressed cache holds ``kv_lora_rank + qk_rope_head_dim`` values per token and layer and its
+generation equals the uncached forward, group-limited routing equals a for-loop reference, and the
+config's one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshtrain.data import DataConfig, make_dataset
+from meshtrain.parallel.pipeline import PipelineConfig, Schedule
+from models.api import family_named, forward
+from models.blocks import RopeScaling, RopeScalingConfig, rotary_tables
+from models.common import InvalidField, unconstrained
+from models.deepseek import DeepSeek, DeepSeekConfig
+from models.moe.model import route, RouterScore
+from utils import loss_grads_and_statistics, make_trainer, relative_l2
+
+# Distinct sizes: embed 40, q latent 24, kv latent 16, nope 8 + rope 4 = qk 12 != v 6, 8 experts of
+# 16 hidden units in 4 groups, dense hidden 56. One dense layer, then two MoE layers; YaRN rotary.
+DEEPSEEK = DeepSeekConfig(vocab_size=96, embed_dim=40, num_layers=2, num_dense_layers=1, num_heads=4, q_lora_rank=24,
+                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, mlp_dim=56,
+                          num_experts=8, top_k=2, expert_mlp_dim=16, num_shared_experts=1, expert_groups=4,
+                          groups_per_token=2, routed_scaling_factor=2.5, seq_len=32, load_balancing_coef=0.01,
+                          rope_scaling=RopeScalingConfig(kind=RopeScaling.YARN, factor=4.0, original_max_len=8,
+                                                         mscale=1.0, mscale_all_dim=1.0),
+                          rope_interleave=True, mtp_layers=1, mtp_loss_coef=0.3)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return loss_grads_and_statistics(make_trainer((1, 1, 1, 1), DEEPSEEK))
+
+
+LAYOUTS = [
+    pytest.param((2, 2, 2, 1), {}, id="ep4-fsdp-tp2"),
+    pytest.param((4, 1, 2, 1), {}, id="ep4-tp2", marks=pytest.mark.slow),
+    pytest.param((2, 1, 1, 2), {"pipeline": PipelineConfig(2, Schedule.ONE_F_ONE_B)}, id="ep2-stage2-1f1b"),
+]
+
+
+@pytest.mark.parametrize("mesh_shape, fields", LAYOUTS)
+def test_layouts_equal_one_device(reference, mesh_shape, fields):
+    ref_loss, ref_grads, ref_stats = reference
+    loss, grads, stats = loss_grads_and_statistics(make_trainer(mesh_shape, DEEPSEEK, **fields))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    assert any(name.startswith("dense_layers.") for name in grads) and "layers.moe.routing_bias" in grads
+    for name, expected in ref_grads.items():
+        assert relative_l2(grads[name], expected) < 1e-5, name
+    assert stats.keys() == ref_stats.keys()
+    for name, expected in ref_stats.items():
+        np.testing.assert_allclose(stats[name], expected, rtol=0, atol=1e-6, err_msg=name)
+
+
+def _model(cfg: DeepSeekConfig = DEEPSEEK, seed: int = 0) -> DeepSeek:
+    return family_named("deepseek").build(cfg, seed)
+
+
+def test_multi_token_prediction_is_in_the_objective_and_its_metric(reference):
+    """The step's loss = the main cross-entropy + the layers' aux losses + 0.3 x depth 1's
+    cross-entropy of token t+2 (+ its layer's aux loss), and ``mtp_loss`` is that cross-entropy:
+    depth 1 rebuilt here from its pieces (norms, eh_proj, the MoE layer, the shared head) with the
+    shift written out."""
+    trainer = make_trainer((1, 1, 1, 1), DEEPSEEK)
+    loss, _, stats = reference
+    model = trainer._model_of(trainer.init_state(seed=0).params)
+    batch = make_dataset(DataConfig(), vocab_size=96, seq_len=32).rows(np.arange(trainer.layout.train.batch_size))
+    inputs, targets = jnp.asarray(batch["inputs"]), np.asarray(batch["targets"])
+    x, aux = model.run_layers(model.embed(inputs))
+    ce = lambda logits, t: -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), t[..., None], -1)[..., 0]
+    main = ce(model.logits(x), targets)
+    depth = jax.tree.map(lambda a: a[0], model.mtp)  # the one prediction depth
+    later = jnp.concatenate([inputs[:, 1:], inputs[:, :1]], axis=1)  # token t + 1 at position t
+    combined = jnp.einsum("btie,ied->btd", jnp.stack([depth.embed_norm(model.embedding[...][later]),
+                                                      depth.hidden_norm(x)], axis=2), depth.project[...])
+    positions = jnp.arange(32)[None]
+    rotary = rotary_tables(positions, DEEPSEEK.head_dim, DEEPSEEK.rope_theta, DEEPSEEK.rope_scaling)
+    h, layer_stats = depth.layer(combined, rotary, positions, None, unconstrained)
+    ahead = ce(model.vocab_logits(depth.head_norm(h)), np.roll(targets, -1, axis=1))[:, :-1]  # t+2 exists
+    mtp = ahead.sum() / main.size
+    np.testing.assert_allclose(stats["mtp_loss"], mtp, rtol=1e-5)
+    rows = targets.shape[0]
+    layer_aux = float(aux["loss"]) + DEEPSEEK.load_balancing_coef * float(jnp.sum(layer_stats["load_balancing"]))
+    np.testing.assert_allclose(loss, main.mean() + 0.3 * mtp + layer_aux / rows, rtol=1e-5)
+
+
+def test_the_cache_is_compressed_and_generation_equals_the_uncached_forward():
+    """The cache keeps kv_lora_rank + qk_rope_head_dim = 20 values per token and layer (a full
+    cache would keep 2 * heads * 12 = 96 keys and values); prefill + one token at a time equals the
+    uncached logits and greedy tokens."""
+    model = _model()
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, DEEPSEEK.vocab_size, (2, 20)))
+    cache = model.init_cache(2, 20)
+    layers = DEEPSEEK.num_dense_layers + DEEPSEEK.num_layers
+    per_token_and_layer = sum(leaf.size for leaf in jax.tree.leaves(cache)) / (2 * 20 * layers)
+    assert per_token_and_layer == DEEPSEEK.kv_lora_rank + DEEPSEEK.qk_rope_head_dim == 20
+    assert cache.latents.shape == (2, 2, 20, 16) and cache.dense_rope_keys.shape == (1, 2, 20, 4)
+    full = np.asarray(forward(model, tokens, unconstrained))
+    prefill, cache = model.cached_forward(tokens[:, :12], cache, jnp.int32(0))
+    steps = [prefill]
+    for position in range(12, 20):
+        logits, cache = model.cached_forward(tokens[:, position:position + 1], cache, jnp.int32(position))
+        steps.append(logits)
+    cached = np.concatenate([np.asarray(step) for step in steps], axis=1)
+    np.testing.assert_allclose(cached, full, atol=2e-5, rtol=0)
+    assert (cached.argmax(-1) == full.argmax(-1)).all()
+
+
+def test_group_limited_routing_equals_a_for_loop_reference():
+    """Each token's experts come from its 2 best of 4 groups (a group scored by its two best biased
+    scores), chosen by biased sigmoid scores, weighted by the unbiased ones renormalised x 2.5."""
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(2, 1, 16, 8)).astype(np.float32)
+    bias = rng.normal(scale=0.3, size=8).astype(np.float32)
+    routing = route(jnp.asarray(logits), 2, True, RouterScore.SIGMOID, jnp.asarray(bias), 4, 2, 2.5)
+    for b, s in np.ndindex(2, 16):
+        scores = 1 / (1 + np.exp(-logits[b, 0, s]))
+        biased = scores + bias
+        group_scores = [np.sort(biased[g * 2:(g + 1) * 2]).sum() for g in range(4)]
+        groups = np.argsort(group_scores)[::-1][:2]
+        allowed = [e for e in range(8) if e // 2 in groups]
+        chosen = sorted(allowed, key=lambda e: -biased[e])[:2]
+        weights = scores[chosen] / scores[chosen].sum() * 2.5
+        assert list(np.asarray(routing.experts[b, 0, s])) == chosen
+        np.testing.assert_allclose(np.asarray(routing.weights[b, 0, s]), weights, rtol=1e-6)
+
+
+def test_parameter_count_is_the_config_formula():
+    params = nnx.state(_model())
+    assert sum(leaf.size for leaf in jax.tree.leaves(params)) == DEEPSEEK.num_params
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"expert_groups": 3}, "expert_groups"),
+    ({"groups_per_token": 5}, "groups_per_token"),
+    ({"top_k": 5}, "top_k"),  # 2 groups of 2 experts reach 4
+    ({"qk_rope_head_dim": 5}, "qk_rope_head_dim"),
+    ({"kv_lora_rank": 0}, "kv_lora_rank"),
+    ({"routed_scaling_factor": float("nan")}, "routed_scaling_factor"),
+])
+def test_invalid_fields_are_named(fields, field):
+    with pytest.raises(InvalidField) as err:
+        dataclasses.replace(DEEPSEEK, **fields)
+    assert err.value.field == field
+
+
+# --- Hugging Face interop ----------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (a test extra)")
+torch = pytest.importorskip("torch", reason="torch is not installed (a test extra)")
+
+from test_hf import _hf_logits, _mesh, _random_norms  # noqa: E402
+
+from meshtrain import convert, hf, loading  # noqa: E402
+from meshtrain.logits import compute_logits  # noqa: E402
+from meshtrain.parallel.rules import Preset  # noqa: E402
+
+RULES = Preset.FSDP_TP.rules
+TOKENS = np.random.default_rng(0).integers(0, 96, (3, 20))
+HF_SHAPE = dict(vocab_size=96, hidden_size=40, intermediate_size=56, moe_intermediate_size=16, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+                kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=6, qk_nope_head_dim=8, num_experts_per_tok=2,
+                first_k_dense_replace=1, max_position_embeddings=64, num_mtp_layers=0, initializer_range=0.1)
+VARIANTS = {
+    # q-LoRA, 4 groups of which 2 per token, scaled gates, YaRN with mscale, interleaved rotary pairs.
+    "qlora_yarn": dict(q_lora_rank=24, n_group=4, topk_group=2, routed_scaling_factor=2.5, rope_interleave=True,
+                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                        "rope_theta": 10000.0}),
+    # A plain query projection, one group, unnormalised gates, half-split rotary.
+    "plain_query": dict(q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+                        rope_interleave=False),
+}
+
+
+def _hf_deepseek(variant: str, seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV3Config(**HF_SHAPE, **VARIANTS[variant], attn_implementation="eager")
+    model = _random_norms(transformers.DeepseekV3ForCausalLM(config).eval())
+    with torch.no_grad():  # a non-zero correction bias, so that choice and weights really differ
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn_like(buffer))
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek_hf")
+    dirs = {}
+    for variant in VARIANTS:
+        model = _hf_deepseek(variant)
+        model.save_pretrained(root / variant)
+        dirs[variant] = (root / variant, _hf_logits(model, TOKENS))
+    return dirs
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1, 1), (2, 2, 2, 1)], ids=["1dev", "ep4-fsdp-tp2"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers(hf_dirs, variant, mesh_shape):
+    path, reference = hf_dirs[variant]
+    model = loading.load_model(path, _mesh(mesh_shape), RULES)
+    assert (model.cfg.num_dense_layers, model.cfg.num_layers) == (1, 2)
+    assert model.cfg.rope_scaling.kind is (RopeScaling.YARN if variant == "qlora_yarn" else RopeScaling.NONE)
+    logits = compute_logits(model, TOKENS)
+    np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=0)
+
+
+def test_hf_to_meshtrain_to_hf_is_bit_identical(hf_dirs, tmp_path):
+    path, _ = hf_dirs["qlora_yarn"]
+    mesh = _mesh((1, 2, 2, 1))
+    convert.from_hf(str(path), str(tmp_path / "mt"), mesh, RULES)
+    convert.to_hf(str(tmp_path / "mt"), str(tmp_path / "hf"), mesh, RULES)
+    original, again = hf.SafetensorsFiles(path), hf.SafetensorsFiles(tmp_path / "hf")
+    assert sorted(original.file_of) == sorted(again.file_of)
+    for name in original.file_of:
+        full = (slice(None),) * len(original.shape(name))
+        np.testing.assert_array_equal(again.read(name, full), original.read(name, full), err_msg=name)
+    reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    np.testing.assert_allclose(_hf_logits(reloaded.eval(), TOKENS), hf_dirs["qlora_yarn"][1], atol=1e-6, rtol=0)
