@@ -26,7 +26,7 @@ from rich.console import Console
 
 from meshtrain.cli import ArgumentParser, run
 from meshtrain.data.corpus import DEFAULT_SHARD_TOKENS, DocumentReader, input_files, prepare
-from meshtrain.data.tokenizer import train_bpe
+from meshtrain.data.tokenizer import train_bpe, train_bpe_cuts
 
 _MB = 1e6
 
@@ -76,7 +76,8 @@ def _data(argv: list[str] | None) -> None:
         console = Console(stderr=True, soft_wrap=True, highlight=False)
         reader = DocumentReader(input_files(args.input, "--input"), args.text_field, "--input",
                                 lambda line: console.print(line, markup=False))
-        print(train_bpe((text for text, _ in reader), args.vocab_size, args.out, overwrite=args.overwrite))
+        pieces = (piece for piece, _, _ in reader.pieces(train_bpe_cuts()))  # long documents cut, never whole
+        print(train_bpe(pieces, args.vocab_size, args.out, overwrite=args.overwrite))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ import fractions
 import glob
 import hashlib
 import io
+import itertools
 import json
 import os
 import pathlib
@@ -37,8 +38,8 @@ from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn, 
 
 from meshtrain import jsonio
 from meshtrain.data.files import commit_file, write_file
-from meshtrain.data.tokenizer import (TOKENIZER_FILE, end_of_document_id, file_sha256, load_tokenizer,
-                                      tokenizer_file)
+from meshtrain.data.tokenizer import (MAX_PIECE_CHARS, PIECE_CHARS, TOKENIZER_FILE, Cuts, end_of_document_id,
+                                      file_sha256, load_tokenizer, piece_bounds, tokenizer_cuts, tokenizer_file)
 from meshtrain.errors import WRITE_CHECK_PREFIX, ConfigError, writable_directory
 from meshtrain.run_lock import LOCK_FILE, RunLock
 
@@ -94,12 +95,29 @@ class DocumentReader:
     ``ConfigError(field)`` at the end when no document was found.
 
     Counters advanced while iterating: ``bytes_read`` (input bytes consumed, skipped files
-    included), ``files_read``, ``skipped`` (binary files).
+    included), ``files_read``, ``skipped`` (binary files); ``where``: the file (``path``) or line
+    (``path:N``) of the document last given.
     """
 
     def __init__(self, files: Sequence[pathlib.Path], text_field: str, field: str, warn: Callable[[str], None]):
         self.files, self.text_field, self.field, self.warn = list(files), text_field, field, warn
         self.bytes_read = self.files_read = self.skipped = 0
+        self.where = ""
+
+    def pieces(self, cuts: Cuts, *, piece_chars: int = PIECE_CHARS,
+               max_chars: int = MAX_PIECE_CHARS) -> Iterator[tuple[str, int, bool]]:
+        """``(piece, utf8_bytes, last)`` over the documents cut by ``piece_bounds`` (a document of
+        at most ``piece_chars`` characters is one piece); ``last`` marks a document's final piece.
+        A document that cannot be cut is refused (``ConfigError(field)`` naming its file or line)
+        before any of its pieces is given."""
+        for text, size in self:
+            if len(text) <= piece_chars:
+                yield text, size, True
+                continue
+            bounds = piece_bounds(text, cuts, self.where, self.field, piece_chars=piece_chars, max_chars=max_chars)
+            for start, stop in itertools.pairwise(bounds):
+                piece = text[start:stop]
+                yield piece, len(piece.encode("utf-8")), stop == len(text)
 
     def __iter__(self) -> Iterator[tuple[str, int]]:
         documents = 0
@@ -131,9 +149,12 @@ class DocumentReader:
                 self.skipped += 1
                 self.bytes_read += os.fstat(stream.fileno()).st_size
                 return
-        self.bytes_read += len(data)
+        size = len(data)
+        del data, head  # not held while the text is tokenized: a large document's bytes are its size again
+        self.bytes_read += size
+        self.where = str(path)
         if text:
-            yield text, len(data)
+            yield text, size
 
     def _jsonl_documents(self, path: pathlib.Path, stream: BinaryIO) -> Iterator[tuple[str, int]]:
         for number, line in enumerate(stream, 1):
@@ -156,6 +177,8 @@ class DocumentReader:
             except UnicodeEncodeError:
                 raise ConfigError(self.field, f"{where}: {self.text_field!r} holds a lone surrogate "
                                   f"(\\ud800-\\udfff escape), which is not text") from None
+            del line, record  # not held while the text is tokenized
+            self.where = where
             if text:
                 yield text, size
 
@@ -304,47 +327,74 @@ class _Progress:
 
 
 class _Encoder:
-    """Tokenizes batches of ``(text, utf8_bytes, split)`` documents into their splits' writers,
-    each document's ids followed by ``eos_id``; ``seconds`` per split shares each batch's time
-    (since the previous batch: reading included) by its text bytes."""
+    """Tokenizes batches of ``(text, utf8_bytes, split, last)`` pieces into their splits' writers:
+    a document is its pieces in order, ``last`` on its final one (a document under the piece size is
+    one piece), its ids followed by ``eos_id``. A document's pieces may span batches; its ids are
+    kept as arrays until it is complete. ``seconds`` per split shares each batch's time (since the
+    previous batch: reading included) by its text bytes."""
 
     def __init__(self, tokenizer: Tokenizer, eos_id: int, writers: dict[str, _SplitWriter]):
         self.tokenizer, self.eos_id, self.writers = tokenizer, eos_id, writers
         self.seconds = dict.fromkeys(writers, 0.0)
         self._mark = time.perf_counter()
+        self._pending: list[np.ndarray] = []  # the ids of the pieces so far of an unfinished document
+        self._pending_bytes = 0
 
-    def encode(self, batch: list[tuple[str, int, str]]) -> None:
-        ids = {split: [] for split in self.writers}
+    def encode(self, batch: list[tuple[str, int, str, bool]]) -> None:
+        dtype = next(iter(self.writers.values())).dtype
+        ids = {split: [] for split in self.writers}  # whole documents' ids, as Python ints
+        parts = {split: [] for split in self.writers}  # arrays of ids, in order, ``ids`` flushed among them
         lengths = {split: [] for split in self.writers}
-        text_bytes = dict.fromkeys(self.writers, 0)
-        encodings = self.tokenizer.encode_batch_fast([text for text, _, _ in batch], add_special_tokens=False)
-        for (_, size, split), encoding in zip(batch, encodings):
-            document_ids = encoding.ids
-            ids[split].extend(document_ids)
-            ids[split].append(self.eos_id)
-            lengths[split].append(len(document_ids) + 1)
-            text_bytes[split] += size
+        done_bytes = dict.fromkeys(self.writers, 0)  # of the documents completed in this batch
+        batch_bytes = dict.fromkeys(self.writers, 0)
+        encodings = self.tokenizer.encode_batch_fast([text for text, _, _, _ in batch], add_special_tokens=False)
+        for (_, size, split, last), encoding in zip(batch, encodings):
+            batch_bytes[split] += size
+            if last and not self._pending:
+                document_ids = encoding.ids
+                ids[split].extend(document_ids)
+                ids[split].append(self.eos_id)
+                lengths[split].append(len(document_ids) + 1)
+                done_bytes[split] += size
+                continue
+            self._pending.append(np.array(encoding.ids, dtype))
+            self._pending_bytes += size
+            if last:
+                if ids[split]:
+                    parts[split].append(np.array(ids[split], dtype))
+                    ids[split] = []
+                parts[split].append(np.concatenate(self._pending + [np.array([self.eos_id], dtype)]))
+                lengths[split].append(len(parts[split][-1]))
+                done_bytes[split] += self._pending_bytes
+                self._pending, self._pending_bytes = [], 0
         for split, writer in self.writers.items():
             if lengths[split]:
-                writer.add(np.array(ids[split], writer.dtype), np.array(lengths[split], np.int64), text_bytes[split])
+                tokens = np.array(ids[split], dtype)
+                if parts[split]:
+                    tokens = np.concatenate([*parts[split], tokens])
+                writer.add(tokens, np.array(lengths[split], np.int64), done_bytes[split])
         now = time.perf_counter()
         for split in self.writers:
-            self.seconds[split] += (now - self._mark) * text_bytes[split] / sum(text_bytes.values())
+            self.seconds[split] += (now - self._mark) * batch_bytes[split] / sum(batch_bytes.values())
         self._mark = now
 
 
 def prepare(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fraction: float = 0.0,
             val_inputs: Sequence[str] = (), text_field: str = "text", eos: str | None = None,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False, progress: bool = True,
-            batch_bytes: int = BATCH_TEXT_BYTES) -> PrepareReport:
+            batch_bytes: int = BATCH_TEXT_BYTES, piece_chars: int = PIECE_CHARS,
+            max_piece_chars: int = MAX_PIECE_CHARS) -> PrepareReport:
     """Tokenizes the documents of ``inputs`` (globs) into the prepared directory ``out``.
 
     Every document's ids (``encode_batch_fast(add_special_tokens=False)``: ``encode_batch`` without
     character offsets, about ``batch_bytes`` of text a call, on all cores; a special token written
-    in the text is encoded as text) are followed by the EOS id. The ``val`` split takes document i
-    when floor((i+1) val_fraction) > floor(i val_fraction), or the documents of ``val_inputs``.
-    The output does not depend on ``batch_bytes`` or on an earlier interrupted run. Bad input is a
-    one-line ``ConfigError`` naming the CLI flag.
+    in the text is encoded as text; the tokenizer file's truncation and padding are turned off) are
+    followed by the EOS id. A document longer than ``piece_chars`` characters is tokenized in
+    pieces cut where its ids do not change (``tokenizer.piece_bounds``), or whole up to
+    ``max_piece_chars`` for a tokenizer with no such cut; longer is refused. The ``val`` split takes
+    document i when floor((i+1) val_fraction) > floor(i val_fraction), or the documents of
+    ``val_inputs``. The output does not depend on ``batch_bytes``, ``piece_chars`` or on an
+    earlier interrupted run. Bad input is a one-line ``ConfigError`` naming the CLI flag.
     """
     console = Console(stderr=True, soft_wrap=True, highlight=False)
     say = lambda line: console.print(line, markup=False)
@@ -355,6 +405,9 @@ def prepare(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fractio
         raise ConfigError("--shard-tokens", f"must be a positive number of tokens, got {shard_tokens}")
     tokenizer = load_tokenizer(tokenizer_path, "--tokenizer")
     tokenizer.encode_special_tokens = True
+    tokenizer.no_truncation()  # a tokenizer.json may carry them for fine-tuning; a corpus keeps every id
+    tokenizer.no_padding()
+    cuts = tokenizer_cuts(tokenizer)
     eos_token, eos_id = end_of_document_id(tokenizer, eos, "--eos")
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab_size)
@@ -381,9 +434,10 @@ def prepare(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fractio
         with bar.bar:
             done_bytes = done_files = 0
             for reader, split in readers:
-                batch, size = [], 0
-                for number, (text, text_bytes) in enumerate(reader):
-                    batch.append((text, text_bytes, split or (VAL if is_val(number) else TRAIN)))
+                batch, size, number = [], 0, 0
+                for text, text_bytes, last in reader.pieces(cuts, piece_chars=piece_chars, max_chars=max_piece_chars):
+                    batch.append((text, text_bytes, split or (VAL if is_val(number) else TRAIN), last))
+                    number += last
                     size += text_bytes
                     if size >= batch_bytes:
                         encoder.encode(batch)
