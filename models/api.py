@@ -61,6 +61,9 @@ class AxisRole(str, enum.Enum):
     EXPERT_ROWS: the batch rows of an expert's token buffer: split over the batch's mesh axes that
     the EXPERT axes do not take (none under full expert parallelism; all of them when the experts
     are replicated), so that each token's expert work is done once.
+    PARAM_SHARDED: a weight dimension that fully sharded data parallelism splits as it splits
+    ``embed``, for weights without an ``embed`` dimension (e.g. the input of a low-rank bottleneck's
+    up-projection); activations keep it whole.
     STACKED: the leading axis of a stack of layers other than ``layers`` (which pipeline stages
     split), e.g. dense layers a family runs inside ``embed``: never split; a Hugging Face checkpoint
     stores one tensor per layer of it, as for ``layers`` (``TensorSpec.layer_offset``).
@@ -68,6 +71,7 @@ class AxisRole(str, enum.Enum):
 
     REPLICATED = "replicated"
     STACKED = "stacked"
+    PARAM_SHARDED = "param_sharded"
     TENSOR = "tensor_parallel"
     EXPERT = "expert_parallel"
     EXPERT_ROWS = "expert_rows"

@@ -38,17 +38,24 @@ def coerce_enums(config: Any, error: Callable[[str, str], Exception] = InvalidFi
     member, in place; ``error(field, message)`` naming the valid values for a value that is none of
     them (the framework's configs pass their ``ConfigError``). Call it first in ``__post_init__``:
     the checks after it may then compare members with ``is``."""
-    hints = typing.get_type_hints(type(config))
-    for field in dataclasses.fields(config):
-        kind = hints.get(field.name)
-        value = getattr(config, field.name)
-        if not (isinstance(kind, type) and issubclass(kind, enum.Enum)) or isinstance(value, kind):
+    for name, kind in _enum_fields(type(config)):
+        value = getattr(config, name)
+        if isinstance(value, kind):
             continue
         try:
             member = kind(value)
         except ValueError:
-            raise error(field.name, f"got {value!r}; valid: {', '.join(repr(m.value) for m in kind)}") from None
-        object.__setattr__(config, field.name, member)
+            raise error(name, f"got {value!r}; valid: {', '.join(repr(m.value) for m in kind)}") from None
+        object.__setattr__(config, name, member)
+
+
+@functools.cache
+def _enum_fields(cls: type) -> tuple[tuple[str, type[enum.Enum]], ...]:
+    """(name, enum type) of each field of the dataclass ``cls`` typed as an ``enum.Enum`` (resolving
+    the type hints is slow: a planner builds thousands of configs)."""
+    hints = typing.get_type_hints(cls)
+    return tuple((field.name, hints[field.name]) for field in dataclasses.fields(cls)
+                 if isinstance(hints.get(field.name), type) and issubclass(hints[field.name], enum.Enum))
 
 
 def matmul(equation: str, x: jax.Array, w: jax.Array, result_dtype: jnp.dtype | None = None) -> jax.Array:

@@ -12,6 +12,7 @@ from meshtrain.mesh import MeshConfig
 from meshtrain.parallel.rules import AxisRule
 from meshtrain.precision import Precision
 from meshtrain.train import main as train_main
+from models.deepseek import DeepSeekConfig
 from models.llama import LlamaConfig
 from models.moe import MoEConfig
 
@@ -26,6 +27,9 @@ EXPECTED_PARAMS = {
     "llama_70b": (67e9, 74e9),
     "mixtral_8x7b": (46.5e9, 46.9e9),
     "qwen3_moe_30b_a3b": (30.3e9, 30.7e9),
+    # 671.0B in the main model, + 11.6B in the multi-token prediction module (DeepSeek's "685B"
+    # counts its copies of the embedding and head too).
+    "deepseek_v3_671b": (682.0e9, 683.0e9),
 }
 # Mixture-of-experts configs -> accepted range of the matmul parameters one token passes through
 # (top_k experts, attention, router, head): Mixtral's "12.9B active" and Qwen3's "A3B" count the
@@ -33,9 +37,11 @@ EXPECTED_PARAMS = {
 EXPECTED_ACTIVE = {
     "mixtral_8x7b": (12.6e9, 12.9e9),
     "qwen3_moe_30b_a3b": (2.9e9, 3.1e9),
+    # 37B activated (with the input embedding), + the MTP module's layer and head.
+    "deepseek_v3_671b": (38.0e9, 38.5e9),
 }
 # The GPU-cluster configs whose layout --print-sharding prints on the 8 simulated devices.
-CLUSTER_CONFIGS = ["llama_8b", "mixtral_8x7b", "qwen3_moe_30b_a3b"]
+CLUSTER_CONFIGS = ["llama_8b", "mixtral_8x7b", "qwen3_moe_30b_a3b", "deepseek_v3_671b"]
 
 
 def test_configs_exist():
@@ -47,12 +53,15 @@ def test_configs_exist():
 def test_config_parses(path):
     cfg = load_config(path)
     assert isinstance(cfg, Config)
-    assert isinstance(cfg.model, (LlamaConfig, MoEConfig))
+    assert isinstance(cfg.model, (LlamaConfig, MoEConfig, DeepSeekConfig))
     model = cfg.model
     assert model.num_heads % model.num_kv_heads == 0 and model.head_dim % 2 == 0
     matmul = model.matmul_params if isinstance(model, LlamaConfig) else model.active_matmul_params
     assert model.num_params > matmul > 0
-    assert model.attention_dim == model.num_heads * model.head_dim
+    if isinstance(model, DeepSeekConfig):  # the mean width of latent attention's score and value matmuls
+        assert model.attention_dim == model.num_heads * (model.qk_head_dim + model.v_head_dim) // 2
+    else:
+        assert model.attention_dim == model.num_heads * model.head_dim
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))

@@ -174,6 +174,7 @@ class ShardingRules:
 REPLICATED = {axis: AxisRule() for axis in FRAMEWORK_AXES}
 DATA_PARALLEL = {"batch": AxisRule(activations=("data", "fsdp"))}
 FULLY_SHARDED = {"embed": AxisRule(params="fsdp")}
+FULLY_SHARDED_ROLES = {AxisRole.PARAM_SHARDED: AxisRule(params="fsdp")}
 TENSOR_SPLIT = AxisRule(params="tensor", activations="tensor")
 TENSOR_PARALLEL = {"vocab": TENSOR_SPLIT}
 TENSOR_PARALLEL_ROLES = {AxisRole.TENSOR: TENSOR_SPLIT}
@@ -205,20 +206,22 @@ class Preset(str, enum.Enum):
 
 PRESETS: dict[Preset, ShardingRules] = {
     Preset.DP: ShardingRules("dp", {**REPLICATED, **DATA_PARALLEL}, EXPERT_PARALLEL_ROLES),
-    Preset.FSDP: ShardingRules("fsdp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED}, EXPERT_PARALLEL_ROLES),
+    Preset.FSDP: ShardingRules("fsdp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED},
+                               {**FULLY_SHARDED_ROLES, **EXPERT_PARALLEL_ROLES}),
     Preset.TP: ShardingRules("tp", {**REPLICATED, **DATA_PARALLEL, **TENSOR_PARALLEL},
                              {**TENSOR_PARALLEL_ROLES, **EXPERT_PARALLEL_ROLES}),
     Preset.FSDP_TP: ShardingRules("fsdp_tp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED, **TENSOR_PARALLEL},
-                                  {**TENSOR_PARALLEL_ROLES, **EXPERT_PARALLEL_ROLES}),
+                                  {**FULLY_SHARDED_ROLES, **TENSOR_PARALLEL_ROLES, **EXPERT_PARALLEL_ROLES}),
     Preset.FSDP_TP_SP: ShardingRules("fsdp_tp_sp", {**REPLICATED, **DATA_PARALLEL, **FULLY_SHARDED,
                                                     **TENSOR_PARALLEL, **SEQUENCE_PARALLEL},
-                                     {**TENSOR_PARALLEL_ROLES, **EXPERT_PARALLEL_ROLES}),
-    Preset.FSDP_CP: ShardingRules("fsdp_cp", {**REPLICATED, **FULLY_SHARDED, **CONTEXT_PARALLEL}, CONTEXT_EXPERT_ROLES),
+                                     {**FULLY_SHARDED_ROLES, **TENSOR_PARALLEL_ROLES, **EXPERT_PARALLEL_ROLES}),
+    Preset.FSDP_CP: ShardingRules("fsdp_cp", {**REPLICATED, **FULLY_SHARDED, **CONTEXT_PARALLEL},
+                                  {**FULLY_SHARDED_ROLES, **CONTEXT_EXPERT_ROLES}),
     Preset.FSDP_TP_CP: ShardingRules("fsdp_tp_cp",
                                      {**REPLICATED, **FULLY_SHARDED, **TENSOR_PARALLEL, **CONTEXT_PARALLEL},
-                                     {**TENSOR_PARALLEL_ROLES, **CONTEXT_EXPERT_ROLES}),
+                                     {**FULLY_SHARDED_ROLES, **TENSOR_PARALLEL_ROLES, **CONTEXT_EXPERT_ROLES}),
     Preset.FSDP_CP_RING: ShardingRules("fsdp_cp_ring", {**REPLICATED, **FULLY_SHARDED, **CONTEXT_PARALLEL, **RING},
-                                       CONTEXT_EXPERT_ROLES),
+                                       {**FULLY_SHARDED_ROLES, **CONTEXT_EXPERT_ROLES}),
 }
 
 

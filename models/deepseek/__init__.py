@@ -11,7 +11,8 @@ from models.moe.model import exchange_bytes
 FAMILY = register(ModelFamily(
     name="deepseek", config_class=DeepSeekConfig, model_class=DeepSeek,
     axis_roles={"heads": AxisRole.TENSOR, "kv_heads": AxisRole.TENSOR, "head_dim": AxisRole.REPLICATED,
-                "latent": AxisRole.REPLICATED, "mlp": AxisRole.TENSOR, "experts": AxisRole.EXPERT,
+                "latent": AxisRole.REPLICATED, "latent_in": AxisRole.PARAM_SHARDED, "mlp": AxisRole.TENSOR,
+                "experts": AxisRole.EXPERT,
                 "expert_embed": AxisRole.REPLICATED, "expert_mlp": AxisRole.TENSOR,
                 "expert_logits": AxisRole.REPLICATED, "expert_rows": AxisRole.EXPERT_ROWS,
                 DENSE_LAYERS: AxisRole.STACKED, MTP_LAYERS: AxisRole.STACKED,

@@ -6,16 +6,17 @@ head, plus one rotary key part (``qk_rope_head_dim``) shared by every head. Each
 key are ``[nope | rope]``: ``qk_nope_head_dim`` values without position and ``qk_rope_head_dim``
 rotated ones. Values have ``v_head_dim``.
 
-Parameters (logical axes; ``latent`` is the bottleneck's width, never split; ``heads`` splits over
-tensor parallelism as Llama's)::
+Parameters (logical axes; ``latent`` is the bottleneck's width, never split, and ``latent_in`` the
+same width where it enters an up-projection, which FSDP splits as it splits ``embed``; ``heads``
+splits over tensor parallelism as Llama's)::
 
-    query_down   [embed, latent]              q_a_proj     (q_lora_rank > 0)
-    query_norm   [latent]                     q_a_layernorm
-    query_up     [latent, heads, head_dim]    q_b_proj, head_dim = nope + rope
-    query        [embed, heads, head_dim]     q_proj       (q_lora_rank = 0)
-    latent_down  [embed, latent]              kv_a_proj_with_mqa, latent = kv_lora_rank + rope
-    latent_norm  [latent]                     kv_a_layernorm (kv_lora_rank)
-    latent_up    [latent, heads, head_dim]    kv_b_proj, head_dim = nope + v
+    query_down   [embed, latent]                 q_a_proj     (q_lora_rank > 0)
+    query_norm   [latent]                        q_a_layernorm
+    query_up     [latent_in, heads, head_dim]    q_b_proj, head_dim = nope + rope
+    query        [embed, heads, head_dim]        q_proj       (q_lora_rank = 0)
+    latent_down  [embed, latent]                 kv_a_proj_with_mqa, latent = kv_lora_rank + rope
+    latent_norm  [latent]                        kv_a_layernorm (kv_lora_rank)
+    latent_up    [latent_in, heads, head_dim]    kv_b_proj, head_dim = nope + v
     out          [heads, head_dim, embed]     o_proj, head_dim = v
 
 Training expands the latent into per-head keys and values and calls the framework's attention
@@ -70,7 +71,7 @@ class LatentAttention(nnx.Module):
             r = cfg.q_lora_rank
             self.query_down = logical_param(normal(rngs, (d, r), d ** -0.5), ("embed", "latent"))
             self.query_norm = RMSNorm(r, cfg.norm_eps, "latent")
-            self.query_up = logical_param(normal(rngs, (r, n, qk), r ** -0.5), ("latent", "heads", "head_dim"))
+            self.query_up = logical_param(normal(rngs, (r, n, qk), r ** -0.5), ("latent_in", "heads", "head_dim"))
             self.query = None
         else:
             self.query_down = self.query_norm = self.query_up = None
@@ -78,7 +79,7 @@ class LatentAttention(nnx.Module):
         self.latent_down = logical_param(normal(rngs, (d, cfg.kv_lora_rank + rope), d ** -0.5), ("embed", "latent"))
         self.latent_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, "latent")
         self.latent_up = logical_param(normal(rngs, (cfg.kv_lora_rank, n, nope + v), cfg.kv_lora_rank ** -0.5),
-                                       ("latent", "heads", "head_dim"))
+                                       ("latent_in", "heads", "head_dim"))
         self.out = logical_param(normal(rngs, (n, v, d), (n * v) ** -0.5 / math.sqrt(2 * cfg.num_layers)),
                                  ("heads", "head_dim", "embed"))
 

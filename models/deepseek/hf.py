@@ -24,9 +24,10 @@ layout). ``L`` = HF layer; ``nn.Linear`` weights are ``[out_features, in_feature
 The MTP modules' copies of the embedding and the output head (``model.layers.M.embed_tokens``,
 ``shared_head.head``) are the model's own: read as duplicates, not written. The correction bias is
 the routing bias of auxiliary-loss-free balancing, so an import keeps it learning
-(``bias_update_rate`` 0.001, DeepSeek-V3's rate). Rotary pairs are interleaved in DeepSeek's
-weights (``rope_interleave``), which the model reads as such. YaRN rotary scaling maps to
-``rope_scaling.kind: yarn``.
+(``bias_update_rate`` 0.001, DeepSeek-V3's rate). The sequence-wise balance loss's weight is
+``aux_loss_alpha`` (0 when absent, as in transformers' configs, whose loss has none). Rotary pairs
+are interleaved in DeepSeek's weights (``rope_interleave``), which the model reads as such. YaRN
+rotary scaling maps to ``rope_scaling.kind: yarn``.
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ _DENSE_MLP = {path: spec for path, spec in LAYER_TENSORS.items() if path[0] == "
 _ATTENTION = {
     ("attention", "query_down"): TensorSpec("self_attn.q_a_proj.weight", (("latent",), ("embed",))),
     ("attention", "query_norm", "scale"): TensorSpec("self_attn.q_a_layernorm.weight", (("latent",),)),
-    ("attention", "query_up"): TensorSpec("self_attn.q_b_proj.weight", (("heads", "head_dim"), ("latent",))),
+    ("attention", "query_up"): TensorSpec("self_attn.q_b_proj.weight", (("heads", "head_dim"), ("latent_in",))),
     ("attention", "query"): TensorSpec("self_attn.q_proj.weight", (("heads", "head_dim"), ("embed",))),
     ("attention", "latent_down"): TensorSpec("self_attn.kv_a_proj_with_mqa.weight", (("latent",), ("embed",))),
     ("attention", "latent_norm", "scale"): TensorSpec("self_attn.kv_a_layernorm.weight", (("latent",),)),
-    ("attention", "latent_up"): TensorSpec("self_attn.kv_b_proj.weight", (("heads", "head_dim"), ("latent",))),
+    ("attention", "latent_up"): TensorSpec("self_attn.kv_b_proj.weight", (("heads", "head_dim"), ("latent_in",))),
     ("attention", "out"): TensorSpec("self_attn.o_proj.weight", (("embed",), ("heads", "head_dim"))),
 }
 _SPARSE = {
@@ -147,6 +148,7 @@ class DeepSeekHF(LlamaHF):
                 routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
                 norm_topk_prob=bool(config.get("norm_topk_prob", False)), router_score=RouterScore.SIGMOID,
                 bias_update_rate=0.001, dispatch=Dispatch.DROPLESS, group_size=0, mtp_layers=mtp,
+                load_balancing_coef=float(config.get("aux_loss_alpha") or 0.0) if config.get("seq_aux", True) else 0.0,
                 seq_len=seq_len or min(max_len, 2048), rope_theta=theta, rope_scaling=scaling,
                 rope_interleave=bool(config.get("rope_interleave", True)),
                 norm_eps=float(config.get("rms_norm_eps", 1e-6)),
@@ -189,6 +191,7 @@ class DeepSeekHF(LlamaHF):
             kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
             qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave,
             num_nextn_predict_layers=cfg.mtp_layers, scoring_func="sigmoid", topk_method="noaux_tc",
+            aux_loss_alpha=cfg.load_balancing_coef, seq_aux=True,
             sliding_window=None)
         scaling = cfg.rope_scaling
         if scaling.kind is RopeScaling.YARN:
