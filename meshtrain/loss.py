@@ -111,14 +111,27 @@ def head_loss(logits_of: Callable[[jax.Array, ActivationSharding], jax.Array], x
     return jnp.sum(losses)
 
 
-def shifted_targets(batch: Batch, shift: int, documents: Documents | None) -> Batch:
-    """``batch`` with each position's target and mask taken ``shift`` positions later (zero past the
-    row's end, and where that position lies in another document of a packed row)."""
-    later = lambda a: jnp.pad(a[:, shift:], [(0, 0), (0, shift)])
-    mask = later(batch["mask"])
-    if documents is not None:
-        mask = mask * (later(documents.segments) == documents.segments)
-    return {**batch, "targets": later(batch["targets"]), "mask": mask.astype(batch["mask"].dtype)}
+def ahead_key(name: str, depth: int) -> str:
+    """The batch key of ``name`` (inputs, targets, mask) ``depth`` positions later."""
+    return f"{name}+{depth}"
+
+
+def with_ahead_targets(batch: Batch, depths: int) -> Batch:
+    """``batch`` (rows in sequence order) with, for each depth k in 1..``depths``, its inputs, targets
+    and mask k positions later (``ahead_key``; zero past the row's end, and the mask zero where that
+    position lies in another document of a packed row): what multi-token prediction reads. Made
+    before anything permutes the positions (ring attention's balanced order), so that it follows the
+    tokens."""
+    later = lambda a, k: jnp.pad(a[:, k:], [(0, 0), (0, k)])
+    out = dict(batch)
+    for k in range(1, depths + 1):
+        mask = later(batch["mask"], k)
+        if "segments" in batch:
+            mask = mask * (later(batch["segments"], k) == batch["segments"])
+        out.update({ahead_key("inputs", k): later(batch["inputs"], k),
+                    ahead_key("targets", k): later(batch["targets"], k),
+                    ahead_key("mask", k): mask.astype(batch["mask"].dtype)})
+    return out
 
 
 def ahead_loss(model, x: jax.Array, batch: Batch, shard: ActivationSharding, objective: Objective,
@@ -126,11 +139,14 @@ def ahead_loss(model, x: jax.Array, batch: Batch, shard: ActivationSharding, obj
     """Multi-token prediction's share of the loss (``models.api.PredictsAhead``) on the layers'
     output ``x`` [batch, length, embed] and its statistic: (``ahead_weight`` x the mean over depths
     of their token losses + the depths' auxiliary loss, {MTP_LOSS: that mean}); (0, {}) for a model
-    without it or an objective that leaves it out. Each depth's head runs in the objective's chunks."""
+    without it or an objective that leaves it out. ``batch`` holds the depths' arrays
+    (``with_ahead_targets``); each depth's head runs in the objective's chunks."""
     if not (objective.predicts_ahead and isinstance(model, PredictsAhead) and model.ahead_depths):
         return jnp.zeros((), jnp.float32), {}
-    streams, aux = model.predict_ahead(x, batch["inputs"], shard, documents)
-    losses = [head_loss(model.ahead_logits, streams[depth], shifted_targets(batch, depth + 1, documents), shard,
-                        objective) for depth in range(streams.shape[0])]
+    depths = range(1, model.ahead_depths + 1)
+    streams, aux = model.predict_ahead(x, jnp.stack([batch[ahead_key("inputs", k)] for k in depths]), shard, documents)
+    losses = [head_loss(model.ahead_logits, streams[k - 1],
+                        {"targets": batch[ahead_key("targets", k)], "mask": batch[ahead_key("mask", k)]}, shard,
+                        objective) for k in depths]
     mean = sum(losses) / len(losses)
     return model.ahead_weight * mean + objective.of_layers(aux), {MTP_LOSS: mean}

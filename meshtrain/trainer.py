@@ -21,7 +21,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
-from meshtrain.loss import Objective, cross_entropy_sum
+from meshtrain.loss import Objective, cross_entropy_sum, with_ahead_targets
 from meshtrain.optim import OptimizerConfig, descended_gradients, make_optimizer, sign_descent_rates
 from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_microbatches
 from meshtrain.parallel.offload import DEVICE, HOST, check_host_memory, with_memory_kind
@@ -32,7 +32,7 @@ from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, na
                                          ring_axis)
 from meshtrain.parallel.zero import StateLayout
 from meshtrain.precision import LossScale, Precision, initial_loss_scale
-from models.api import AUX_LOSS, MTP_LOSS, DecoderModel
+from models.api import AUX_LOSS, MTP_LOSS, DecoderModel, PredictsAhead
 
 Metrics = dict[str, jax.Array]
 
@@ -65,6 +65,9 @@ class Trainer:
         self.family, self.abstract_params = layout.family, layout.abstract_params
         self.graphdef = layout.graphdef
         self.rules, self.layer_order = layout.rules, layout.layer_order
+        model = nnx.merge(self.graphdef, self.abstract_params)
+        # Multi-token prediction's depths (models.api.PredictsAhead): the batch carries their targets.
+        self.ahead_depths = model.ahead_depths if isinstance(model, PredictsAhead) else 0
         specs = layout.state_specs()
         self.state_layout = StateLayout(*(named_shardings(part, mesh) for part in (specs.params, specs.grads,
                                                                                    specs.optimizer)))
@@ -180,7 +183,7 @@ class Trainer:
         when ``mesh.stage`` > 1. Gradients of interleaved layers are in storage order.
         """
         compute_dtype = self.layout.train.precision.compute_dtype
-        batch = self._ordered(batch)
+        batch = self._ordered(with_ahead_targets(batch, self.ahead_depths))
         target_count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         rows = batch["mask"].shape[0]
 

@@ -181,11 +181,12 @@ class PredictsAhead(Protocol):
     ahead_depths: int
     ahead_weight: float
 
-    def predict_ahead(self, x: jax.Array, inputs: jax.Array, shard: ActivationSharding,
+    def predict_ahead(self, x: jax.Array, ahead_inputs: jax.Array, shard: ActivationSharding,
                       documents: Documents | None = None) -> tuple[jax.Array, LayerAux]:
-        """x [batch, length, embed] (``run_layers``' output over all the layers), inputs int [batch,
-        length] -> (streams [depths, batch, length, embed], each read by ``ahead_logits``; aux with
-        ``AUX_LOSS``, the depths' auxiliary loss summed over the rows, as ``run_layers``')."""
+        """x [batch, length, embed] (``run_layers``' output over all the layers), ahead_inputs int
+        [depths, batch, length] (depth k's: the input token k positions after each position, in the
+        batch's order) -> (streams [depths, batch, length, embed], each read by ``ahead_logits``; aux
+        with ``AUX_LOSS``, the depths' auxiliary loss summed over the rows, as ``run_layers``')."""
 
     def ahead_logits(self, stream: jax.Array, shard: ActivationSharding) -> jax.Array:
         """One depth's stream [batch, length, embed] -> logits [batch, length, vocab]."""

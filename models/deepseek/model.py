@@ -326,9 +326,9 @@ class DeepSeek(MoE):
     def ahead_weight(self) -> float:
         return self.cfg.mtp_loss_coef
 
-    def predict_ahead(self, x: jax.Array, inputs: jax.Array, shard: ActivationSharding = unconstrained,
+    def predict_ahead(self, x: jax.Array, ahead_inputs: jax.Array, shard: ActivationSharding = unconstrained,
                       documents=None) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return predict_ahead(self, x, inputs, shard, documents)
+        return predict_ahead(self, x, ahead_inputs, shard, documents)
 
     def ahead_logits(self, stream: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
         """A prediction depth's normed stream [batch, length, embed] -> logits through the shared head."""

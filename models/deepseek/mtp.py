@@ -51,28 +51,27 @@ class PredictionDepth(nnx.Module):
         return self.layer(h, rotary, positions, segments, shard)
 
 
-def predict_ahead(model, x: jax.Array, inputs: jax.Array, shard: ActivationSharding,
+def predict_ahead(model, x: jax.Array, ahead_inputs: jax.Array, shard: ActivationSharding,
                   documents: Documents | None) -> tuple[jax.Array, LayerAux]:
     """``models.api.PredictsAhead.predict_ahead`` of a model with ``model.mtp`` (stacked
     ``PredictionDepth``s), ``model.embedding`` and the MoE family's config fields: x [batch, length,
-    embed] (the last layer's output), inputs int [batch, length] -> (the depths' normed streams
-    [depths, batch, length, embed], {AUX_LOSS: their layers' auxiliary loss})."""
+    embed] (the last layer's output), ahead_inputs int [depths, batch, length] (depth k's token
+    t + k at position t) -> (the depths' normed streams [depths, batch, length, embed], {AUX_LOSS:
+    their layers' auxiliary loss})."""
     cfg = model.cfg
     positions = positions_of(documents, x.shape[1])
     rotary = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     segments = None if documents is None else documents.segments
     depth_def, depth_state = nnx.split(model.mtp)
 
-    def run_depth(previous: jax.Array, depth_and_shift) -> tuple[jax.Array, tuple[jax.Array, dict]]:
-        one_depth_state, shift = depth_and_shift
-        # Token t + shift at position t (the last ``shift`` positions wrap around: their targets are masked).
-        embedded = shard.lookup(model.embedding[...], jnp.roll(inputs, -shift, axis=1), RESIDUAL_AXES)
+    def run_depth(previous: jax.Array, depth_and_inputs) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+        one_depth_state, inputs = depth_and_inputs
+        embedded = shard.lookup(model.embedding[...], inputs, RESIDUAL_AXES)
         depth = nnx.merge(depth_def, one_depth_state)
         h, stats = depth(embedded, previous, rotary, positions, segments, shard)
         return h, (depth.head_norm(h), stats)
 
-    shifts = jnp.arange(1, cfg.mtp_layers + 1, dtype=jnp.int32)
-    _, (streams, stats) = jax.lax.scan(cfg.remat.wrap(run_depth, cfg.remat_names), x, (depth_state, shifts))
+    _, (streams, stats) = jax.lax.scan(cfg.remat.wrap(run_depth, cfg.remat_names), x, (depth_state, ahead_inputs))
     aux = (cfg.load_balancing_coef * jnp.sum(stats["load_balancing"]) + cfg.z_loss_coef * jnp.sum(stats["z_loss"])
            + jnp.sum(stats["bias_direction"]))
     return streams, {AUX_LOSS: aux}
