@@ -21,6 +21,7 @@ from meshtrain.parallel.executor import documents_of
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.sharding import activation_sharding
+from meshtrain.parallel.zero import ZeroConfig, ZeroStage
 from models.api import family_named, forward
 from models.blocks import RopeScaling, RopeScalingConfig, rotary_tables
 from models.common import InvalidField, unconstrained
@@ -49,6 +50,8 @@ LAYOUTS = [
     pytest.param((2, 2, 2, 1), {}, id="ep4-fsdp-tp2"),
     pytest.param((4, 1, 2, 1), {}, id="ep4-tp2", marks=pytest.mark.slow),
     pytest.param((2, 1, 1, 2), {"pipeline": PipelineConfig(2, Schedule.ONE_F_ONE_B)}, id="ep2-stage2-1f1b"),
+    pytest.param((2, 2, 2, 1), {"rules": Preset.FSDP_TP_SP.rules}, id="sp-ep4-tp2", marks=pytest.mark.slow),
+    pytest.param((1, 8, 1, 1), {"zero": ZeroConfig(ZeroStage.OPTIMIZER)}, id="zero1-ep8", marks=pytest.mark.slow),
 ]
 
 
