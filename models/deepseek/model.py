@@ -244,11 +244,13 @@ def recompute_flops_per_token(cfg: DeepSeekConfig, remat: RematPolicy) -> float:
 
 def activation_bytes(cfg: DeepSeekConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
                      sequence: int = 1, keys: float | None = None, experts: int = 1) -> tuple[float, float]:
-    """(saved, working) activation bytes per token and mixture-of-experts layer on one device
-    (``ModelFamily.activation_bytes``). As the MoE family's, with MLA's attention: the per-head
-    queries, keys and (padded) values at width ``w = max(qk, v)``, the latents (``q_lora_rank +
-    kv_lora_rank + rope``, never split) and the shared experts. The dense layers and the prediction
-    depths are counted as if they were MoE layers (an estimate)."""
+    """(saved, working) activation bytes per token and stacked (mixture-of-experts) layer on one
+    device (``ModelFamily.activation_bytes``). As the MoE family's, with MLA's attention: the
+    per-head queries, keys and (padded) values at width ``w = max(qk, v)``, the latents
+    (``q_lora_rank + kv_lora_rank + rope``, never split) and the shared experts. The saved bytes of
+    the dense layers and the prediction depths, which the planner does not count as layers, are
+    spread over the stacked ones (x ``all_layers / num_layers``), each as if it were an MoE layer
+    (an estimate: under a pipeline they sit on the first and last stage)."""
     d = cfg.embed_dim / sequence
     width = max(cfg.qk_head_dim, cfg.v_head_dim)
     q = cfg.num_heads * width / tensor
@@ -263,7 +265,7 @@ def activation_bytes(cfg: DeepSeekConfig, tensor: int, remat: RematPolicy, compu
     saved = {RematPolicy.NONE: everything,
              RematPolicy.DOTS: (3 * d + 3 * q + latent + dots + 2 * g) * c,
              RematPolicy.FULL: d * c}.get(remat, everything)
-    return saved, working
+    return saved * cfg.all_layers / cfg.num_layers, working
 
 
 class DenseLayer(DecoderLayer):
