@@ -374,3 +374,26 @@ def test_finetune_from_hf_starts_at_the_transformers_loss(hf_dirs, tmp_path):
     first, expected = first_logged_and_transformers_loss(cfg, tmp_path, reference)
     assert first["step"] == 1
     assert first["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_traced_step_counts_the_analytic_flops_plus_the_value_padding():
+    """Matmul FLOPs of the traced train step (one row, one device; grouped matmuls at their rows,
+    the dense ``xla`` attention and head that PaLM's formula describes) equal ``flops_per_token``
+    exactly, dense layer, active experts, shared expert, router and the prediction depth included,
+    plus the values' zero padding to the query/key width: 6 * T * heads * (qk - v) per token and
+    layer (8.4% here, with v 16 < qk 24; none with v = qk)."""
+    from meshtrain.flops import count_flops
+    from models.attention import AttentionKernel
+    from models.deepseek import FAMILY
+    from models.grouped_matmul import GroupedKernel
+
+    base = DeepSeekConfig(vocab_size=256, embed_dim=64, num_layers=2, num_dense_layers=1, num_heads=4, q_lora_rank=32,
+                          kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, mlp_dim=128,
+                          num_experts=16, top_k=4, expert_mlp_dim=32, expert_groups=4, groups_per_token=2,
+                          seq_len=256, mtp_layers=1, grouped_matmul=GroupedKernel.RAGGED,
+                          attention=AttentionKernel.XLA)
+    for cfg in (base, dataclasses.replace(base, v_head_dim=24)):
+        trainer = make_trainer((1, 1, 1, 1), cfg, batch_size=1, loss_chunk=0)
+        count = count_flops(trainer.step, trainer.abstract_state(), trainer.abstract_batch())
+        padding = 6 * cfg.seq_len * cfg.num_heads * (cfg.qk_head_dim - cfg.v_head_dim) * cfg.all_layers
+        assert count.flops == (FAMILY.flops_per_token(cfg) + padding) * cfg.seq_len
