@@ -240,7 +240,7 @@ BASE = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermedia
     ({"model_type": "mistral", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1},
      "config.json:max_window_layers"),
     ({"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}, "config.json:layer_types"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "config.json:rope_scaling.rope_type"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "config.json:rope_scaling.rope_type"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "config.json:rope_parameters.rope_type"),
     ({"hidden_act": "gelu"}, "config.json:hidden_act"),
     ({"architectures": ["LlamaForSequenceClassification"]}, "config.json:architectures"),

@@ -33,6 +33,7 @@ from meshtrain.logits import compute_logits
 from meshtrain.loop import train
 from meshtrain.parallel.layout import abstract_model
 from meshtrain.parallel.rules import Preset
+from models.blocks import RopeScaling
 from models.llama import LlamaConfig
 
 RULES = Preset.FSDP_TP.rules
@@ -49,6 +50,10 @@ VARIANTS = {
     # rope_theta left out: transformers' default, 10000.
     "qwen3_tied_window": {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 5,
                           "max_window_layers": 0},
+    # YaRN x4 over an original 8 positions (the rows hold 20): interpolated frequencies, cos and sin
+    # times YaRN's attention factor 0.1 ln(4) + 1.
+    "qwen3_yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                       "rope_theta": 1e4}},
 }
 
 
@@ -81,14 +86,15 @@ def exports(hf_dirs, tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant, mesh_shape", [("qwen3", (1, 1, 1, 1)), ("qwen3", MESH),
-                                                 ("qwen3_tied_window", MESH)])
+                                                 ("qwen3_tied_window", MESH), ("qwen3_yarn", MESH)])
 def test_converted_logits_match_transformers(hf_dirs, exports, variant, mesh_shape):
     _, reference = hf_dirs[variant]
     model = loading.load_model(exports[variant], _mesh(mesh_shape), RULES)
     cfg = model.cfg
     assert cfg.qk_norm and (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 14)
     assert cfg.tie_embeddings is (variant == "qwen3_tied_window")
-    assert (cfg.rope_theta, cfg.sliding_window) == ((1e6, 0) if variant == "qwen3" else (10000.0, 5))
+    assert (cfg.rope_theta, cfg.sliding_window) == {"qwen3": (1e6, 0), "qwen3_yarn": (1e4, 0)}.get(variant, (1e4, 5))
+    assert cfg.rope_scaling.kind is (RopeScaling.YARN if variant == "qwen3_yarn" else RopeScaling.NONE)
     query_norm = np.asarray(model.params["layers"]["attention"]["query_norm"]["scale"].get_value())
     assert query_norm.shape == (2, 14) and np.abs(query_norm - 1).max() > 0.1  # the random scales arrived
     logits = compute_logits(model, TOKENS)
@@ -96,7 +102,7 @@ def test_converted_logits_match_transformers(hf_dirs, exports, variant, mesh_sha
     np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "bf16", "qwen3_tied_window"])
+@pytest.mark.parametrize("variant", ["qwen3", "bf16", "qwen3_tied_window", "qwen3_yarn"])
 def test_hf_to_meshtrain_to_hf_reproduces_the_tensors(hf_dirs, exports, tmp_path, variant):
     """Every tensor back bit for bit (q_norm and k_norm included) as Qwen3ForCausalLM, which transformers
     loads to the source's logits (the window written as use_sliding_window on every layer)."""
@@ -200,7 +206,9 @@ def test_missing_keys_read_as_transformers_qwen3config_does():
      "max_window_layers"),
     ({"use_sliding_window": True, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
      "layer_types"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_parameters.rope_type"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}}, "rope_parameters.rope_type"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 0.7, "rope_theta": 1e6}},
+     "rope_parameters.attention_factor"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"architectures": ["Qwen3ForSequenceClassification"]}, "architectures"),
 ])

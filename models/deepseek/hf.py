@@ -33,10 +33,8 @@ rotary scaling maps to ``rope_scaling.kind: yarn``.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from models.api import LAYERS_KEY, TensorSpec
-from models.blocks import RopeScaling, RopeScalingConfig
 from models.common import InvalidField
 from models.deepseek.model import DENSE_LAYERS, DeepSeekConfig
 from models.llama.hf import GLOBAL_TENSORS, LAYER_TENSORS, LlamaHF, rope_parameters
@@ -76,23 +74,6 @@ _MTP_DUPLICATES = re.compile(r"model\.layers\.\d+\.(embed_tokens|shared_head\.he
 _ROUTING_KEYS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
 
 
-def _yarn(rope: dict, key: str, max_len: int) -> RopeScalingConfig:
-    """The ``RopeScalingConfig`` of a YaRN ``rope_scaling`` / ``rope_parameters`` object."""
-    try:
-        original = int(rope.get("original_max_position_embeddings") or max_len)
-        factor = float(rope.get("factor") or max_len / original)
-        if rope.get("attention_factor") is not None:
-            raise InvalidField(f"{key}.attention_factor", "an explicit attention_factor is not supported (only "
-                               "the one YaRN derives from factor, mscale and mscale_all_dim)")
-        number = lambda key, default: float(rope.get(key) or default)
-        return RopeScalingConfig(kind=RopeScaling.YARN, factor=factor, original_max_len=original,
-                                 beta_fast=number("beta_fast", 32), beta_slow=number("beta_slow", 1),
-                                 mscale=number("mscale", 0), mscale_all_dim=number("mscale_all_dim", 0),
-                                 truncate=bool(rope.get("truncate", True)))
-    except (TypeError, ValueError) as err:
-        raise InvalidField(key, f"yarn rotary scaling is invalid: {err}") from None
-
-
 class DeepSeekHF(LlamaHF):
     """The ``models.api.HFAdapter`` of the DeepSeek-V3 family."""
 
@@ -121,7 +102,7 @@ class DeepSeekHF(LlamaHF):
         if config.get("num_key_value_heads", heads) not in (heads, None):
             raise InvalidField("num_key_value_heads", f"must equal num_attention_heads={heads} (latent attention "
                                f"expands keys and values per head), got {config['num_key_value_heads']}")
-        theta, scaling = self._rope(config)
+        theta, scaling = rope_parameters(config)
         dense = config.get("first_k_dense_replace") or 0
         total = config["num_hidden_layers"]
         if not 0 <= dense < total:
@@ -156,15 +137,6 @@ class DeepSeekHF(LlamaHF):
         except InvalidField as err:
             raise InvalidField(json_key.get(err.field, err.field), err.message) from None
 
-    def _rope(self, config: dict) -> tuple[float, RopeScalingConfig]:
-        """rope_theta and the scaling: YaRN (DeepSeek-V3's) or what ``rope_parameters`` reads."""
-        key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-        rope = config.get(key) or {}
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "yarn":
-            theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-            return theta, _yarn(rope, key, int(config.get("max_position_embeddings") or 2048))
-        return rope_parameters(config)
-
     def hf_config(self, cfg: DeepSeekConfig, *, dtype: str, base: dict | None = None) -> dict:
         """A ``config.json`` for ``cfg`` (``DeepseekV3ForCausalLM``); ``base``'s token ids and
         max_position_embeddings are kept.
@@ -193,14 +165,6 @@ class DeepSeekHF(LlamaHF):
             num_nextn_predict_layers=cfg.mtp_layers, scoring_func="sigmoid", topk_method="noaux_tc",
             aux_loss_alpha=cfg.load_balancing_coef, seq_aux=True,
             sliding_window=None)
-        scaling = cfg.rope_scaling
-        if scaling.kind is RopeScaling.YARN:
-            config["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": scaling.factor,
-                                      "original_max_position_embeddings": scaling.original_max_len,
-                                      "beta_fast": scaling.beta_fast, "beta_slow": scaling.beta_slow,
-                                      "mscale": scaling.mscale, "mscale_all_dim": scaling.mscale_all_dim}
-            config["max_position_embeddings"] = max(config["max_position_embeddings"],
-                                                    int(scaling.factor * scaling.original_max_len))
         return config
 
     def tensor(self, cfg: DeepSeekConfig, path: tuple[str, ...]) -> TensorSpec:
@@ -215,10 +179,3 @@ class DeepSeekHF(LlamaHF):
 
     def unused_ok(self, name: str) -> bool:
         return super().unused_ok(name) or bool(_MTP_DUPLICATES.fullmatch(name))
-
-    def overrides(self, name: str, value: Any, ours: Any) -> list[str]:
-        if isinstance(value, RopeScalingConfig):
-            return [f"model.rope_scaling.{key}={getattr(value, key).value if key == 'kind' else getattr(value, key)}"
-                    for key in ("kind", "factor", "original_max_len", "beta_fast", "beta_slow", "mscale",
-                                "mscale_all_dim") if getattr(value, key) != getattr(ours, key)]
-        return super().overrides(name, value, ours)

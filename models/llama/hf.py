@@ -30,6 +30,7 @@ Which architecture a config is written as follows from ``qk_norm`` and ``sliding
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from models.api import TensorSpec
@@ -82,9 +83,11 @@ def rope_parameters(config: dict, *, default_theta: float = 10000.0) -> tuple[fl
         raise InvalidField("partial_rotary_factor", "partial rotary embeddings are not supported (only 1.0)")
     if kind == "default":
         return theta, RopeScalingConfig()
+    if kind == "yarn":
+        return theta, _yarn(rope, key, int(config.get("max_position_embeddings") or 2048))
     if kind != "llama3":
-        raise InvalidField(f"{key}.rope_type", f"{kind!r} is not supported; supported: none (default) "
-                           "and 'llama3'")
+        raise InvalidField(f"{key}.rope_type", f"{kind!r} is not supported; supported: none (default), "
+                           "'llama3' and 'yarn'")
     try:
         original = rope.get("original_max_position_embeddings") or config["max_position_embeddings"]
         return theta, RopeScalingConfig(
@@ -93,6 +96,37 @@ def rope_parameters(config: dict, *, default_theta: float = 10000.0) -> tuple[fl
             high_freq_factor=float(rope["high_freq_factor"]), original_max_len=int(original))
     except KeyError as err:
         raise InvalidField(key, f"llama3 rotary scaling needs {err.args[0]!r}") from None
+
+
+def _yarn(rope: dict, key: str, max_len: int) -> RopeScalingConfig:
+    """The ``RopeScalingConfig`` of a YaRN ``rope_scaling`` / ``rope_parameters`` object, read as
+    transformers reads it (``factor`` defaults to max_position_embeddings / the original length)."""
+    if rope.get("attention_factor") is not None:
+        raise InvalidField(f"{key}.attention_factor", "an explicit attention_factor is not supported (only the "
+                           "one YaRN derives from factor, mscale and mscale_all_dim)")
+    try:
+        original = int(rope.get("original_max_position_embeddings") or max_len)
+        number = lambda name, default: float(rope.get(name) or default)
+        return RopeScalingConfig(kind=RopeScaling.YARN, factor=number("factor", max_len / original),
+                                 original_max_len=original, beta_fast=number("beta_fast", 32),
+                                 beta_slow=number("beta_slow", 1), mscale=number("mscale", 0),
+                                 mscale_all_dim=number("mscale_all_dim", 0), truncate=bool(rope.get("truncate", True)))
+    except (TypeError, ValueError) as err:
+        raise InvalidField(key, f"yarn rotary scaling is invalid: {err}") from None
+
+
+def rope_config(scaling: RopeScalingConfig) -> dict | None:
+    """The ``rope_scaling`` object of a ``config.json`` for ``scaling`` (None: no scaling)."""
+    if scaling.kind is RopeScaling.LLAMA3:
+        return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+                "high_freq_factor": scaling.high_freq_factor,
+                "original_max_position_embeddings": scaling.original_max_len}
+    if scaling.kind is RopeScaling.YARN:
+        return {"type": "yarn", "rope_type": "yarn", "factor": scaling.factor,
+                "original_max_position_embeddings": scaling.original_max_len, "beta_fast": scaling.beta_fast,
+                "beta_slow": scaling.beta_slow, "mscale": scaling.mscale, "mscale_all_dim": scaling.mscale_all_dim,
+                "truncate": scaling.truncate}
+    return None
 
 
 def sliding_window(config: dict) -> int:
@@ -209,14 +243,7 @@ class LlamaHF:
         config = {key: value for key, value in (base or {}).items()
                   if key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings",
                              "initializer_range")}
-        if cfg.rope_scaling.kind is RopeScaling.LLAMA3:
-            scaling = cfg.rope_scaling
-            rope_scaling = {"rope_type": "llama3", "factor": scaling.factor,
-                            "low_freq_factor": scaling.low_freq_factor,
-                            "high_freq_factor": scaling.high_freq_factor,
-                            "original_max_position_embeddings": scaling.original_max_len}
-        else:
-            rope_scaling = None
+        rope_scaling = rope_config(cfg.rope_scaling)
         config.update({
             "architectures": [architecture], "model_type": model_type,
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.embed_dim, "num_hidden_layers": cfg.num_layers,
@@ -249,7 +276,7 @@ class LlamaHF:
 
     def overrides(self, name: str, value: Any, ours: Any) -> list[str]:
         if isinstance(value, RopeScalingConfig):
-            return [f"model.rope_scaling.{key}={getattr(value, key).value if key == 'kind' else getattr(value, key)}"
-                    for key in ("kind", "factor", "low_freq_factor", "high_freq_factor", "original_max_len")
-                    if getattr(value, key) != getattr(ours, key)]
+            shown = lambda v: v.value if isinstance(v, RopeScaling) else str(v).lower() if isinstance(v, bool) else v
+            return [f"model.rope_scaling.{field.name}={shown(getattr(value, field.name))}"
+                    for field in dataclasses.fields(value) if getattr(value, field.name) != getattr(ours, field.name)]
         return [f"model.{name}={str(value).lower() if isinstance(value, bool) else value}"]
