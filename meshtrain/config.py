@@ -5,7 +5,8 @@ Sections and their owners::
     mesh       meshtrain.mesh.MeshConfig
     sharding   meshtrain.parallel.rules.ShardingConfig
     model      the model family's config class (``model.family``, default ``llama``; ``model.plugin``
-               names a module to import that registers more families: ``models/api.py``)
+               names a module to import that registers more families, or its ``.py`` file, which
+               a config file names relative to its own directory: ``models/api.py``)
     optimizer  meshtrain.optim.OptimizerConfig
     data       meshtrain.data.DataConfig
     train      meshtrain.train_config.TrainConfig
@@ -56,7 +57,8 @@ from meshtrain.parallel.pipeline import PipelineConfig
 from meshtrain.parallel.rules import ShardingConfig
 from meshtrain.parallel.zero import ZeroConfig
 from meshtrain.train_config import TrainConfig
-from models.api import DEFAULT_FAMILY, UnknownFamily, family_named, family_of, import_plugin, plugin_of
+from models.api import (DEFAULT_FAMILY, UnknownFamily, families, family_named, family_of, import_plugin,
+                        is_plugin_file, plugin_of)
 from models.common import InvalidField
 
 INT_LIMIT = 2 ** 63  # what numpy and JAX accept as a Python int (seeds, counts, sizes)
@@ -369,6 +371,7 @@ def _read_chain(path: pathlib.Path) -> tuple[dict, dict]:
                               f"{BASE_FIELD}: keys")
         seen[identity] = shown
         raw = _read_mapping(path, shown, field, where)
+        _plugin_file_from(raw, path.parent)
         layers.append((shown, raw))
         if BASE_FIELD not in raw:
             break
@@ -382,6 +385,16 @@ def _read_chain(path: pathlib.Path) -> tuple[dict, dict]:
     for shown, layer in reversed(layers):
         raw, sources = _merged(raw, sources, layer, f"from {shown}", sections=True)
     return raw, sources
+
+
+def _plugin_file_from(raw: dict, directory: pathlib.Path) -> None:
+    """Makes a relative ``model.plugin`` file path in ``raw`` (a config file's mapping) absolute,
+    relative to ``directory`` (the file's): the plugin file lives beside its config, wherever the
+    command runs from. A module name, or a path from the command line, is left as it is."""
+    model = raw.get("model")
+    plugin = model.get(PLUGIN_FIELD) if isinstance(model, dict) else None
+    if isinstance(plugin, str) and is_plugin_file(plugin) and not os.path.isabs(plugin):
+        model[PLUGIN_FIELD] = os.path.abspath(directory / plugin)
 
 
 def _read_mapping(path: pathlib.Path, shown: str, field: str, where: str) -> dict:
@@ -454,11 +467,30 @@ def config_from_dict(raw: dict) -> Config:
         raise ConfigError("model", f"must be a mapping of fields, got {_shown(model_raw)}")
     family = _family(model_raw)
     model_fields = {k: v for k, v in model_raw.items() if k not in (FAMILY_FIELD, PLUGIN_FIELD)}
+    _check_family_fields(family, model_fields, named=FAMILY_FIELD in model_raw)
     sections = {name: _section(name, family.config_class if name == "model" else cls,
                                model_fields if name == "model" else raw.get(name))
                 for name, cls in SECTIONS.items()}
     sections["sharding"].resolve().completed(family.axis_roles)  # rules naming axes the family lacks
     return Config(**sections)
+
+
+def _check_family_fields(family, fields: dict, *, named: bool) -> None:
+    """A ConfigError for the first model field that ``family`` lacks but another registered family
+    has (``model.num_experts`` on a Llama config): it names those families, not a close spelling."""
+    valid = [field.name for field in dataclasses.fields(family.config_class)]
+    for key in fields:
+        if key in valid:
+            continue
+        owners = [name for name in families() if name != family.name
+                  and key in {field.name for field in dataclasses.fields(family_named(name).config_class)}]
+        if owners:
+            which = f"{family.name!r}" + ("" if named else " (the default)")
+            raise ConfigError(f"model.{key}", f"is not a field of model.family {which}; the "
+                              f"{'family' if len(owners) == 1 else 'families'} {', '.join(map(repr, owners))} "
+                              f"{'has' if len(owners) == 1 else 'have'} it: set model.family: "
+                              f"{' or '.join(owners)} to use it; fields of {family.name!r}: {valid}")
+        return  # a field no family has: the unknown-field error, with a close spelling
 
 
 def _family(model_raw: dict):
@@ -467,7 +499,8 @@ def _family(model_raw: dict):
         plugin = model_raw.get(PLUGIN_FIELD)
         if plugin is not None:
             if not isinstance(plugin, str) or not plugin:
-                raise ConfigError("model.plugin", f"must be a module name such as my_models.gpt, got {_shown(plugin)}")
+                raise ConfigError("model.plugin", "must be a module name such as my_models.gpt or a .py file, "
+                                  f"got {_shown(plugin)}")
             import_plugin(plugin)
         name = model_raw.get(FAMILY_FIELD, DEFAULT_FAMILY)
         return family_named(str(name))

@@ -18,8 +18,9 @@ import jax
 from flax import nnx
 
 from meshtrain import hf
-from meshtrain.checkpoint import (CHECKPOINT_DIR, Restored, RunCheckpoints, UnreadableCheckpoint, check_params,
-                                  config_differences, load_params, reorder_layers, resolve_restore_path, warn)
+from meshtrain.checkpoint import (CHECKPOINT_DIR, PARAMS_DIR, Restored, RunCheckpoints, UnreadableCheckpoint,
+                                  check_params, config_differences, load_params, reorder_layers,
+                                  resolve_restore_path, warn)
 from meshtrain.config import Config, to_dict
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.layer_order import LayerOrder
@@ -27,7 +28,9 @@ from meshtrain.trainer import Trainer, TrainState
 
 # Sections whose changes between a checkpoint and the resumed run change the numbers (warned about).
 NUMERIC_SECTIONS = ("model", "optimizer", "data", "train")
-HARMLESS_FIELDS = ("train.log_every", "train.profile_steps")
+# Where the family's module is found does not change the numbers.
+HARMLESS_FIELDS = ("train.log_every", "train.profile_steps", "model.plugin")
+LENGTH_FIELD = "train.steps"  # a changed length alone: the run was extended (or shortened)
 
 
 @dataclasses.dataclass
@@ -61,17 +64,54 @@ def _restore_from(cfg: Config, trainer: Trainer, config: dict[str, Any]) -> Rest
         source.close()
 
 
-def _check_resumed(cfg: Config, restored: Restored, config: dict[str, Any]) -> None:
-    """ConfigError when the checkpoint is past ``train.steps``; a warning naming every numeric
-    field that differs from the config the checkpoint was written with."""
+def _check_resumed(cfg: Config, restored: Restored, config: dict[str, Any], run_dir: pathlib.Path | None) -> None:
+    """Checks a resumed config against the one its checkpoint was written with (``run_dir``: the
+    run's own directory it came from; None: ``checkpoint.restore_from``).
+
+    A resumed run continues with the new values, as MaxText and torchtitan resume a run directory
+    whatever its config (lowering the learning rate after a spike, extending ``train.steps``): a
+    changed numeric field is one warning line naming every change, from which step the new values
+    apply and how to start a fresh run instead. Refused (ConfigError): a checkpoint past
+    ``train.steps``, and a changed config on a checkpoint already at ``train.steps``, where nothing
+    would train with the new values (a sweep that forgot to change ``run.dir``)."""
     if restored.step > cfg.train.steps:
         raise ConfigError("train.steps", f"is {cfg.train.steps}, but checkpoint {restored.path} is "
                           f"already at step {restored.step}; raise train.steps to continue it")
     differences = [d for d in config_differences(restored.meta.get("config", {}), config, NUMERIC_SECTIONS)
                    if not d.startswith(HARMLESS_FIELDS)]
-    if differences:
-        warn(f"checkpoint {restored.path} was written with another config; continuing with this one "
-             f"({'; '.join(differences)}). train.steps sets the length of the learning-rate schedule")
+    if not differences:
+        return
+    changed = "; ".join(differences)
+    if run_dir is not None:
+        field, where, source = "run.dir", run_dir, f"run.dir {run_dir}"
+        fresh = f"give a new run.dir to start a fresh run (or delete {run_dir / CHECKPOINT_DIR})"
+        guard = "; --fresh makes resuming an error instead"
+    else:
+        where = cfg.checkpoint.restore_from
+        field, source = "checkpoint.restore_from", f"checkpoint.restore_from {where}"
+        fresh, guard = "drop checkpoint.restore_from to start from step 0", ""
+    if restored.step == cfg.train.steps and any(not d.startswith(LENGTH_FIELD) for d in differences):
+        raise ConfigError(field, f"{where} is already at train.steps={cfg.train.steps} ({restored.path}), "
+                          f"written with another config ({changed}), so nothing would train with this one; "
+                          f"{fresh}, or raise train.steps to continue it with these values")
+    warn(f"resuming {source} from step {restored.step} ({restored.path}), written with another config: "
+         f"{changed}. This config's values apply from step {restored.step + 1} on (the parameters, optimizer "
+         f"moments and data position carry on; train.steps sets the length of the learning-rate schedule); "
+         f"{fresh}{guard}")
+
+
+def _check_init_from(init_from: str) -> None:
+    """A one-line ConfigError for a ``checkpoint.init_from`` (without ``hf:``) that is missing or is
+    a Hugging Face directory rather than a meshtrain export (``check_params`` reads exports)."""
+    root = pathlib.Path(init_from)
+    if not root.exists():
+        raise ConfigError("checkpoint.init_from", f"no such directory: {init_from}; give a meshtrain export "
+                          f"(params/, from python -m meshtrain.export) or {hf.INIT_PREFIX}DIR for a Hugging "
+                          "Face checkpoint")
+    if (root / hf.CONFIG_FILE).is_file() and not (root / PARAMS_DIR).is_dir():
+        raise ConfigError("checkpoint.init_from", f"{init_from} is a Hugging Face checkpoint ({hf.CONFIG_FILE}), "
+                          f"not a meshtrain export; write checkpoint.init_from={hf.INIT_PREFIX}{init_from} to "
+                          "import it")
 
 
 def initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | None, run_dir: pathlib.Path,
@@ -88,10 +128,11 @@ def initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | N
     if checkpoints is not None and not fresh:
         restored = checkpoints.restore_latest(trainer.abstract_state(), field="run.dir", config=config,
                                               layer_order=trainer.layer_order, move_unreadable=True)
+    from_run_dir = restored is not None
     if restored is None and cfg.checkpoint.restore_from is not None:
         restored = _restore_from(cfg, trainer, config)
     if restored is not None:
-        _check_resumed(cfg, restored, config)
+        _check_resumed(cfg, restored, config, run_dir if from_run_dir else None)
         note = (f"resumed from {restored.path} (step {restored.step}, written on mesh "
                 f"{restored.meta.get('mesh')} with {restored.meta.get('devices')} devices)")
         return Start(restored.state, restored.step, restored, note)
@@ -100,6 +141,7 @@ def initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | N
     if init_from is not None and init_from.startswith(hf.INIT_PREFIX):  # checked before anything compiles
         load = hf.init_loader(init_from.removeprefix(hf.INIT_PREFIX), trainer)
     elif init_from is not None:  # checked before anything compiles
+        _check_init_from(init_from)
         target = check_params(init_from, trainer.abstract_params, trainer.param_shardings,
                               model_config=config["model"])
         load = functools.partial(load_params, init_from, target)

@@ -8,8 +8,10 @@ its per-layer activation bytes for the planner and, optionally, its Hugging Face
 
 Adding a family: write the module (config dataclass, ``nnx.Module``, ``ModelFamily(...)``), call
 ``register(family)`` at import time, and either list the module in ``models/__init__.py`` (built in)
-or name it in ``model.plugin`` (any importable module, e.g. one under ``tests/``). No file under
-``meshtrain/`` changes.
+or name it in ``model.plugin``: an importable module (``my_models.gpt``, found on the Python path) or
+the path of its ``.py`` file (``toy_family.py``: in a config file, relative to that file's directory;
+imported under its file name, with nothing added to the Python path). No file under ``meshtrain/``
+changes.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import importlib.util
+import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -326,12 +331,75 @@ def register(family: ModelFamily) -> ModelFamily:
     return family
 
 
+# ``model.plugin`` naming a file rather than a module: the path of a Python source file.
+PLUGIN_FILE_SUFFIX = ".py"
+# Plugin modules imported from a file: module name -> the file's absolute path (what ``plugin_of``
+# records, so that a run's saved config finds the family again without the Python path).
+_PLUGIN_FILES: dict[str, str] = {}
+
+
+def is_plugin_file(plugin: str) -> bool:
+    """Whether ``model.plugin`` names a ``.py`` file (else a module on the Python path)."""
+    return plugin.endswith(PLUGIN_FILE_SUFFIX)
+
+
 def import_plugin(module: str) -> None:
-    """Imports ``module`` so that the families it defines register themselves."""
+    """Imports ``module`` so that the families it defines register themselves: a module name, or the
+    path of a ``.py`` file (relative to the current directory), imported under its file name."""
+    if is_plugin_file(module):
+        _import_file(module)
+        return
     try:
         importlib.import_module(module)
     except ImportError as err:
         raise UnknownFamily("plugin", f"cannot import {module!r}: {err}") from None
+
+
+def _same_file(a: str | None, b: str) -> bool:
+    try:
+        return a is not None and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _import_file(path: str) -> None:
+    """Imports the Python file ``path`` as the module named by its file name; the module already
+    imported from that file (e.g. through the Python path) is used as it is."""
+    file = os.path.abspath(path)
+    name = os.path.basename(file)[:-len(PLUGIN_FILE_SUFFIX)]
+    if not os.path.isfile(file):
+        raise UnknownFamily("plugin", f"no such file: {file} (a model.plugin path in a config file is relative "
+                            "to that file's directory; a module name is written without .py, e.g. my_models.gpt)")
+    if not name.isidentifier():
+        raise UnknownFamily("plugin", f"{file}: the file name must be a Python identifier (it becomes the module's "
+                            f"name), got {name!r}")
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        there = getattr(loaded, "__file__", None)
+        if not _same_file(there, file):
+            raise UnknownFamily("plugin", f"cannot import {file} as module {name!r}: a module of that name is "
+                                f"already imported from {there or 'Python itself'}; rename the file")
+        _PLUGIN_FILES[name] = file
+        return
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    if found is not None and found.origin not in (None, "built-in", "frozen") and not _same_file(found.origin, file):
+        raise UnknownFamily("plugin", f"cannot import {file} as module {name!r}: another module of that name is on "
+                            f"the Python path ({found.origin}); rename the file")
+    spec = importlib.util.spec_from_file_location(name, file)
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[name] = loaded  # before running it: its dataclasses' type hints are resolved there
+    try:
+        spec.loader.exec_module(loaded)
+    except ImportError as err:
+        del sys.modules[name]
+        raise UnknownFamily("plugin", f"cannot import {file}: {err}") from None
+    except BaseException:
+        del sys.modules[name]
+        raise
+    _PLUGIN_FILES[name] = file
 
 
 def family_named(name: str) -> ModelFamily:
@@ -351,9 +419,10 @@ def family_of(cfg: Any) -> ModelFamily:
 
 
 def plugin_of(family: ModelFamily) -> str | None:
-    """The module to import to register ``family`` again elsewhere (None for built-in families)."""
+    """The ``model.plugin`` that registers ``family`` again elsewhere (None for built-in families):
+    the absolute path of the file it was imported from by path, else its module's name."""
     module = family.config_class.__module__
-    return None if module.split(".")[0] == "models" else module
+    return None if module.split(".")[0] == "models" else _PLUGIN_FILES.get(module, module)
 
 
 def families() -> list[str]:

@@ -4,7 +4,10 @@ Each schedule is a table (``meshtrain.parallel.schedules``); the bubble and the 
 chunk activations are read from it (F = 1, B = 2, I = W = 1).
 
     python scripts/bench_pipeline.py [--stages 4] [--microbatches 4 8 16 32] [--steps 3]
-        [--out docs/img/pipeline_bench.png]
+        [--out runs/bench_pipeline.png]
+
+The plot goes to ``--out`` (default ``runs/bench_pipeline.png``, an ignored directory); the figure in
+docs/pipeline.md is refreshed by naming it: ``--out docs/img/pipeline_bench.png``.
 
 Every run uses the same model and the same microbatch size (``--rows`` sequences), so the global
 batch grows with M. "none" is the same model and batch without a pipeline on one device. On
@@ -29,7 +32,9 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--rows", type=int, default=2, help="sequences per microbatch")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
-    parser.add_argument("--out", default="docs/img/pipeline_bench.png")
+    parser.add_argument("--out", default="runs/bench_pipeline.png",
+                        help="PNG plot path (default: runs/bench_pipeline.png; docs/pipeline.md's figure is "
+                             "docs/img/pipeline_bench.png)")
     args = parser.parse_args()
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

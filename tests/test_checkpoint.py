@@ -313,7 +313,7 @@ BAD_INPUTS = [
     (["checkpoint.keep=0"], "checkpoint.keep", ["positive integer"]),
     (["train.on_nonfinite=ignore"], "train.on_nonfinite", ["'ignore' is not valid", "skip | stop"]),
     (["model.init_from=x", "checkpoint.init_from=y"], "model.init_from", ["not both"]),
-    (["model.init_from=/x"], "checkpoint.init_from", ["/x holds no exported parameters"]),  # the alias
+    (["model.init_from=/x"], "checkpoint.init_from", ["no such directory: /x"]),  # the alias
     (["checkpoint.restore_from=/a", "checkpoint.init_from=/b"], "checkpoint.init_from", ["not both"]),
     (["checkpoint.every=-1"], "checkpoint.every", [">= 0"]),
 ]

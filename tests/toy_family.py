@@ -1,11 +1,12 @@
 """A second model family, defined outside ``meshtrain/`` and ``models/``, to prove the plugin boundary.
 
-``model.plugin=toy_family model.family=toy_gpt`` makes a run use it (with ``tests/`` on the
-Python path, as under pytest). It differs from Llama
-where the framework could have hidden an assumption: learned position embeddings (a table with its
-own logical axis ``positions``), LayerNorm, multi-head attention without rotary embeddings, a plain
-GELU MLP, and an auxiliary loss (a weighted penalty on each layer's mean squared activation, summed
-over rows) that must reach the objective through every pipeline schedule.
+``model.plugin=tests/toy_family.py model.family=toy_gpt`` makes a run use it from the repository root
+(tests/toy_gpt.yaml names the file relative to itself; ``model.plugin=toy_family`` also works with
+``tests/`` on the Python path, as under pytest). It differs from Llama where the framework could
+have hidden an assumption: learned position embeddings (a table with its own logical axis
+``positions``), LayerNorm, multi-head attention without rotary embeddings, a plain GELU MLP, and
+an auxiliary loss (a weighted penalty on each layer's mean squared activation, summed over rows)
+that must reach the objective through every pipeline schedule.
 
 Parameters (logical axes)::
 

@@ -4,7 +4,8 @@
 with a Hugging Face tokenizer into a prepared directory of token shards (see
 ``meshtrain.data.corpus`` and docs/data.md) and prints one summary line per split.
 ``train-tokenizer`` trains a byte-level BPE on the same kind of input and prints the path of the
-``tokenizer.json`` it wrote.
+``tokenizer.json`` it wrote; when the input held too few repeated pairs for ``--vocab-size`` tokens,
+one ``warning:`` line on stderr says how many it has.
 
 Options::
 
@@ -26,7 +27,7 @@ from rich.console import Console
 
 from meshtrain.cli import ArgumentParser, run
 from meshtrain.data.corpus import DEFAULT_SHARD_TOKENS, DocumentReader, input_files, prepare
-from meshtrain.data.tokenizer import train_bpe, train_bpe_cuts
+from meshtrain.data.tokenizer import load_tokenizer, train_bpe, train_bpe_cuts, vocabulary_shortfall
 
 _MB = 1e6
 
@@ -77,7 +78,11 @@ def _data(argv: list[str] | None) -> None:
         reader = DocumentReader(input_files(args.input, "--input"), args.text_field, "--input",
                                 lambda line: console.print(line, markup=False))
         pieces = (piece for piece, _, _ in reader.pieces(train_bpe_cuts()))  # long documents cut, never whole
-        print(train_bpe(pieces, args.vocab_size, args.out, overwrite=args.overwrite))
+        written = train_bpe(pieces, args.vocab_size, args.out, overwrite=args.overwrite)
+        short = vocabulary_shortfall(load_tokenizer(written, "--out").get_vocab_size(), args.vocab_size)
+        if short:
+            print(f"warning: {short}", file=sys.stderr, flush=True)
+        print(written)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ padding's).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import glob
 import os
@@ -206,16 +207,43 @@ def _identity(path: str) -> tuple[int, int, int]:
     return (info.st_size, info.st_mtime_ns, info.st_ino)
 
 
-def _text_files(path: str) -> list[str]:
+# What each source reads, for the errors that name a path that is not there.
+TEXT_INPUTS = "a text file, a directory of them or a quoted glob ('data/**/*.txt')"
+ID_INPUTS = "a prepared directory (python -m meshtrain.data prepare) or a .npy or .bin file of token ids"
+_MAX_LISTED = 10_000  # directory entries compared with a missing name for a close spelling
+
+
+def missing_path(path: str, field: str, accepted: str) -> ConfigError:
+    """The one-line error for ``path`` that does not exist: it says so (a broken symbolic link, or
+    no such file or directory), names a close spelling beside it when there is one and what
+    ``field`` accepts."""
+    if os.path.islink(path):
+        return ConfigError(field, f"{path} is a broken symbolic link; give {accepted}")
+    parent, name = os.path.split(path.rstrip(os.sep) or path)
+    close = ""
+    try:
+        with os.scandir(parent or ".") as entries:
+            names = [entry.name for _, entry in zip(range(_MAX_LISTED), entries)]
+        match = difflib.get_close_matches(name, names, n=1)
+        close = f" (did you mean {os.path.join(parent, match[0])}?)" if match else ""
+    except OSError:  # the parent is missing too, or unreadable
+        pass
+    return ConfigError(field, f"no such file or directory: {path}{close}; give {accepted}")
+
+
+def _text_files(path: str, field: str = "data.path") -> list[str]:
     if os.path.isfile(path):
         return [path]
     if os.path.isdir(path):
         found = [os.path.join(d, f) for d, _, names in os.walk(path) for f in names]
+    elif not glob.has_magic(path):
+        raise missing_path(path, field, TEXT_INPUTS)
     else:
         found = glob.glob(path, recursive=True)
     files = sorted(f for f in found if os.path.isfile(f))
     if not files:
-        raise ConfigError("data.path", f"no such file, or no files in directory/glob: {path}")
+        what = f"the directory {path} holds no files" if os.path.isdir(path) else f"no files match the glob {path}"
+        raise ConfigError(field, f"{what}; give {TEXT_INPUTS}")
     return files
 
 
@@ -227,7 +255,7 @@ def text_stream(path: str, field: str, vocab_size: int) -> tuple[TokenStream, St
     if vocab_size < 256:
         raise ConfigError("model.vocab_size", f"is {vocab_size}; source 'text' uses byte tokens "
                           "0..255, so it must be >= 256")
-    files = _text_files(path)
+    files = _text_files(path, field)
     if len(files) == 1:
         size = os.path.getsize(files[0])
         tokens = np.memmap(files[0], np.uint8, mode="r") if size else np.zeros(0, np.uint8)
@@ -309,6 +337,8 @@ def id_stream(path: str, field: str, vocab_size: int, given: tuple[str, str] | N
     """The token stream at ``path``: a prepared directory's ``split``, or one .npy/.bin file of
     ``token_dtype`` ids. ``given``: ``data.tokenizer``'s (path, sha256) from ``given_tokenizer``;
     ``documents``: ``packing: documents`` (the stream records its document boundaries)."""
+    if not os.path.exists(path):  # before anything that would describe what it is
+        raise missing_path(path, field, ID_INPUTS)
     if os.path.isdir(path):
         corpus = PreparedCorpus.open(path, field=field)
         record = corpus.tokenizer

@@ -268,6 +268,16 @@ def train_bpe_cuts() -> Cuts:
     return tokenizer_cuts(_untrained_bpe())
 
 
+def vocabulary_shortfall(trained: int, asked: int, min_frequency: int = 2) -> str | None:
+    """One line for a trained vocabulary smaller than the one asked (the trainer stops merging when
+    no pair is seen ``min_frequency`` times), or None when it has them all."""
+    if trained >= asked:
+        return None
+    return (f"--vocab-size: the tokenizer has {trained:,} of the {asked:,} tokens asked: the input holds no more "
+            f"pairs seen at least {min_frequency} times to merge; train on more text for more tokens, or use it "
+            f"as is with model.vocab_size >= {trained:,}")
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | pathlib.Path, *, min_frequency: int = 2,
               progress: bool = False, overwrite: bool = False) -> pathlib.Path:
     """Trains a byte-level BPE (every byte in its alphabet, ``<|endoftext|>`` its one special token)
