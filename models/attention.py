@@ -23,7 +23,10 @@ attention (``meshtrain.parallel.ring_attention``), which runs them over a key bl
 device: one implementation of the maths.
 
 Shapes: q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim] (heads a
-multiple of kv_heads); inside the kernel queries are grouped [batch, kv_heads, groups, ...].
+multiple of kv_heads); inside the kernel queries are grouped [batch, kv_heads, groups, ...]. Values
+may be narrower than queries and keys (multi-head latent attention's ``v_head_dim``): the blockwise
+and ring kernels take them as they are; the dense and cuDNN kernels (``jax.nn.dot_product_attention``
+takes one width) zero-pad them to the query width and drop the padding from the output.
 """
 
 from __future__ import annotations
@@ -398,7 +401,7 @@ def _blockwise_forward(q, k, v, q_order, k_order, q_segments, k_segments, window
     (q_block, k_block) = blocks
     queries = split_queries(q, q_order, q_segments, q_block, k.shape[2])
     keys = split_keys(k, v, k_order, k_segments, k_block)
-    state = attend_pairs(initial_state(queries, q.shape[-1]), queries, keys,
+    state = attend_pairs(initial_state(queries, v.shape[-1]), queries, keys,
                          _pairs_of(queries, keys, q_block, window, in_order), window=window,
                          skip_hidden=q_segments is not None or not in_order)
     out, lse = finish(state)
@@ -444,17 +447,30 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int) -> ja
                                         local_window_size=(window - 1, 0) if window else None)
 
 
+def _one_width(kernel: Callable) -> Callable:
+    """``kernel`` (of q, k, v, ...) for values narrower than the queries: v zero-padded to q's width,
+    the output's padding dropped."""
+    def padded(q, k, v, *args):
+        width = v.shape[-1]
+        if width == q.shape[-1]:
+            return kernel(q, k, v, *args)
+        v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, q.shape[-1] - width)])
+        return kernel(q, k, v, *args)[..., :width]
+    return padded
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, spec: AttentionSpec) -> jax.Array:
     """Causal self-attention of rows in sequence order by ``spec``'s kernel, resolved for the
-    default backend: q [batch, length, heads, head_dim], k, v [batch, length, kv_heads, head_dim],
-    segments int [batch, length] or None -> [batch, length, heads, head_dim]."""
+    default backend: q [batch, length, heads, head_dim], k [batch, length, kv_heads, head_dim], v
+    [batch, length, kv_heads, value_dim] (value_dim <= head_dim), segments int [batch, length] or
+    None -> [batch, length, heads, value_dim]."""
     kernel = spec.kernel.resolve(jax.default_backend(), segments is not None)
     return _KERNELS[kernel](q, k, v, segments, spec)
 
 
 _KERNELS: dict[AttentionKernel, Callable] = {
-    AttentionKernel.XLA: lambda q, k, v, segments, spec: dense_attention(q, k, v, segments, spec.window),
-    AttentionKernel.CUDNN: lambda q, k, v, segments, spec: cudnn_attention(q, k, v, spec.window),
+    AttentionKernel.XLA: _one_width(lambda q, k, v, segments, spec: dense_attention(q, k, v, segments, spec.window)),
+    AttentionKernel.CUDNN: _one_width(lambda q, k, v, segments, spec: cudnn_attention(q, k, v, spec.window)),
     AttentionKernel.BLOCKWISE: lambda q, k, v, segments, spec: blockwise_attention(
         q, k, v, segments, segments, window=spec.window, block=spec.block),
 }

@@ -122,8 +122,9 @@ class ActivationSharding(Protocol):
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                segments: jax.Array | None, spec: AttentionSpec) -> jax.Array:
         """Causal self-attention as ``spec`` asks (``models.attention.attend``): q [batch, length,
-        heads, head_dim], k, v [batch, length, kv_heads, head_dim] -> [batch, length, heads,
-        head_dim], within ``segments`` (int [batch, length]) when given; ``positions`` (int [batch
+        heads, head_dim], k [batch, length, kv_heads, head_dim], v [batch, length, kv_heads,
+        value_dim] (value_dim <= head_dim) -> [batch, length, heads, value_dim], within ``segments``
+        (int [batch, length]) when given; ``positions`` (int [batch
         or 1, length]) order the tokens causally where the framework has permuted the sequence
         (ring attention's load balancing)."""
 

@@ -88,7 +88,7 @@ def _ring_forward(q, k, v, positions, segments, axis, block, window):
         state = attend_pairs(state, queries, keys, pairs, window=window, skip_hidden=True)
         return (state, _shift(keys, axis)), None
 
-    state = initial_state(queries, q.shape[-1])
+    state = initial_state(queries, v.shape[-1])
     keys = split_keys(k, v, positions, segments, block)
     (state, _), _ = jax.lax.scan(step, (state, keys), None, length=jax.lax.axis_size(axis))
     out, lse = finish(state)

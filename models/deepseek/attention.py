@@ -21,9 +21,9 @@ splits over tensor parallelism as Llama's)::
 
 Training expands the latent into per-head keys and values and calls the framework's attention
 (``shard.attend``: any kernel, ring attention, packed documents), so it works wherever Llama's does.
-The kernels take one head width for q, k and v: values are zero-padded to the query/key width
-(``v_head_dim < qk_head_dim``, DeepSeek-V3's 128 < 192; the extra columns of the output are dropped),
-which costs ``(qk - v) / (qk + v)`` more attention FLOPs than the ideal. Generation keeps only the
+Values keep ``v_head_dim`` (DeepSeek-V3's 128 < the queries' 192) in the blockwise and ring
+kernels; the dense and cuDNN kernels pad them to the query width (``models/attention.py``), which
+costs ``(qk - v) / (qk + v)`` more score-and-value FLOPs than the ideal there. Generation keeps only the
 latent and the rotary key per position (``kv_lora_rank + qk_rope_head_dim`` values per token and
 layer) and attends in the latent space, the key and value up-projections absorbed into the query and
 the output (``cached``).
@@ -123,15 +123,12 @@ class LatentAttention(nnx.Module):
                              jnp.broadcast_to(rope_key[:, :, None], (*rope_key.shape[:2], heads, self.rope))], -1)
         v = kv[..., self.nope:]
         qk = self.nope + self.rope
-        width = max(qk, self.v)
-        # The kernels scale by width ** -0.5 and take one width for q, k and v: pad with zeros and
-        # fold the rest of the softmax scale into the queries.
-        pad = lambda a: jnp.pad(a, [(0, 0)] * 3 + [(0, width - a.shape[-1])])
-        q = jnp.concatenate([q_nope, q_rope], -1) * jnp.asarray(self.scale * math.sqrt(width), q_nope.dtype)
-        q = checkpoint_name(shard(pad(q), QUERY_AXES), "query")
-        k = checkpoint_name(shard(pad(k), KV_AXES), "key")
-        v = checkpoint_name(shard(pad(v), KV_AXES), "value")
-        attended = shard.attend(q, k, v, positions, segments, self.spec)[..., :self.v]
+        # The kernels scale scores by qk ** -0.5: the rest of the softmax scale goes into the queries.
+        q = jnp.concatenate([q_nope, q_rope], -1) * jnp.asarray(self.scale * math.sqrt(qk), q_nope.dtype)
+        q = checkpoint_name(shard(q, QUERY_AXES), "query")
+        k = checkpoint_name(shard(k, KV_AXES), "key")
+        v = checkpoint_name(shard(v, KV_AXES), "value")
+        attended = shard.attend(q, k, v, positions, segments, self.spec)
         return self._output(attended, shard)
 
     def cached(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array], latents: jax.Array,
