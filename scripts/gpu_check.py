@@ -20,6 +20,11 @@
    precision, ``--moe-tol``); then the experts' forward + backward timed two ways on one device at a
    Mixtral-like width: the GShard one-hot dispatch the family uses (dropless and capacity 1.25)
    against ``jax.lax.ragged_dot`` over the token choices sorted by expert (a grouped GEMM).
+6b. deepseek: the DeepSeek-V3 family, tiny (latent attention with YaRN, one dense and two MoE
+   layers, group routing, one prediction depth): logits on the device against the host CPU's, and
+   generation with the compressed latent cache against the uncached forward (``--moe-tol``, greedy
+   tokens equal); latent attention's forward + backward at V3's head shape (128 heads, q/k 192, v
+   128, seq 4096, bf16) timed with cuDNN (values padded to 192) and the blockwise kernel (unpadded).
 
 7. pipeline: ZB-H1's split backward of a Llama chunk (bf16, embed 2048, 4 layers, seq 2048) on the
    device: the input- and weight-gradient parts against the whole backward (values, FLOPs that
@@ -303,6 +308,74 @@ def moe_check(tol: float, dry_run: bool) -> dict:
                                              "scaling": scaling, "verdict": verdict}}
 
 
+def deepseek_check(tol: float, dry_run: bool) -> dict:
+    """DeepSeek-V3 (tiny: latent attention with YaRN, one dense + two MoE layers, group routing, one
+    prediction depth) on the device: logits against the host CPU's; generation with the compressed
+    latent cache against the uncached forward's greedy tokens; and latent attention's training kernel
+    (cuDNN on a GPU, whose one head width pads the values, against the blockwise kernel that takes
+    them as they are) timed at a DeepSeek-V3-like head shape."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from models.api import forward
+    from models.attention import AttentionKernel, AttentionSpec, attend
+    from models.blocks import RopeScaling, RopeScalingConfig
+    from models.common import unconstrained
+    from models.deepseek import FAMILY, DeepSeekConfig
+
+    cfg = DeepSeekConfig(vocab_size=256, embed_dim=64, num_layers=2, num_dense_layers=1, num_heads=4, q_lora_rank=32,
+                         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, mlp_dim=128,
+                         num_experts=8, top_k=2, expert_mlp_dim=32, expert_groups=4, groups_per_token=2,
+                         routed_scaling_factor=2.5, mtp_layers=1, seq_len=64, rope_interleave=True,
+                         rope_scaling=RopeScalingConfig(kind=RopeScaling.YARN, factor=4.0, original_max_len=16,
+                                                        mscale=1.0, mscale_all_dim=1.0))
+    model = FAMILY.build(cfg)
+    graphdef, params = nnx.split(model)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32)))
+    run = jax.jit(lambda p, t: forward(nnx.merge(graphdef, p), t, unconstrained))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_matmul_precision("highest"):
+        on_device = np.asarray(run(params, tokens))
+        on_cpu = np.asarray(run(jax.device_put(params, cpu), jax.device_put(tokens, cpu)))
+
+        def cached(p, t):
+            m = nnx.merge(graphdef, p)
+            logits, cache = m.cached_forward(t[:, :16], m.init_cache(2, 32), jnp.int32(0))
+            steps = [logits]
+            for position in range(16, 32):
+                logits, cache = m.cached_forward(t[:, position:position + 1], cache, jnp.int32(position))
+                steps.append(logits)
+            return jnp.concatenate(steps, axis=1)
+
+        generated = np.asarray(jax.jit(cached)(params, tokens))
+    diff = float(np.abs(on_device - on_cpu).max())
+    cache_diff = float(np.abs(generated - on_device).max())
+    same_tokens = bool((generated.argmax(-1) == on_device.argmax(-1)).all())
+    ok = diff <= tol and cache_diff <= tol and same_tokens
+    log(f"deepseek: max |device - cpu| logits = {diff:.2e}, cached - uncached = {cache_diff:.2e}, greedy tokens "
+        f"{'equal' if same_tokens else 'DIFFER'} (tolerance {tol:.0e}): {'PASS' if ok else 'FAIL'}")
+    # Latent attention's kernel: 128 heads of q/k 192 and v 128 (DeepSeek-V3), bf16, forward + backward.
+    batch, length, heads = (1, 256, 4) if dry_run else (1, 4096, 128)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (batch, length, heads, 192), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, length, heads, 192), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (batch, length, heads, 128), jnp.bfloat16)
+    kernels = [AttentionKernel.BLOCKWISE, AttentionKernel.XLA if dry_run else AttentionKernel.CUDNN]
+    timings = {}
+    for kernel in kernels:
+        spec = AttentionSpec(kernel, 0, 512)
+        loss = lambda q, k, v, spec=spec: jnp.sum(attend(q, k, v, None, spec).astype(jnp.float32))
+        try:
+            timings[kernel.value] = _time(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v) * 1e3
+        except (jax.errors.JaxRuntimeError, ValueError, NotImplementedError) as err:  # e.g. cuDNN refusing
+            log(f"deepseek attention {kernel.value}: {type(err).__name__}: {str(err)[:200]}")
+    log("deepseek latent attention fwd+bwd (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in timings.items()))
+    return {"max_abs_diff": diff, "cache_max_abs_diff": cache_diff, "greedy_tokens_equal": same_tokens,
+            "tolerance": tol, "passed": ok, "attention_ms": timings, "attention_shape": [batch, length, heads]}
+
+
 # The pipeline schedules against the sequential model, in a CPU subprocess with 8 simulated devices:
 # tests/test_pipeline.py's property on this machine's jax (the tests' small Llama, 8 layers).
 PIPELINE_EQUIVALENCE = """
@@ -557,6 +630,9 @@ def main(argv: list[str] | None = None) -> int:
     report["moe"] = moe_check(args.moe_tol, args.dry_run)
     report["moe"]["wall_s"] = time.perf_counter() - phase
     phase = time.perf_counter()
+    report["deepseek"] = deepseek_check(args.moe_tol, args.dry_run)
+    report["deepseek"]["wall_s"] = time.perf_counter() - phase
+    phase = time.perf_counter()
     report["pipeline"] = pipeline_check(args.dry_run, args.pipeline_tol)
     report["pipeline"]["wall_s"] = time.perf_counter() - phase
     phase = time.perf_counter()
@@ -568,8 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     report["wall_s"] = time.perf_counter() - started
     log(f"gpu_check done in {report['wall_s']:.1f} s")
     print("json: " + json.dumps(report), flush=True)
-    passed = all(report[name]["passed"] for name in ("loss_check", "checkpoint", "packing", "moe", "pipeline",
-                                                     "attention_kernels"))
+    passed = all(report[name]["passed"] for name in ("loss_check", "checkpoint", "packing", "moe", "deepseek",
+                                                     "pipeline", "attention_kernels"))
     return 0 if passed else 1
 
 

@@ -4,7 +4,8 @@
 # optimizer + activation offload with memory_analysis, a checkpoint round trip, document-packed
 # logits vs each document alone, MoE logits and the experts timed under each dispatch (one-hot,
 # capacity, sorted with the blocked and the ragged_dot kernel) with whether ragged_dot is a grouped
-# GEMM on this GPU, and ZB-H1's split backward
+# GEMM on this GPU, DeepSeek-V3 (tiny: logits vs CPU, the compressed-cache generation, latent
+# attention's kernels timed at V3's head shape), and ZB-H1's split backward
 # on the device plus the pipeline schedules on the machine's jax (CPU devices), the attention kernels
 # (blockwise vs cuDNN vs dense at 8k and 32k), and meshtrain's step against a hand-written one with and without the non-finite guard (issue 13's
 # 20.6M Llama). Aim: < 8 minutes on one H100/H200.

@@ -230,6 +230,9 @@ def test_gpu_check_dry_run():
         f"{shape}/{variant}" for shape in ("mixtral", "fine_grained")
         for variant in ("onehot", "capacity_1.25", "sorted_blocked", "sorted_ragged")}
     assert moe["ragged_dot"]["scaling"] > 0 and moe["ragged_dot"]["verdict"] in ("grouped", "dense over every group")
+    deepseek = report["deepseek"]
+    assert deepseek["passed"] and deepseek["greedy_tokens_equal"]
+    assert set(deepseek["attention_ms"]) == {"blockwise", "xla"}
     kernels = report["attention_kernels"]
     assert kernels["passed"] and set(kernels["errors"]) == {"causal", "documents", "window", "packed_vs_alone"}
     assert [row["seq_len"] for row in kernels["timings"]] == [256]
