@@ -37,6 +37,7 @@ from flax import nnx
 
 from meshtrain.mesh import LAYOUT_ORDER, MESH_AXES
 from meshtrain.parallel.layout import Layout
+from meshtrain.parallel.pipeline import Schedule
 from meshtrain.errors import ConfigError
 from meshtrain.loss import chunk_length
 from meshtrain.parallel.ring_attention import sub_block_length
@@ -70,7 +71,8 @@ LOGITS_FP32_COPIES = 3
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One candidate: mesh sizes, ZeRO stage, remat policy, pipeline microbatches, offload, gradient
-    accumulation steps."""
+    accumulation steps, and (with a pipeline) the schedule and its virtual stages (None: the
+    config's)."""
 
     data: int
     fsdp: int
@@ -81,6 +83,8 @@ class Candidate:
     microbatches: int = 1
     offload: bool = False
     grad_accum: int = 1
+    schedule: Schedule | None = None
+    virtual_stages: int = 1
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -97,7 +101,16 @@ class Candidate:
                 f"offload.optimizer={str(self.offload).lower()}", f"train.grad_accum={self.grad_accum}"]
         if self.stage > 1:
             out.append(f"pipeline.microbatches={self.microbatches}")
+            if self.schedule is not None:
+                out += [f"pipeline.schedule={self.schedule.value}", f"pipeline.virtual_stages={self.virtual_stages}"]
         return out
+
+    @property
+    def schedule_label(self) -> str:
+        """The pipeline column: ``1f1b``, ``interleaved x2``, ... (``-`` without a pipeline)."""
+        if self.stage == 1 or self.schedule is None:
+            return "-"
+        return self.schedule.value + (f" x{self.virtual_stages}" if self.virtual_stages > 1 else "")
 
     def label(self) -> str:
         return f"({self.data},{self.fsdp},{self.tensor},{self.stage})"
@@ -198,23 +211,12 @@ def spec_tables(layout: Layout) -> SpecTables:
                  for tree in (layout.param_specs(), state.params, state.grads, state.optimizer, compute))
 
 
-def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Hardware,
-             specs: SpecTables | None = None) -> Estimate:
-    """The analytic estimate of ``candidate``, laid out by ``layout`` (see the module docstring and
-    docs/memory.md); ``specs``: ``spec_tables(layout)``, when the caller has them."""
-    est = Estimate(candidate)
-    model, family = layout.model, layout.family
-    mesh = layout.mesh_shape
+def _param_terms(layout: Layout, flat: SpecTables) -> tuple[float, ...]:
+    """Per-device parameter element counts of ``layout`` from its spec tables: (params, grads,
+    optimizer moments as stored; one layer's ZeRO-sharded weights as gathered for compute; of all
+    parameters, those the ZeRO axis shards, gathered and as stored; gradient elements reduced over
+    fsdp, and over data). They depend on the mesh, the rules and the ZeRO stage only."""
     stages = layout.stages
-    batch_size, grad_accum = layout.train.batch_size, layout.train.grad_accum
-    # Structural feasibility: the trainer's own checks (``Layout.problems``), as short reasons.
-    if candidate.remat not in ACTIVATION_COEFFICIENTS:
-        est.reasons.append(f"remat {candidate.remat.value} is not modelled")
-    est.reasons += [problem.reason for problem in layout.problems()]
-    rows = layout.rows_per_shard
-    micro = layout.pipeline.microbatches if stages > 1 else 1
-
-    zero = candidate.zero
     p_local = g_local = o_local = 0.0
     layer_full = 0.0  # one layer's ZeRO-sharded weights as gathered for compute
     zero_sharded_total = 0.0  # of which the parameters the ZeRO axis shards (gathered, reduce-scattered)
@@ -222,7 +224,6 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     fsdp_reduced = data_reduced = 0.0  # gradient elements per device reduced over fsdp / over data
     # The state's specs (the ZeRO stage applied; experts keep their expert-parallel split) and the
     # compute layout of every parameter: the rules' split less the ZeRO axis (what ZeRO-0 stores).
-    flat = specs if specs is not None else spec_tables(layout)
     for path, variable in nnx.to_flat_state(layout.abstract_params):
         size = math.prod(variable.shape)
         sharded, p, g, o, c = (size / math.prod(layout.ways(table[path])) for table in flat)
@@ -235,6 +236,46 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
             zero_sharded_local += p
             if path[0] == "layers":
                 layer_full += c / (variable.shape[0] / (stages if stages > 1 else 1))
+    return (p_local, g_local, o_local, layer_full, zero_sharded_total, zero_sharded_local, fsdp_reduced,
+            data_reduced)
+
+
+def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Hardware,
+             specs: SpecTables | None = None, memo: dict | None = None) -> Estimate:
+    """The analytic estimate of ``candidate``, laid out by ``layout`` (see the module docstring and
+    docs/memory.md); ``specs``: ``spec_tables(layout)``, when the caller has them; ``memo``: a dict
+    the caller keeps across the candidates of one config and rules, where what depends on the mesh
+    and the ZeRO stage alone is computed once (the parameters' terms, ``_param_terms``, and their
+    divisibility, ``Layout.parameter_problems``)."""
+    est = Estimate(candidate)
+    model, family = layout.model, layout.family
+    mesh = layout.mesh_shape
+    stages = layout.stages
+    batch_size, grad_accum = layout.train.batch_size, layout.train.grad_accum
+    # Structural feasibility: the trainer's own checks (``Layout.problems``), as short reasons.
+    if candidate.remat not in ACTIVATION_COEFFICIENTS:
+        est.reasons.append(f"remat {candidate.remat.value} is not modelled")
+    if memo is None:
+        est.reasons += [problem.reason for problem in layout.problems()]
+    else:
+        est.reasons += [problem.reason for problem in layout.problems(parameters=False)]
+        key = ("parameters", tuple(mesh.values()))
+        if key not in memo:
+            memo[key] = [problem.reason for problem in layout.parameter_problems()]
+        est.reasons += [reason for reason in memo[key] if reason not in est.reasons]
+    rows = layout.rows_per_shard
+    micro = layout.pipeline.microbatches if stages > 1 else 1
+
+    zero = candidate.zero
+    flat = specs if specs is not None else spec_tables(layout)
+    key = ("terms", tuple(mesh.values()), zero)
+    terms = memo.get(key) if memo is not None else None
+    if terms is None:
+        terms = _param_terms(layout, flat)
+        if memo is not None:
+            memo[key] = terms
+    (p_local, g_local, o_local, layer_full, zero_sharded_total, zero_sharded_local, fsdp_reduced,
+     data_reduced) = terms
     est.params = round(FP32 * p_local)
     est.grads = round(FP32 * g_local)
     if candidate.offload:
@@ -366,5 +407,5 @@ def layout_estimate(layout: Layout, compute_bytes: int) -> Estimate:
     mesh = layout.mesh_shape
     candidate = Candidate(mesh["data"], mesh["fsdp"], mesh["tensor"], mesh["stage"], int(layout.zero.stage),
                           layout.model.remat, layout.pipeline.microbatches, layout.offload.optimizer,
-                          layout.train.grad_accum)
+                          layout.train.grad_accum, layout.pipeline.schedule, layout.pipeline.virtual_stages)
     return estimate(layout, candidate, compute_bytes=compute_bytes, hw=Hardware())

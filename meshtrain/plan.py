@@ -1,12 +1,13 @@
 """Choose the layout that fits: ``python -m meshtrain.plan --config X.yaml --devices N --device-memory 80GiB``.
 
 Enumerates every ``(data, fsdp, tensor, stage)`` factorisation of N devices x ZeRO stage 0-3 x remat
-policy x pipeline microbatches (when ``stage`` > 1) [x optimizer offload, when ``--host-memory`` is
-given], estimates each one's per-device memory and step time analytically
-(``meshtrain.memory_model``, docs/memory.md), and prints them ranked: layouts that fit first, by
-estimated step time. Layouts that cannot run say why. ``--verify K`` compiles the K best with the
-real train step ahead of time on N simulated CPU devices and prints XLA's memory analysis beside the
-estimate.
+policy x pipeline schedule (GPipe, 1F1B, interleaved 1F1B over 2 virtual stages, ZB-H1) and
+microbatches (when ``stage`` > 1) [x optimizer offload, when ``--host-memory`` is given] [x gradient
+accumulation, doubled while a layout is too big for its activations], estimates each one's
+per-device memory and step time analytically (``meshtrain.memory_model``, docs/memory.md), and
+prints them ranked: layouts that fit first, by estimated step time. Layouts that cannot run say
+why. ``--verify K`` compiles the K best with the real train step ahead of time on N simulated CPU
+devices and prints XLA's memory analysis beside the estimate.
 
 Bad input prints one ``error: field: what is wrong`` line and exits 2.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 import dataclasses
+import itertools
 import math
 import pathlib
 import re
@@ -34,6 +36,7 @@ from meshtrain.mesh import MESH_AXES
 from meshtrain.metrics import peak_bf16_tflops
 from meshtrain.parallel.layout import Layout, abstract_model
 from meshtrain.parallel.offload import OffloadConfig
+from meshtrain.parallel.pipeline import Schedule
 from meshtrain.parallel.rules import ShardingRules
 from meshtrain.parallel.sharding import data_parallel_size
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
@@ -73,6 +76,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="only this mesh (data,fsdp,tensor,stage); repeatable")
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (comma list)")
     p.add_argument("--remat", default="none,full,dots", help="remat policies to consider (comma list)")
+    p.add_argument("--schedule", help="pipeline schedules to consider (comma list of gpipe, 1f1b, interleaved "
+                   "(over 2 virtual stages), zb_h1; default: all)")
     p.add_argument("--device-kind", default="H100", help="device for the peak FLOP/s table (meshtrain.metrics)")
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak TFLOP/s per device (overrides --device-kind)")
     p.add_argument("--intra-node-bandwidth", default="450GB",
@@ -143,11 +148,29 @@ def _parse_list(text: str, field: str, parse) -> list:
 MAX_DEVICES = 2 ** 20  # beyond any cluster; the factorisations of 10**12 devices took hours
 
 
+# The pipeline schedules the search tries (schedule, virtual stages); a custom table only when the
+# config names one.
+SEARCHED_SCHEDULES = ((Schedule.GPIPE, 1), (Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED, 2), (Schedule.ZB_H1, 1))
+
+
+def _schedules(cfg: Config, stage: int, schedules: list[Schedule] | None) -> list[tuple[Schedule, int]]:
+    """(schedule, virtual stages) to try on ``stage`` pipeline stages: ``schedules`` (default: all
+    of ``SEARCHED_SCHEDULES``; the config's own custom table alone), interleaving only where the
+    layers split into 2 chunks per stage."""
+    if cfg.pipeline.schedule is Schedule.CUSTOM:
+        return [(Schedule.CUSTOM, cfg.pipeline.virtual_stages)]
+    wanted = SEARCHED_SCHEDULES if schedules is None else [(s, 2 if s is Schedule.INTERLEAVED else 1)
+                                                            for s in schedules]
+    return [(s, v) for s, v in wanted if cfg.model.num_layers % (stage * v) == 0]
+
+
 def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: float | None = None, *,
               hardware: Hardware = Hardware(), meshes: list[tuple[int, int, int, int]] | None = None,
               zero_stages: list[int] = (0, 1, 2, 3), remats: list[RematPolicy] = DEFAULT_REMATS,
-              search_accumulation: bool = True, progress: Callable[[int], None] | None = None) -> Plan:
-    """Estimates of every candidate layout of ``cfg`` on ``devices`` devices; with
+              schedules: list[Schedule] | None = None, search_accumulation: bool = True,
+              progress: Callable[[int], None] | None = None) -> Plan:
+    """Estimates of every candidate layout of ``cfg`` on ``devices`` devices; with a pipeline, under
+    each of ``schedules`` (default: GPipe, 1F1B, interleaved over 2 virtual stages and ZB-H1); with
     ``search_accumulation``, a candidate too big for the device memory is tried again in twice the
     gradient-accumulation steps (the global batch kept) until it fits or the batch no longer divides.
     ``progress`` is called with the number of layouts estimated so far after each one."""
@@ -163,6 +186,7 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
     offloads = sorted({False, True} if host_memory is not None else {cfg.offload.optimizer})
     estimates = []
     tables: dict[tuple[bool, int], SpecTables] = {}  # (pipelined, ZeRO stage) -> the candidates' specs
+    memo: dict = {}  # what depends on the mesh and ZeRO stage alone (``estimate``)
     for mesh in meshes if meshes is not None else _meshes(devices, rules):
         if math.prod(mesh) != devices:
             raise ConfigError("--mesh", f"{mesh} multiplies to {math.prod(mesh)}, not --devices {devices}")
@@ -173,29 +197,29 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
         micros = [cfg.pipeline.microbatches]
         if stage > 1:
             micros = [m for m in (stage, 2 * stage, 4 * stage, 8 * stage) if rows and rows % m == 0] or micros
-        for zero in zeros:
-            for remat in remats:
-                for micro in micros:
-                    for offload in offloads:
-                        accum, previous = cfg.train.grad_accum, None
-                        while True:
-                            candidate = Candidate(data, fsdp, tensor, stage, zero, remat, micro, offload, accum)
-                            layout = candidate_layout(cfg, candidate, rules, abstract_params)
-                            if (stage > 1, zero) not in tables:
-                                tables[(stage > 1, zero)] = spec_tables(layout)
-                            est = estimate(layout, candidate, compute_bytes=compute_bytes, hw=hardware,
-                                           specs=tables[(stage > 1, zero)])
-                            if previous is not None and est.total >= previous.total:
-                                break  # more accumulation no longer helps (the state, not activations)
-                            estimates.append(est)
-                            if progress is not None:
-                                progress(len(estimates))
-                            # Too big for its activations' sake: the same step in twice the
-                            # accumulation steps (the global batch kept), while the rows divide.
-                            accum, previous = accum * 2, est
-                            if not (search_accumulation and not est.reasons and est.total > device_memory
-                                    and _accumulation_divides(cfg.train.batch_size, dp, accum, micro, stage)):
-                                break
+        pipelines = _schedules(cfg, stage, schedules) if stage > 1 else [(None, 1)]
+        for zero, remat, micro, offload, (schedule, virtual) in itertools.product(zeros, remats, micros, offloads,
+                                                                                   pipelines):
+            accum, previous = cfg.train.grad_accum, None
+            while True:
+                candidate = Candidate(data, fsdp, tensor, stage, zero, remat, micro, offload, accum,
+                                      schedule, virtual)
+                layout = candidate_layout(cfg, candidate, rules, abstract_params)
+                if (stage > 1, zero) not in tables:
+                    tables[(stage > 1, zero)] = spec_tables(layout)
+                est = estimate(layout, candidate, compute_bytes=compute_bytes, hw=hardware,
+                               specs=tables[(stage > 1, zero)], memo=memo)
+                if previous is not None and est.total >= previous.total:
+                    break  # more accumulation no longer helps (the state, not activations)
+                estimates.append(est)
+                if progress is not None:
+                    progress(len(estimates))
+                # Too big for its activations' sake: the same step in twice the
+                # accumulation steps (the global batch kept), while the rows divide.
+                accum, previous = accum * 2, est
+                if not (search_accumulation and not est.reasons and est.total > device_memory
+                        and _accumulation_divides(cfg.train.batch_size, dp, accum, micro, stage)):
+                    break
     return Plan(cfg, devices, device_memory, host_memory, hardware, estimates)
 
 
@@ -209,8 +233,12 @@ def _accumulation_divides(batch_size: int, dp: int, accum: int, microbatches: in
 
 def candidate_layout(cfg: Config, candidate: Candidate, rules: ShardingRules, abstract_params=None) -> Layout:
     """The ``Layout`` of ``cfg`` with ``candidate`` applied: the object the trainer builds from."""
-    pipeline = dataclasses.replace(cfg.pipeline, microbatches=candidate.microbatches) if candidate.stage > 1 \
-        else cfg.pipeline
+    pipeline = cfg.pipeline
+    if candidate.stage > 1:
+        pipeline = dataclasses.replace(pipeline, microbatches=candidate.microbatches)
+        if candidate.schedule is not None:
+            pipeline = dataclasses.replace(pipeline, schedule=candidate.schedule,
+                                           virtual_stages=candidate.virtual_stages)
     train = dataclasses.replace(cfg.train, grad_accum=candidate.grad_accum)
     return Layout.of(dataclasses.replace(cfg.model, remat=candidate.remat), candidate.mesh, rules, train, pipeline,
                      ZeroConfig(ZeroStage(candidate.zero)), OffloadConfig(optimizer=candidate.offload),
@@ -225,7 +253,7 @@ def _gb(nbytes: float) -> str:
 def _row(rank: str, est: Estimate, verdict: str) -> list[str]:
     lay = est.candidate
     piped = lay.stage > 1 and est.in_flight
-    return [rank, lay.label(), str(lay.zero), lay.remat.value, str(lay.grad_accum),
+    return [rank, lay.label(), str(lay.zero), lay.remat.value, str(lay.grad_accum), lay.schedule_label,
             str(lay.microbatches) if lay.stage > 1 else "-",
             f"{est.bubble:.1%}" if piped else "-", str(est.in_flight) if piped else "-",
             "yes" if lay.offload else "-", _gb(est.params), _gb(est.grads),
@@ -235,13 +263,13 @@ def _row(rank: str, est: Estimate, verdict: str) -> list[str]:
             f"{sum(est.comm_s.values()):.3g}", verdict]
 
 
-HEADER = ["#", "mesh d,f,t,s", "zero", "remat", "acc", "mb", "bubble", "flight", "offl", "params", "grads", "optim",
-          "activ", "temps", "update", "total GB", "host GB", "step s", "comp s", "comm s", "verdict"]
+HEADER = ["#", "mesh d,f,t,s", "zero", "remat", "acc", "schedule", "mb", "bubble", "flight", "offl", "params", "grads",
+          "optim", "activ", "temps", "update", "total GB", "host GB", "step s", "comp s", "comm s", "verdict"]
 
 
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) if i not in (1, 3, 19) else c.ljust(w)
+    return "\n".join("  ".join(c.rjust(w) if i not in (1, 3, 5, 20) else c.ljust(w)
                                for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows)
 
 
@@ -363,11 +391,14 @@ def _plan(argv: list[str] | None) -> None:
     if not zeros or any(z not in (0, 1, 2, 3) for z in zeros):
         raise ConfigError("--zero", f"ZeRO stages are 0, 1, 2, 3; got {args.zero!r}")
     remats = _parse_list(args.remat, "--remat", RematPolicy)
+    schedules = None if args.schedule is None else _parse_list(args.schedule, "--schedule", Schedule)
+    if schedules is not None and (not schedules or Schedule.CUSTOM in schedules):
+        raise ConfigError("--schedule", f"give some of gpipe, 1f1b, interleaved, zb_h1; got {args.schedule!r}")
     if args.verify:
         _start_devices(args.devices)
     cfg = load_config(args.config, args.overrides)
     plan = make_plan(cfg, args.devices, device_memory, host_memory, hardware=hardware, meshes=meshes,
-                     zero_stages=zeros, remats=remats, progress=(progress := ProgressLine()))
+                     zero_stages=zeros, remats=remats, schedules=schedules, progress=(progress := ProgressLine()))
     progress.finish()
     print(format_plan(plan, args.top, args.show_infeasible), flush=True)
     if args.write_config:

@@ -18,7 +18,7 @@ from meshtrain.config import load_config
 from meshtrain.plan import make_plan, parse_bytes
 
 CONFIGS = ("configs/llama_8b.yaml", "configs/llama_70b.yaml", "configs/mixtral_8x7b.yaml",
-           "configs/qwen3_moe_30b_a3b.yaml")
+           "configs/qwen3_moe_30b_a3b.yaml", "configs/deepseek_v3_671b.yaml")
 
 
 def main(argv: list[str] | None = None) -> int:

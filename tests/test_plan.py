@@ -184,17 +184,44 @@ def test_memory_sizes_parse():
 
 @pytest.mark.slow
 def test_the_1024_device_search_stays_bounded():
-    """An 8B Llama on 1,024 devices: the layouts the search enumerates, and the pipeline tables it
-    builds to cost them (one per schedule shape: a layout that cannot be built builds none), are
-    bounded; scripts/bench_plan.py times the answers (docs/memory.md)."""
+    """An 8B Llama on 1,024 devices: the layouts the search enumerates (every pipeline schedule
+    included), and the pipeline tables it builds to cost them (one per schedule shape: a layout that
+    cannot be built builds none), are bounded; scripts/bench_plan.py times the answers (docs/memory.md)."""
     from meshtrain.parallel import schedules
 
-    schedules.gpipe.cache_clear()
+    builders = (schedules.gpipe, schedules.one_f_one_b, schedules.interleaved_1f1b, schedules.zb_h1)
+    for builder in builders:
+        builder.cache_clear()
     plan = planner.make_plan(load_config("configs/llama_8b.yaml"), 1024, 141e9)
-    assert len(plan.estimates) <= 6000
-    assert schedules.gpipe.cache_info().misses <= 25  # 25 shapes (stages 2..16 x microbatches) today
+    assert len(plan.estimates) <= 18000
+    # Tables built: 25 shapes (stages 2..16 x microbatches) per schedule today (interleaving refuses a
+    # microbatch count that is not a multiple of the stages before building anything)
+    assert [builder.cache_info().currsize <= 25 for builder in builders] == [True] * 4
     fit, _, _ = plan.ranked()
     assert fit and all(est.candidate.devices == 1024 for est in fit)
+    assert {est.candidate.schedule for est in fit if est.candidate.stage > 1} == set(planner.Schedule) - {
+        planner.Schedule.CUSTOM}
+
+
+def test_the_search_tries_every_schedule_and_writes_the_chosen_one(tmp_path, capsys):
+    """A 2-stage mesh of the 10B: one row per schedule (interleaving over 2 virtual stages), each
+    with its own table's bubble; ``--schedule`` restricts the search; the written config names the
+    first row's schedule."""
+    plan = _plan("llama_10b.yaml", 8, 40 * GB, meshes=[(1, 2, 2, 2)], zero_stages=[3],
+                 remats=[RematPolicy.FULL], search_accumulation=False)
+    by_schedule = {(e.candidate.schedule, e.candidate.virtual_stages): e for e in plan.estimates
+                   if e.candidate.microbatches == 4}
+    assert set(by_schedule) == {(planner.Schedule.GPIPE, 1), (planner.Schedule.ONE_F_ONE_B, 1),
+                                (planner.Schedule.INTERLEAVED, 2), (planner.Schedule.ZB_H1, 1)}
+    bubbles = {schedule.value: est.bubble for (schedule, _), est in by_schedule.items()}
+    assert bubbles["interleaved"] < bubbles["1f1b"] == bubbles["gpipe"] and bubbles["zb_h1"] < bubbles["1f1b"]
+    assert by_schedule[(planner.Schedule.INTERLEAVED, 2)].candidate.overrides()[-2:] == [
+        "pipeline.schedule=interleaved", "pipeline.virtual_stages=2"]
+    out = tmp_path / "planned.yaml"
+    assert planner.main(["--config", "configs/llama_10b.yaml", "--devices", "8", "--device-memory", "40GB",
+                         "--mesh", "1,2,2,2", "--schedule", "zb_h1", "--write-config", str(out)]) == 0
+    assert "zb_h1" in capsys.readouterr().out
+    assert load_config(out).pipeline.schedule is planner.Schedule.ZB_H1
 
 
 def test_the_written_config_trains_as_planned(tmp_path, capsys):

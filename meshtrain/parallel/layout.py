@@ -130,8 +130,10 @@ class Layout:
         stage = self.zero.stage if stage is None else stage
         return zero_layout(stage, self.param_specs(), keep=self.expert_axes)
 
-    def problems(self) -> list[Infeasible]:
-        """Every reason this layout cannot be built (empty when it can)."""
+    def problems(self, parameters: bool = True) -> list[Infeasible]:
+        """Every reason this layout cannot be built (empty when it can); without ``parameters``, all
+        but the parameters' divisibility (``parameter_problems``, which depends on the mesh and the
+        rules only: a planner checks it once per mesh)."""
         try:
             rules = self.rules
         except ConfigError as err:
@@ -169,6 +171,19 @@ class Layout:
         if self.stages > 1:
             found += self.pipeline.problems(self.stages, self.model.num_layers, self.rows_per_shard,
                                             self.model.seq_len)
+        if parameters:
+            found += [problem for problem in self.parameter_problems()
+                      if problem.reason not in [p.reason for p in found]]
+        return found
+
+    def parameter_problems(self) -> list[Infeasible]:
+        """The parameters whose dimensions the mesh axes of their rules do not divide (one per
+        distinct reason)."""
+        found = []
+        try:
+            rules = self.rules
+        except ConfigError:
+            return found
         for path, variable in nnx.to_flat_state(self.abstract_params):
             problem = self._divisibility(".".join(map(str, path)), variable, rules)
             if problem is not None and problem.reason not in [p.reason for p in found]:
