@@ -73,6 +73,17 @@ def test_eight_stages_equal_the_sequential_model(schedule):
                     loss_and_grads(_trainer((1, 1, 1, 8), pipeline, model=model)))
 
 
+@pytest.mark.parametrize("remat", [RematPolicy.DOTS, pytest.param(RematPolicy.FULL, marks=pytest.mark.slow)],
+                         ids=lambda remat: remat.value)
+def test_zb_h1_split_backward_under_remat_equals_the_sequential_model(reference, remat):
+    """ZB-H1 splits each chunk's backward into its input- and weight-gradient parts; under a remat
+    policy that backward recomputes the forward, whose ``pcast`` to stage-varying meets values the
+    split already made varying (it failed with a ``pvary`` error until backward_split._bind marked
+    only the missing axes)."""
+    trainer = _trainer((1, 1, 2, 2), SCHEDULES["zb_h1"], model=dataclasses.replace(EIGHT_LAYERS, remat=remat))
+    _assert_matches(reference, loss_and_grads(trainer))
+
+
 @pytest.mark.slow
 def test_1f1b_with_gradient_accumulation_and_remat(reference):
     trainer = _trainer((1, 2, 1, 4), SCHEDULES["1f1b"], grad_accum=2,

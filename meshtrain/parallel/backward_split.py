@@ -43,6 +43,8 @@ import jax
 from jax.extend import core
 from jax.extend.core import primitives
 
+from models.attention import varying_axes
+
 
 class UnsupportedBackward(ValueError):
     """The backward holds an equation that cannot be placed in one part (named in the message)."""
@@ -115,7 +117,18 @@ def _scatter(values: Sequence, mask: Sequence[bool]) -> list:
 
 
 def _bind(eqn: core.JaxprEqn, invals: Sequence) -> list:
-    """Runs one equation on ``invals`` (as ``jax.core.eval_jaxpr`` does) -> its outputs."""
+    """Runs one equation on ``invals`` (as ``jax.core.eval_jaxpr`` does) -> its outputs.
+
+    A ``pvary`` (``jax.lax.pcast(..., to="varying")``) only marks its input as varying over its
+    axes, and refuses an input that already is: a remat'd (``checkpoint``) forward recomputed in the
+    backward marks values that the split parts may receive already varying over the stage axis
+    (their inputs are made stage-varying), so such an equation marks only the axes still missing."""
+    if eqn.primitive.name == "pvary":
+        axes = tuple(axis for axis in eqn.params["axes"] if axis not in varying_axes(invals[0]))
+        if not axes:
+            return [invals[0]]
+        with eqn.ctx.manager:
+            return [eqn.primitive.bind(invals[0], **{**eqn.params, "axes": axes})]
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
     return list(out) if eqn.primitive.multiple_results else [out]
