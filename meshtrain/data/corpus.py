@@ -8,6 +8,11 @@ A prepared directory holds::
     train-00000.docs.npy     int64 [documents + 1]: where each document starts in that shard
     val-00000.bin ...        the held-out split (with .docs.npy), when asked for
 
+A supervised fine-tuning corpus (``prepare-sft``, ``meshtrain/data/sft.py``) also holds, per shard,
+``train-00000.mask.bin`` (uint8 [tokens]: 1 where the token is a loss target, i.e. a response
+token; 0 for the prompt and the template) and the chat template it was rendered with
+(``chat_template.jinja``); ``index.json`` says so under ``loss_mask``.
+
 ``prepare`` writes one (``python -m meshtrain.data prepare``); ``PreparedCorpus.open`` reads it.
 Documents never straddle shards, every file is written as ``*.tmp``, fsynced and renamed, and
 ``.prepare-incomplete`` marks a directory until its index is written: a rerun after an interruption
@@ -54,7 +59,9 @@ JSONL_SUFFIX = ".jsonl"
 _UINT16_VOCAB = 2 ** 16
 _UINT32_VOCAB = 2 ** 32
 _HASH_CHUNK_TOKENS = 1 << 24
-_PREPARED_NAME = re.compile(r"^(?:(?:train|val)-\d{5}(?:\.bin|\.docs\.npy)|index\.json|tokenizer\.json)(?:\.tmp)?$")
+_PREPARED_NAME = re.compile(r"^(?:(?:train|val)-\d{5}(?:\.bin|\.docs\.npy|\.mask\.bin)|index\.json|tokenizer\.json"
+                            r"|chat_template\.jinja)(?:\.tmp)?$")
+MASK_SUFFIX = ".mask.bin"  # a shard's loss mask: train-00000.bin -> train-00000.mask.bin
 _PARALLELISM_OFF = ("", "0", "false", "off", "no", "n", "f")
 
 
@@ -201,38 +208,53 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 class _SplitWriter:
-    """Appends one split's documents to shards ``{split}-NNNNN.bin`` + ``.docs.npy``, closing a
-    shard once it holds ``shard_tokens`` tokens (documents never straddle shards)."""
+    """Appends one split's documents to shards ``{split}-NNNNN.bin`` + ``.docs.npy`` (and, when
+    ``masked``, the loss mask ``.mask.bin``), closing a shard once it holds ``shard_tokens`` tokens
+    (documents never straddle shards)."""
 
-    def __init__(self, out: pathlib.Path, split: str, dtype: np.dtype, shard_tokens: int):
-        self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
-        self.documents = self.tokens = self.text_bytes = 0
+    def __init__(self, out: pathlib.Path, split: str, dtype: np.dtype, shard_tokens: int, masked: bool = False):
+        self.out, self.split, self.dtype, self.shard_tokens, self.masked = out, split, dtype, shard_tokens, masked
+        self.documents = self.tokens = self.text_bytes = self.loss_tokens = 0
         self.shards: list[dict] = []
         self._stream: BinaryIO | None = None
+        self._mask_stream: BinaryIO | None = None
         self._hash = hashlib.sha256()  # of the open shard's bytes
+        self._mask_hash = hashlib.sha256()  # of its mask's
         self._starts = [0]  # offsets in the open shard where its documents start, then its length
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray, text_bytes: int) -> None:
-        """tokens: [sum(lengths)] the documents' ids, each ending in EOS; lengths: [documents]."""
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, text_bytes: int, mask: np.ndarray | None = None) -> None:
+        """tokens: [sum(lengths)] the documents' ids, each ending in EOS; lengths: [documents];
+        mask: uint8 [sum(lengths)], 1 where a token is a loss target (``masked`` writers only)."""
+        if (mask is not None) != self.masked:
+            raise ValueError(f"a {'masked' if self.masked else 'plain'} split writer got mask={mask is not None}")
         ends = np.cumsum(lengths)
         first, offset = 0, 0  # first document not yet written, and where it starts in ``tokens``
         while first < len(lengths):
             room = self.shard_tokens - self._starts[-1]
             last = min(int(np.searchsorted(ends[first:] - offset, room)) + first, len(lengths) - 1)
-            self._write(tokens[offset:ends[last]], ends[first:last + 1] - offset)
+            self._write(tokens[offset:ends[last]], ends[first:last + 1] - offset,
+                        None if mask is None else mask[offset:ends[last]])
             first, offset = last + 1, int(ends[last])
             if self._starts[-1] >= self.shard_tokens:
                 self._close_shard()
         self.documents += len(lengths)
         self.tokens += len(tokens)
         self.text_bytes += text_bytes
+        if mask is not None:
+            self.loss_tokens += int(np.count_nonzero(mask))
 
-    def _write(self, tokens: np.ndarray, ends: np.ndarray) -> None:
+    def _write(self, tokens: np.ndarray, ends: np.ndarray, mask: np.ndarray | None = None) -> None:
         if self._stream is None:
             self._stream = open(self.out / f"{self._name()}.bin.tmp", "wb")  # noqa: SIM115 - closed by commit
+            if self.masked:
+                self._mask_stream = open(self.out / f"{self._name()}{MASK_SUFFIX}.tmp", "wb")  # noqa: SIM115
         data = np.ascontiguousarray(tokens, self.dtype).data
         self._stream.write(data)
         self._hash.update(data)
+        if mask is not None:
+            mask_data = np.ascontiguousarray(mask, np.uint8).data
+            self._mask_stream.write(mask_data)
+            self._mask_hash.update(mask_data)
         self._starts.extend((self._starts[-1] + ends).tolist())
 
     def _name(self) -> str:
@@ -242,19 +264,27 @@ class _SplitWriter:
         name = self._name()
         commit_file(self._stream, self.out / f"{name}.bin")
         self._stream = None
+        shard = {"file": f"{name}.bin", "tokens": self._starts[-1], "documents": len(self._starts) - 1,
+                 "sha256": self._hash.hexdigest()}
+        if self.masked:
+            commit_file(self._mask_stream, self.out / f"{name}{MASK_SUFFIX}")
+            self._mask_stream = None
+            shard["mask_sha256"] = self._mask_hash.hexdigest()
         offsets = io.BytesIO()
         np.save(offsets, np.asarray(self._starts, np.int64))
         write_file(self.out / f"{name}.docs.npy", offsets.getvalue())
-        self.shards.append({"file": f"{name}.bin", "tokens": self._starts[-1], "documents": len(self._starts) - 1,
-                            "sha256": self._hash.hexdigest()})
-        self._starts, self._hash = [0], hashlib.sha256()
+        self.shards.append(shard)
+        self._starts, self._hash, self._mask_hash = [0], hashlib.sha256(), hashlib.sha256()
 
     def record(self) -> dict:
         """Closes the open shard; the split's entry of index.json."""
         if self._stream is not None:
             self._close_shard()
-        return {"tokens": self.tokens, "documents": self.documents, "text_bytes": self.text_bytes,
-                "shards": self.shards}
+        record = {"tokens": self.tokens, "documents": self.documents, "text_bytes": self.text_bytes,
+                  "shards": self.shards}
+        if self.masked:
+            record["loss_tokens"] = self.loss_tokens
+        return record
 
 
 def _remove_prepared_files(out: pathlib.Path) -> None:
@@ -263,20 +293,28 @@ def _remove_prepared_files(out: pathlib.Path) -> None:
             path.unlink()
 
 
-def _claim(out: pathlib.Path, overwrite: bool, say: Callable[[str], None]) -> None:
-    """Makes ``out`` ready for a fresh write, marked incomplete, or refuses (never deleting
-    anything but a prepared or interrupted corpus's own files)."""
+def check_out(out: pathlib.Path, overwrite: bool) -> None:
+    """Refuses an ``out`` that ``_claim`` would refuse, touching nothing: a file, a prepared corpus
+    without ``overwrite``, a directory holding other files."""
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", f"{out} is a file, not a directory")
     if (out / INCOMPLETE_MARKER).exists():
-        say(f"{out}: an earlier prepare was interrupted; removing its partial files and starting again")
-    elif (out / INDEX_FILE).exists():
+        return
+    if (out / INDEX_FILE).exists():
         if not overwrite:
             raise ConfigError("--out", f"{out} is already prepared; remove it or choose another directory "
                               "(or pass --overwrite)")
     elif out.exists() and any(path.name != LOCK_FILE and not path.name.startswith(WRITE_CHECK_PREFIX)
                               for path in out.iterdir()):
         raise ConfigError("--out", f"{out} is not empty and holds no prepared corpus; give a new or empty directory")
+
+
+def _claim(out: pathlib.Path, overwrite: bool, say: Callable[[str], None]) -> None:
+    """Makes ``out`` ready for a fresh write, marked incomplete, or refuses (never deleting
+    anything but a prepared or interrupted corpus's own files)."""
+    check_out(out, overwrite)
+    if (out / INCOMPLETE_MARKER).exists():
+        say(f"{out}: an earlier prepare was interrupted; removing its partial files and starting again")
     out.mkdir(parents=True, exist_ok=True)
     (out / INCOMPLETE_MARKER).touch()
     _fsync_dir(out)
@@ -452,16 +490,26 @@ def prepare(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fractio
             raise ConfigError("--val-fraction", f"{val_fraction} of {writers[TRAIN].documents} documents rounds "
                               "down to no val document; raise it or use --val-input")
 
-        write_file(out_dir / TOKENIZER_FILE, tokenizer_file(tokenizer_path).read_bytes())
-        index = {"format": FORMAT, "dtype": dtype.name,
-                 "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(out_dir / TOKENIZER_FILE),
-                               "vocab_size": vocab_size, "eos": eos_token, "eos_id": eos_id},
-                 "splits": {split: writer.record() for split, writer in writers.items()}}
-        _fsync_dir(out_dir)
-        write_file(out_dir / INDEX_FILE, (json.dumps(index, indent=1) + "\n").encode())
-        (out_dir / INCOMPLETE_MARKER).unlink()
-        _fsync_dir(out_dir)
-        return PrepareReport(PreparedCorpus.open(str(out_dir), field="--out"), encoder.seconds)
+        corpus = finish(out_dir, tokenizer_path, dtype, (eos_token, eos_id), vocab_size, writers)
+        return PrepareReport(corpus, encoder.seconds)
+
+
+def finish(out_dir: pathlib.Path, tokenizer_path: str, dtype: np.dtype, eos: tuple[str, int], vocab_size: int,
+           writers: dict[str, _SplitWriter], loss_mask: dict | None = None) -> PreparedCorpus:
+    """Writes the tokenizer's copy and ``index.json`` (last), removes the incomplete marker and opens
+    the corpus. ``loss_mask``: the index's entry of a masked (fine-tuning) corpus."""
+    write_file(out_dir / TOKENIZER_FILE, tokenizer_file(tokenizer_path).read_bytes())
+    index = {"format": FORMAT, "dtype": dtype.name,
+             "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(out_dir / TOKENIZER_FILE),
+                           "vocab_size": vocab_size, "eos": eos[0], "eos_id": eos[1]},
+             "splits": {split: writer.record() for split, writer in writers.items()}}
+    if loss_mask is not None:
+        index["loss_mask"] = loss_mask
+    _fsync_dir(out_dir)
+    write_file(out_dir / INDEX_FILE, (json.dumps(index, indent=1) + "\n").encode())
+    (out_dir / INCOMPLETE_MARKER).unlink()
+    _fsync_dir(out_dir)
+    return PreparedCorpus.open(str(out_dir), field="--out")
 
 
 # ---- reading a prepared directory ----
@@ -481,37 +529,63 @@ class CorpusSplit:
     """One split: the concatenation of its shards' tokens, read through a memory map per shard.
 
     Attributes: name, num_tokens, num_documents, text_bytes (UTF-8 bytes of the documents' text),
-    shard_paths (absolute paths of the ``.bin`` shards, in order).
+    shard_paths (absolute paths of the ``.bin`` shards, in order); for a fine-tuning corpus
+    ``mask_paths`` (their ``.mask.bin`` loss masks) and ``loss_tokens`` (how many are 1), else
+    ``mask_paths`` empty and ``loss_tokens`` None.
     """
 
-    def __init__(self, name: str, record: dict, directory: pathlib.Path, dtype: np.dtype, field: str):
+    def __init__(self, name: str, record: dict, directory: pathlib.Path, dtype: np.dtype, field: str,
+                 masked: bool = False):
         self.name, self.dtype, self.field = name, dtype, field
         self.num_tokens, self.num_documents = int(record["tokens"]), int(record["documents"])
         self.text_bytes = int(record["text_bytes"])
         self.shard_files = [shard["file"] for shard in record["shards"]]  # as index.json names them
         self.shard_paths = [str(directory / name) for name in self.shard_files]
+        self.mask_paths = [path.removesuffix(".bin") + MASK_SUFFIX for path in self.shard_paths] if masked else []
+        self.loss_tokens = int(record["loss_tokens"]) if masked else None
         self._shards = record["shards"]
         self._bounds = np.cumsum([0] + [int(shard["tokens"]) for shard in self._shards])  # [shards + 1]
         self._maps: dict[int, np.memmap] = {}
+        self._mask_maps: dict[int, np.memmap] = {}
         self._document_starts: np.ndarray | None = None
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """Whether the split carries a loss mask (a fine-tuning corpus)."""
+        return bool(self.mask_paths)
 
     def _map(self, shard: int) -> np.memmap:
         if shard not in self._maps:
             self._maps[shard] = np.memmap(self.shard_paths[shard], dtype=self.dtype, mode="r")
         return self._maps[shard]
 
-    def tokens(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [stop - start] at [start, stop) of the split's stream (a copy, stored dtype); the
-        range may span shards."""
+    def _mask_map(self, shard: int) -> np.memmap:
+        if shard not in self._mask_maps:
+            self._mask_maps[shard] = np.memmap(self.mask_paths[shard], dtype=np.uint8, mode="r")
+        return self._mask_maps[shard]
+
+    def _read(self, start: int, stop: int, shard_map: Callable[[int], np.memmap], dtype: np.dtype) -> np.ndarray:
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"[{start}, {stop}) is outside the {self.name} split's {self.num_tokens} tokens")
         pieces, position = [], start
         while position < stop:
             shard = int(np.searchsorted(self._bounds, position, side="right")) - 1
             end = min(stop, int(self._bounds[shard + 1]))
-            pieces.append(self._map(shard)[position - self._bounds[shard]:end - self._bounds[shard]])
+            pieces.append(shard_map(shard)[position - self._bounds[shard]:end - self._bounds[shard]])
             position = end
-        return np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
+        return np.concatenate(pieces) if pieces else np.empty(0, dtype)
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [stop - start] at [start, stop) of the split's stream (a copy, stored dtype); the
+        range may span shards."""
+        return self._read(start, stop, self._map, self.dtype)
+
+    def loss_mask(self, start: int, stop: int) -> np.ndarray:
+        """uint8 [stop - start]: the loss mask of the tokens at [start, stop) (1: a loss target);
+        only for a split that ``has_loss_mask``."""
+        if not self.has_loss_mask:
+            raise ValueError(f"the {self.name} split has no loss mask")
+        return self._read(start, stop, self._mask_map, np.dtype(np.uint8))
 
     def _shard_starts(self, shard: int) -> np.ndarray:
         """int64 [documents + 1] of one shard, checked against its index entry."""
@@ -543,6 +617,14 @@ class CorpusSplit:
         for shard, path in enumerate(self.shard_paths):
             if file_sha256(path) != self._shards[shard]["sha256"]:
                 raise ConfigError(self.field, f"{path}: SHA-256 differs from index.json; the shard changed")
+            if self.has_loss_mask:
+                mask_path = self.mask_paths[shard]
+                if file_sha256(mask_path) != self._shards[shard]["mask_sha256"]:
+                    raise ConfigError(self.field, f"{mask_path}: SHA-256 differs from index.json; the loss mask "
+                                      "changed")
+                if int(self._mask_map(shard).max(initial=0)) > 1:
+                    raise ConfigError(self.field, f"{mask_path}: a loss mask value is not 0 or 1; prepare the "
+                                      "corpus again")
             tokens = self._map(shard)
             if np.any(tokens[self._shard_starts(shard)[1:] - 1] != eos_id):
                 raise ConfigError(self.field, f"{path}: a document does not end in the EOS id {eos_id}")
@@ -560,12 +642,15 @@ def _index_error(path: pathlib.Path, field: str, problem: str) -> ConfigError:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PreparedCorpus:
-    """A prepared directory, opened. path: absolute; dtype: the shards' id type; splits by name."""
+    """A prepared directory, opened. path: absolute; dtype: the shards' id type; splits by name;
+    loss_mask: index.json's entry of a fine-tuning corpus (``prepare-sft``: its chat template), else
+    None."""
 
     path: str
     dtype: np.dtype
     tokenizer: TokenizerRecord
     splits: dict[str, CorpusSplit]
+    loss_mask: dict | None = None
 
     @classmethod
     def open(cls, path: str, field: str = "data.path") -> PreparedCorpus:
@@ -591,14 +676,23 @@ class PreparedCorpus:
             record = index["tokenizer"]
             tokenizer = TokenizerRecord(str(directory / record["file"]), record["sha256"], int(record["vocab_size"]),
                                         record["eos"], int(record["eos_id"]))
-            splits = {name: CorpusSplit(name, split, directory, dtype, field)
+            masked = "loss_mask" in index
+            splits = {name: CorpusSplit(name, split, directory, dtype, field, masked)
                       for name, split in index["splits"].items()}
             shard_tokens = {name: [int(shard["tokens"]) for shard in split["shards"]]
                             for name, split in index["splits"].items()}
+            if masked:  # a fine-tuning corpus: every shard's mask has its hash
+                loss_mask = index["loss_mask"]
+                template = loss_mask["chat_template"]
+                hashes = [shard["mask_sha256"] for split in index["splits"].values() for shard in split["shards"]]
+                if not all(isinstance(h, str) for h in [*hashes, template["sha256"]]):
+                    raise TypeError("a mask_sha256 or the chat template's sha256 is not a string")
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise _index_error(directory, field, f"is malformed ({type(err).__name__}: {err})") from None
         named = [("tokenizer", record["file"])] + [(f"{name} shard", shard) for name, split in splits.items()
                                                    for shard in split.shard_files]
+        if masked:
+            named.append(("chat template", template.get("file")))
         outside = next(((what, name) for what, name in named if not jsonio.is_plain_file_name(name)), None)
         if outside is not None:  # read from outside the directory otherwise
             raise _index_error(directory, field, f"names {outside[0]} file {outside[1]!r}, which is not a plain file "
@@ -615,7 +709,12 @@ class PreparedCorpus:
                 if os.path.getsize(shard_path) != tokens * dtype.itemsize:
                     raise ConfigError(field, f"{shard_path} has {os.path.getsize(shard_path)} bytes, not "
                                       f"{tokens} tokens x {dtype.itemsize}; prepare the corpus again")
-        return cls(str(directory), dtype, tokenizer, splits)
+            for mask_path, tokens in zip(split.mask_paths, shard_tokens[name]):
+                if not os.path.isfile(mask_path) or os.path.getsize(mask_path) != tokens:
+                    found = f"has {os.path.getsize(mask_path)} bytes" if os.path.isfile(mask_path) else "is missing"
+                    raise ConfigError(field, f"{mask_path} (a loss mask of {tokens} tokens) {found}; prepare the "
+                                      "corpus again")
+        return cls(str(directory), dtype, tokenizer, splits, index["loss_mask"] if masked else None)
 
     def split(self, name: str, field: str = "data.path") -> CorpusSplit:
         """The split called ``name``; ``ConfigError(field)`` when the corpus has none."""
@@ -629,6 +728,10 @@ class PreparedCorpus:
         document offsets, the EOS ending every document; ``ConfigError(field)`` at the first fault."""
         if file_sha256(self.tokenizer.file) != self.tokenizer.sha256:
             raise ConfigError(field, f"{self.tokenizer.file}: SHA-256 differs from index.json")
+        if self.loss_mask is not None:
+            template = os.path.join(self.path, self.loss_mask["chat_template"]["file"])
+            if not os.path.isfile(template) or file_sha256(template) != self.loss_mask["chat_template"]["sha256"]:
+                raise ConfigError(field, f"{template}: missing or its SHA-256 differs from index.json")
         for split in self.splits.values():
             split.verify(self.tokenizer.eos_id, self.tokenizer.vocab_size)
 

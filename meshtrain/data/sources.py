@@ -12,6 +12,10 @@ are taken, the tail padded, and per-token ``positions`` and ``segments`` (``mode
 added so that no token attends across a document boundary, positions restart at each document, and
 no target is the first token of a document predicted from the one before (its ``mask`` is 0, as is
 padding's).
+
+A fine-tuning corpus (``prepare-sft``) carries a loss mask per token (1 on response tokens): a
+target counts only where it is 1, under either packing (``mask`` is the product of both), so the
+loss, its gradients and the held-out evaluation are over the responses alone.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ class StreamInfo:
       label: for the start-up line. watched: files the stream reads, checked for changes before
       every read. document_starts: int64 [documents + 1] offsets where each document starts (last =
       num_tokens), for ``packing: documents``. bytes_per_token, tokenizer_file: see ``TokenDataset``;
-      tokenizer_sha256: that file's hash.
+      tokenizer_sha256: that file's hash. loss_mask: the stream has ``loss_mask(start, stop)`` (uint8,
+      1 where a token is a loss target: a fine-tuning corpus's response tokens).
     """
 
     label: str
@@ -75,6 +80,7 @@ class StreamInfo:
     bytes_per_token: float | None = None
     tokenizer_file: str | None = None
     tokenizer_sha256: str | None = None
+    loss_mask: bool = False
 
 
 class FileDataset:
@@ -84,7 +90,8 @@ class FileDataset:
     ``perm_e`` is grain's seeded index shuffle (a different permutation every epoch); unshuffled
     (``shuffle=False``, evaluation) example ``i`` is window ``i % num_windows``. Without document
     boundaries the incomplete tail is dropped; with them (``packing: documents``) it is padded with
-    token 0 in segment 0, masked.
+    token 0 in segment 0, masked. A stream with a loss mask (``StreamInfo.loss_mask``) zeroes
+    ``mask`` where the target is not a loss target.
     """
 
     entropy_floor = None
@@ -122,18 +129,28 @@ class FileDataset:
         window, total = self.seq_len + 1, self.stream.num_tokens
         starts = self.windows(indices) * window
         tokens = np.zeros((starts.shape[0], window), np.int64)
+        loss_mask = np.zeros((starts.shape[0], window), np.float32) if self.info.loss_mask else None
         for row, start in enumerate(starts):
-            piece = self.stream.tokens(int(start), min(int(start) + window, total))
+            stop = min(int(start) + window, total)
+            piece = self.stream.tokens(int(start), stop)
             tokens[row, :piece.shape[0]] = piece
+            if loss_mask is not None:
+                loss_mask[row, :piece.shape[0]] = self.stream.loss_mask(int(start), stop)
         rows = as_rows(tokens)
         if self.info.document_starts is not None:
             rows.update(_document_layout(starts, window, self.info.document_starts, total))
+        if loss_mask is not None:  # a target counts only where it is a response token
+            rows["mask"] = rows["mask"] * loss_mask[:, 1:]
         return rows
 
     def describe(self) -> str:
         packing = "documents" if self.info.document_starts is not None else "concat"
+        masked = ""
+        if self.info.loss_mask:
+            share = self.stream.loss_tokens / max(self.stream.num_tokens, 1)
+            masked = f", loss on the {self.stream.loss_tokens:,} response tokens ({share:.1%}) only"
         return (f"data: {self.info.label}: {self.stream.num_tokens:,} tokens, {self.num_windows:,} "
-                f"windows of {self.seq_len + 1}, packing {packing}; entropy floor unknown")
+                f"windows of {self.seq_len + 1}, packing {packing}{masked}; entropy floor unknown")
 
 
 def _document_layout(starts: np.ndarray, window: int, document_starts: np.ndarray,
@@ -356,8 +373,9 @@ def id_stream(path: str, field: str, vocab_size: int, given: tuple[str, str] | N
         part.verify(record.eos_id, vocab_size)
         starts = part.document_starts() if documents else None
         per_token = part.text_bytes / part.num_tokens if part.text_bytes and part.num_tokens else None
-        info = StreamInfo(f"{path} ({split}: {part.num_documents:,} documents)", tuple(part.shard_paths),
-                          starts, per_token, record.file, record.sha256)
+        info = StreamInfo(f"{path} ({split}: {part.num_documents:,} documents)",
+                          tuple(part.shard_paths + part.mask_paths), starts, per_token, record.file, record.sha256,
+                          loss_mask=part.has_loss_mask)
         return part, info
     if documents:
         raise ConfigError("data.packing", f"'documents' needs the document boundaries of a prepared "

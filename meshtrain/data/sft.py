@@ -1,0 +1,478 @@
+"""Supervised fine-tuning data: ``python -m meshtrain.data prepare-sft`` turns JSON lines of
+prompt/response pairs or chat messages into a prepared directory whose tokens carry a loss mask.
+
+Each line of an input file is one example, either ::
+
+    {"prompt": "...", "response": "..."}                      (optionally "system": "...")
+    {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}, ...]}
+
+A pair is the conversation ``[system,] user, assistant``. The conversation is rendered with the
+tokenizer's chat template (Jinja, as ``transformers``' ``apply_chat_template`` renders it: the
+messages, ``add_generation_prompt`` and the tokenizer's special tokens ``bos_token``,
+``eos_token``, ... as variables) and tokenized with the template's special tokens read as tokens
+(``add_special_tokens=False``: the template writes BOS where the model wants one). The loss mask is
+1 on the tokens of every assistant message: for assistant message k, from the end of the tokens of
+the conversation before it rendered with the generation prompt to the end of the tokens of the
+conversation up to and including it (its content and whatever the template closes the turn with,
+e.g. ``<|im_end|>`` or EOS). Both token sequences must be prefixes of the whole conversation's
+tokens; an example where they are not (the template or the tokenizer joins the prompt's end and the
+response's start into one token) is refused, naming its file and line.
+
+The template is, in order: ``--chat-template FILE``; the tokenizer directory's
+``chat_template.jinja``; its ``tokenizer_config.json``'s ``chat_template``; else the built-in
+``DEFAULT_CHAT_TEMPLATE`` (Alpaca-style headers, EOS after each response; for tokenizers without a
+template of their own, such as ``train-tokenizer``'s). ``strftime_now`` is left undefined, so the
+same input prepares the same bytes (templates that show a date fall back to their fixed one).
+
+Every example is checked (read, rendered, tokenized, its prefixes compared) before ``--out`` is
+touched, so bad input changes nothing already written; then the examples are written as the
+documents of a prepared directory (``corpus.py``), each followed by the end-of-document token unless
+its tokens already end with it (mask 0 on that token), with ``.mask.bin`` shards beside the token
+shards and the template as ``chat_template.jinja``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import re
+import time
+import types
+from collections.abc import Iterator, Sequence
+
+import jinja2
+import jinja2.ext
+import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from rich.console import Console
+from tokenizers import Tokenizer
+
+from meshtrain import jsonio
+from meshtrain.data.corpus import (BATCH_TEXT_BYTES, DEFAULT_SHARD_TOKENS, TRAIN, VAL,
+                                   PreparedCorpus, _claim, _Progress, _SplitWriter, _val_selector, check_out,
+                                   finish, input_files, token_dtype)
+from meshtrain.data.files import write_file
+from meshtrain.data.tokenizer import MAX_PIECE_CHARS, end_of_document_id, load_tokenizer, tokenizer_file
+from meshtrain.errors import ConfigError, writable_directory
+from meshtrain.run_lock import RunLock
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # in a tokenizer directory (transformers >= 4.43) and a prepared one
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+ASSISTANT = "assistant"  # the role whose messages are trained on
+DEFAULT_TEMPLATE_SOURCE = "the built-in default"
+# The special tokens transformers passes to a template (its special_tokens_map), as strings.
+TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+KEEP_TOKENS = 1 << 26  # tokens the checking pass keeps for the writing one (<= 320 MB as uint32 + mask)
+VALID_LINES = ('each line is {"prompt": "...", "response": "..."} (and optionally "system": "...") or '
+               '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}, ...]}')
+
+# The built-in template: Alpaca-style headers; each response ends with EOS (so a generation stops).
+# A blank line goes before each message but the first, never after a response, so the response's
+# tokens (its content and EOS) are all the loss is on.
+DEFAULT_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "{%- if not loop.first %}{{ '\\n\\n' }}{% endif -%}\n"
+    "{%- if message['role'] == 'system' -%}{{ message['content'] }}\n"
+    "{%- elif message['role'] == 'user' -%}{{ '### Instruction:\\n' + message['content'] }}\n"
+    "{%- elif message['role'] == 'assistant' -%}{{ '### Response:\\n' + message['content'] + eos_token }}\n"
+    "{%- else -%}{{ raise_exception('the built-in chat template knows the roles system, user and assistant, "
+    "not ' + message['role']) }}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}{{ '\\n\\n### Response:\\n' if messages else '### Response:\\n' }}{%- endif -%}\n")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers' marker of assistant text): renders
+    its body; the mask comes from the prefixes, not from the marker."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' ``tojson`` (Jinja's own escapes HTML characters)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    """A chat template, compiled. text: its Jinja source; source: where it came from (a path, or
+    ``DEFAULT_TEMPLATE_SOURCE``); variables: the special tokens it sees (``bos_token``, ...)."""
+
+    text: str
+    source: str
+    variables: dict[str, str]
+    template: jinja2.Template = dataclasses.field(repr=False, compare=False)
+
+    @classmethod
+    def compile(cls, text: str, source: str, variables: dict[str, str], field: str) -> ChatTemplate:
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                    extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+        environment.filters["tojson"] = _tojson
+        environment.globals["raise_exception"] = _raise_exception
+        try:
+            template = environment.from_string(text)
+        except jinja2.TemplateSyntaxError as err:
+            raise ConfigError(field, f"the chat template of {source} is not valid Jinja (its line {err.lineno}: "
+                              f"{err.message})") from None
+        return cls(text, source, dict(variables), template)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as text (a ``jinja2.TemplateError`` when the template refuses it)."""
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                    tools=None, documents=None, **self.variables)
+
+
+def _token_string(value) -> str | None:
+    """A tokenizer_config.json special token: a string, or an AddedToken's ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_chat_template(tokenizer_path: str, eos_token: str, template_path: str | None = None) -> ChatTemplate:
+    """The chat template ``prepare-sft`` renders with (see the module docstring), with the special
+    tokens of the tokenizer directory's ``tokenizer_config.json`` (``eos_token`` defaulting to the
+    end-of-document token ``eos_token``). One-line ``ConfigError`` for a template that cannot be read."""
+    directory = tokenizer_file(tokenizer_path).parent
+    config_path = directory / TOKENIZER_CONFIG_FILE
+    config = {}
+    if config_path.is_file():
+        try:
+            config = jsonio.loads(config_path.read_text(encoding="utf-8"), max_depth=None)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ConfigError("--tokenizer", f"{config_path} is not JSON ({err})") from None
+        if not isinstance(config, dict):
+            raise ConfigError("--tokenizer", f"{config_path} holds a {type(config).__name__}, not a JSON object")
+    variables = {name: token for name in TEMPLATE_TOKENS if (token := _token_string(config.get(name))) is not None}
+    variables.setdefault("eos_token", eos_token)
+    if template_path is not None:
+        path = pathlib.Path(template_path)
+        if not path.is_file():
+            raise ConfigError("--chat-template", f"no such file: {template_path}; give a Jinja chat template file")
+        try:
+            return ChatTemplate.compile(path.read_text(encoding="utf-8"), str(path), variables, "--chat-template")
+        except UnicodeDecodeError:
+            raise ConfigError("--chat-template", f"{template_path} is not UTF-8 text") from None
+    if (directory / CHAT_TEMPLATE_FILE).is_file():
+        path = directory / CHAT_TEMPLATE_FILE
+        return ChatTemplate.compile(path.read_text(encoding="utf-8"), str(path), variables, "--tokenizer")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # several named templates: the one named "default"
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        if "default" not in named:
+            raise ConfigError("--tokenizer", f"{config_path} names chat templates {', '.join(map(str, named))} but "
+                              "none 'default'; give one with --chat-template FILE")
+        template = named["default"]
+    if template is None:
+        return ChatTemplate.compile(DEFAULT_CHAT_TEMPLATE, DEFAULT_TEMPLATE_SOURCE, variables, "--chat-template")
+    if not isinstance(template, str):
+        raise ConfigError("--tokenizer", f"{config_path}: chat_template is a {type(template).__name__}, not text")
+    return ChatTemplate.compile(template, f"{config_path}", variables, "--tokenizer")
+
+
+# ---- reading the examples ----
+
+def _message(value, number: int, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError("--input", f"{where}: messages[{number}] is a {type(value).__name__}, not "
+                          f"{{\"role\": ..., \"content\": ...}}; {VALID_LINES}")
+    for key in ("role", "content"):
+        if not isinstance(value.get(key), str):
+            found = "missing" if key not in value else f"a {type(value[key]).__name__}"
+            raise ConfigError("--input", f"{where}: messages[{number}].{key} is {found}, not text; {VALID_LINES}")
+    return value
+
+
+def conversation(record, where: str) -> list[dict]:
+    """The messages of one parsed line (``where``: its file:line); a one-line ``ConfigError`` naming
+    it and the valid forms when it is neither."""
+    if not isinstance(record, dict):
+        raise ConfigError("--input", f"{where} is a JSON {type(record).__name__}, not an object; {VALID_LINES}")
+    if "messages" in record:
+        if "prompt" in record or "response" in record:
+            raise ConfigError("--input", f"{where} has both \"messages\" and \"prompt\"/\"response\"; give one "
+                              "form per line")
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ConfigError("--input", f"{where}: \"messages\" is not a non-empty list; {VALID_LINES}")
+        messages = [_message(value, number, where) for number, value in enumerate(messages)]
+    elif "prompt" in record and "response" in record:
+        pair = {key: record[key] for key in ("system", "prompt", "response") if key in record}
+        for key, value in pair.items():
+            if not isinstance(value, str):
+                raise ConfigError("--input", f"{where}: \"{key}\" is a {type(value).__name__}, not text; "
+                                  f"{VALID_LINES}")
+        messages = ([{"role": "system", "content": pair["system"]}] if "system" in pair else []) + [
+            {"role": "user", "content": pair["prompt"]}, {"role": ASSISTANT, "content": pair["response"]}]
+    else:
+        keys = ", ".join(record) or "none"
+        raise ConfigError("--input", f"{where} has neither \"messages\" nor \"prompt\" and \"response\" (its keys: "
+                          f"{keys}); {VALID_LINES}")
+    if not any(message["role"] == ASSISTANT for message in messages):
+        raise ConfigError("--input", f"{where} has no message with role \"{ASSISTANT}\", so nothing to train on; "
+                          f"{VALID_LINES}")
+    return messages
+
+
+@dataclasses.dataclass
+class _Example:
+    """One conversation rendered: the whole text and, per assistant message, the texts of the
+    conversation before it with the generation prompt and up to and including it."""
+
+    where: str
+    split: str
+    text: str
+    turns: list[tuple[str, str]]
+    size: int  # UTF-8 bytes of text
+
+
+class _Reader:
+    """The examples of ``files`` in order, rendered; counters as ``corpus.DocumentReader``'s."""
+
+    def __init__(self, files: Sequence[pathlib.Path], field: str, template: ChatTemplate, special: re.Pattern | None):
+        self.files, self.field, self.template, self.special = list(files), field, template, special
+        self.bytes_read = self.files_read = 0
+
+    def __iter__(self) -> Iterator[_Example]:
+        examples = 0
+        for path in self.files:
+            with open(path, "rb") as stream:
+                for number, line in enumerate(stream, 1):
+                    self.bytes_read += len(line)
+                    if line.strip():
+                        examples += 1
+                        yield self._example(line, f"{path}:{number}")
+            self.files_read += 1
+        if not examples:
+            raise ConfigError(self.field, f"no examples in {self.field} ({len(self.files)} files, all empty); "
+                              f"{VALID_LINES}")
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, where: str) -> str:
+        try:
+            return self.template.render(messages, add_generation_prompt)
+        except jinja2.TemplateError as err:
+            raise ConfigError(self.field, f"{where}: the chat template ({self.template.source}) refused it: "
+                              f"{' '.join(str(err).split())[:200]}") from None
+
+    def _example(self, line: bytes, where: str) -> _Example:
+        try:
+            record = jsonio.loads(line, max_depth=None)
+        except ValueError as err:
+            raise ConfigError(self.field, f"{where} is not a line of JSON ({err}); {VALID_LINES}") from None
+        messages = conversation(record, where)
+        if self.special is not None:
+            for number, message in enumerate(messages):
+                found = self.special.search(message["content"])
+                if found:
+                    raise ConfigError(self.field, f"{where}: messages[{number}].content holds {found.group()!r}, a "
+                                      "special token of the tokenizer, written as text; it would be read as the "
+                                      "token (a forged turn or document end): remove it from the data")
+        text = self._render(messages, False, where)
+        if len(text) > MAX_PIECE_CHARS:
+            raise ConfigError(self.field, f"{where} renders to {len(text):,} characters, more than the "
+                              f"{MAX_PIECE_CHARS:,} tokenized at once; shorten it")
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise ConfigError(self.field, f"{where} holds a lone surrogate (\\ud800-\\udfff escape), which is not "
+                              "text") from None
+        turns = [(self._render(messages[:k], True, where), self._render(messages[:k + 1], False, where))
+                 for k, message in enumerate(messages) if message["role"] == ASSISTANT]
+        return _Example(where, "", text, turns, size)
+
+
+def _special_tokens(tokenizer: Tokenizer) -> re.Pattern | None:
+    """A pattern matching any of the tokenizer's special tokens written as text."""
+    tokens = sorted({token.content for token in tokenizer.get_added_tokens_decoder().values()
+                     if token.special and token.content}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, tokens))) if tokens else None
+
+
+def _describe_divergence(tokenizer: Tokenizer, part: np.ndarray, whole: np.ndarray) -> str:
+    at = int(np.argmax(part[:len(whole)] != whole[:len(part)])) if len(part) <= len(whole) else len(whole)
+    if len(part) > len(whole) or part[at] == whole[at]:
+        return f"it has {len(part)} tokens, the whole {len(whole)}"
+    show = lambda token_id: repr(tokenizer.id_to_token(int(token_id)))
+    return f"token {at} is {show(part[at])} there but {show(whole[at])} in the whole conversation"
+
+
+def _tokenized(tokenizer: Tokenizer, examples: list[_Example], eos_id: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each example's ids (ending in ``eos_id``) and loss mask (uint8), both [tokens]; a one-line
+    ``ConfigError`` naming the example whose prompt's tokens are not a prefix of its whole's."""
+    texts = [text for example in examples for text in (example.text, *(t for turn in example.turns for t in turn))]
+    encodings = iter(tokenizer.encode_batch_fast(texts, add_special_tokens=False))
+    out = []
+    for example in examples:
+        ids = np.array(next(encodings).ids, np.int64)
+        mask = np.zeros(len(ids), np.uint8)
+        for turn, _ in enumerate(example.turns):
+            prompt, upto = (np.array(next(encodings).ids, np.int64) for _ in range(2))
+            for part, what in ((prompt, "the conversation before it with the generation prompt"),
+                               (upto, "the conversation up to its end")):
+                if len(part) > len(ids) or not np.array_equal(part, ids[:len(part)]):
+                    raise ConfigError("--input", f"{example.where}: assistant turn {turn + 1}: the tokens of {what} "
+                                      "are not a prefix of the whole conversation's "
+                                      f"({_describe_divergence(tokenizer, part, ids)}): the template or the "
+                                      "tokenizer joins the prompt's end and the response's start (a response "
+                                      "starting with whitespace?); change the example or the template")
+            if len(upto) <= len(prompt):
+                raise ConfigError("--input", f"{example.where}: assistant turn {turn + 1} renders to no tokens after "
+                                  "its prompt; the chat template does not show assistant messages")
+            mask[len(prompt):len(upto)] = 1
+        if not len(ids) or ids[-1] != eos_id:
+            ids, mask = np.append(ids, eos_id), np.append(mask, np.uint8(0))
+        out.append((ids, mask))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitCounts:
+    """What ``prepare-sft`` wrote to one split."""
+
+    examples: int
+    assistant_turns: int
+    tokens: int
+    loss_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SftReport:
+    """What ``prepare_sft`` wrote, its template's source and the seconds it took (both passes)."""
+
+    corpus: PreparedCorpus
+    counts: dict[str, SplitCounts]
+    template_source: str
+    seconds: float
+
+
+def _batches(readers: list[tuple[_Reader, str | None]], is_val, batch_bytes: int) -> Iterator[list[_Example]]:
+    """The examples of every reader, each with its split, in batches of about ``batch_bytes`` of text."""
+    number = 0
+    for reader, split in readers:
+        batch, size = [], 0
+        for example in reader:
+            example.split = split or (VAL if is_val(number) else TRAIN)
+            number += 1
+            batch.append(example)
+            size += example.size
+            if size >= batch_bytes:
+                yield batch
+                batch, size = [], 0
+        if batch:
+            yield batch
+
+
+def prepare_sft(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fraction: float = 0.0,
+                val_inputs: Sequence[str] = (), chat_template: str | None = None, eos: str | None = None,
+                shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False, progress: bool = True,
+                batch_bytes: int = BATCH_TEXT_BYTES, keep_tokens: int = KEEP_TOKENS) -> SftReport:
+    """Renders, tokenizes and masks the examples of ``inputs`` (globs of JSON lines) into the prepared
+    directory ``out`` (see the module docstring). The ``val`` split takes example i (in input order)
+    when floor((i+1) val_fraction) > floor(i val_fraction), or the examples of ``val_inputs``. Bad
+    input is a one-line ``ConfigError`` naming the flag (and the file:line), raised before ``out``
+    is touched. The checking pass keeps its results for the writing pass up to ``keep_tokens``
+    tokens (5 bytes each at most); a larger input is rendered and tokenized again."""
+    started = time.perf_counter()
+    console = Console(stderr=True, soft_wrap=True, highlight=False)
+    if val_inputs and val_fraction:
+        raise ConfigError("--val-input", "give --val-fraction or --val-input, not both")
+    is_val = _val_selector(val_fraction)
+    if shard_tokens < 1:
+        raise ConfigError("--shard-tokens", f"must be a positive number of tokens, got {shard_tokens}")
+    tokenizer = load_tokenizer(tokenizer_path, "--tokenizer")
+    tokenizer.encode_special_tokens = False  # the template's special tokens are tokens
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    eos_token, eos_id = end_of_document_id(tokenizer, eos, "--eos")
+    template = load_chat_template(tokenizer_path, eos_token, chat_template)
+    if template.source == DEFAULT_TEMPLATE_SOURCE:
+        console.print(f"chat template: {DEFAULT_TEMPLATE_SOURCE} (the tokenizer has none; see "
+                      "meshtrain/data/sft.py DEFAULT_CHAT_TEMPLATE)", markup=False)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    dtype = token_dtype(vocab_size)
+    out_dir = pathlib.Path(out).absolute()
+    train_files = input_files(inputs, "--input")
+    val_files = input_files(val_inputs, "--val-input") if val_inputs else []
+    if set(train_files) & set(val_files):
+        raise ConfigError("--val-input", f"{sorted(set(train_files) & set(val_files))[0]} is also an --input file")
+    if any(out_dir in path.parents for path in train_files + val_files):
+        raise ConfigError("--input", f"matches files inside --out {out_dir}")
+    writable_directory(out_dir, "--out", create=False)
+    check_out(out_dir, overwrite)
+    special = _special_tokens(tokenizer)
+    splits = [TRAIN, VAL] if val_files or val_fraction else [TRAIN]
+    all_files = train_files + val_files
+    total_bytes = sum(path.stat().st_size for path in all_files)
+
+    def packed_batches() -> Iterator[dict[str, tuple[np.ndarray, np.ndarray, int, np.ndarray]]]:
+        """Per batch of examples, per split: (ids, lengths, text bytes, mask), checked."""
+        readers = [(_Reader(train_files, "--input", template, special), None)]
+        if val_files:
+            readers.append((_Reader(val_files, "--val-input", template, special), VAL))
+        bar = _Progress(console, total_bytes, len(all_files), progress)
+        with bar.bar:
+            for batch in _batches(readers, is_val, batch_bytes):
+                tokenized = _tokenized(tokenizer, batch, eos_id)
+                packed = {}
+                for split in splits:
+                    chosen = [(example, ids, mask) for example, (ids, mask) in zip(batch, tokenized)
+                              if example.split == split]
+                    if chosen:
+                        packed[split] = (np.concatenate([ids for _, ids, _ in chosen]).astype(dtype),
+                                         np.array([len(ids) for _, ids, _ in chosen], np.int64),
+                                         sum(example.size for example, _, _ in chosen),
+                                         np.concatenate([mask for _, _, mask in chosen]))
+                        counts[split] = [a + b for a, b in zip(counts[split], (
+                            len(chosen), sum(len(example.turns) for example, _, _ in chosen),
+                            len(packed[split][0]), int(np.count_nonzero(packed[split][3]))))]
+                yield packed
+                shown = {split: types.SimpleNamespace(documents=numbers[0], tokens=numbers[2])
+                         for split, numbers in counts.items()}
+                bar.update(sum(r.bytes_read for r, _ in readers), sum(r.files_read for r, _ in readers), shown)
+
+    # Pass 1: every example read, rendered, tokenized and checked; nothing written. Its results are
+    # kept for pass 2 up to keep_tokens tokens; beyond, pass 2 renders and tokenizes them again.
+    counts = {split: [0, 0, 0, 0] for split in splits}
+    kept: list | None = []
+    for packed in packed_batches():
+        if kept is not None:
+            kept.append(packed)
+            if sum(counts[split][2] for split in splits) > keep_tokens:
+                kept = None
+    if val_fraction and not counts[VAL][0]:
+        raise ConfigError("--val-fraction", f"{val_fraction} of {counts[TRAIN][0]} examples rounds down to no val "
+                          "example; raise it or use --val-input")
+    written = {split: SplitCounts(*values) for split, values in counts.items()}
+
+    # Pass 2: the same examples, written.
+    writable_directory(out_dir, "--out")
+    with RunLock(out_dir, field="--out", holder="prepare"):
+        _claim(out_dir, overwrite, lambda line: console.print(line, markup=False))
+        writers = {split: _SplitWriter(out_dir, split, dtype, shard_tokens, masked=True) for split in splits}
+        if kept is None:
+            counts = {split: [0, 0, 0, 0] for split in splits}
+        for packed in kept if kept is not None else packed_batches():
+            for split, (ids, lengths, text_bytes, mask) in packed.items():
+                writers[split].add(ids, lengths, text_bytes, mask)
+        template_bytes = template.text.encode("utf-8")
+        write_file(out_dir / CHAT_TEMPLATE_FILE, template_bytes)
+        loss_mask = {"chat_template": {"file": CHAT_TEMPLATE_FILE, "source": template.source,
+                                       "sha256": hashlib.sha256(template_bytes).hexdigest()},
+                     "variables": template.variables, "trained_role": ASSISTANT}
+        corpus = finish(out_dir, tokenizer_path, dtype, (eos_token, eos_id), vocab_size, writers, loss_mask)
+    return SftReport(corpus, written, template.source, time.perf_counter() - started)

@@ -1,0 +1,456 @@
+"""Supervised fine-tuning (``prepare-sft``, the loss mask): the loss ignores prompt tokens exactly,
+the mask survives document packing, equals one device on (2,2,2,1) and through pipeline schedules,
+prepare renders like ``transformers``' ``apply_chat_template`` (ids and assistant-token mask, a real
+ChatML template) and with the built-in default template, refuses bad input in one line without
+touching what is already written, and the held-out evaluation reports the response-only loss.
+
+The data is made here: a byte-level BPE of 300 ids trained on a small word list, plus ChatML's two
+special tokens, and 64 examples (pairs and two-turn chats with a system message) of a few words.
+
+Tolerances (fp32): losses rel 1e-5; gradients rel L2 1e-5 per parameter; against an independent
+float64 cross-entropy over the response positions, rel 1e-5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from tokenizers import Tokenizer
+
+from meshtrain import logits as logits_cli
+from meshtrain.data import DataConfig, DataSource, Packing, global_batch, make_dataset, make_held_out_dataset
+from meshtrain.data.__main__ import main as data_main
+from meshtrain.data.corpus import INDEX_FILE, PreparedCorpus
+from meshtrain.data.sft import DEFAULT_CHAT_TEMPLATE, DEFAULT_TEMPLATE_SOURCE, prepare_sft
+from meshtrain.data.tokenizer import train_bpe
+from meshtrain.errors import ConfigError
+from meshtrain.loss import cross_entropy_sum
+from meshtrain.parallel.pipeline import PipelineConfig, Schedule
+from meshtrain.train import main as train_main
+from models.api import forward
+from models.common import unconstrained
+from utils import MODEL, make_trainer
+
+WORDS = ["what", "is", "the", "capital", "of", "france", "paris", "name", "a", "color", "blue", "red", "fruit",
+         "apple", "say", "hi", "again", "be", "brief", "yes", "no", "python", "list", "sort", "return", "value"]
+# ChatML, with transformers' {% generation %} marking the assistant text it masks.
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+          "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>\n' }}"
+          "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SEQ = 64
+SFT_MODEL = dataclasses.replace(MODEL, vocab_size=320, num_layers=4, seq_len=SEQ)  # 4: interleaved 2 x 2
+BATCH = 8
+
+
+def _sentence(rng, low: int, high: int) -> str:
+    return " ".join(rng.choice(WORDS, rng.integers(low, high))).capitalize() + rng.choice([".", "?", "!"])
+
+
+def _examples(seed: int, count: int) -> list[dict]:
+    """Pairs, and every third a two-turn chat with a system message (or a pair with one)."""
+    rng = np.random.default_rng(seed)
+    examples = []
+    for i in range(count):
+        if i % 3 == 2:
+            examples.append({"messages": [
+                {"role": "system", "content": _sentence(rng, 1, 2)},
+                {"role": "user", "content": _sentence(rng, 1, 4)},
+                {"role": "assistant", "content": _sentence(rng, 1, 3)},
+                {"role": "user", "content": _sentence(rng, 1, 3)},
+                {"role": "assistant", "content": _sentence(rng, 1, 3)}]})
+        else:
+            example = {"prompt": _sentence(rng, 1, 5), "response": _sentence(rng, 1, 4)}
+            if i % 6 == 1:
+                example["system"] = _sentence(rng, 1, 2)
+            examples.append(example)
+    return examples
+
+
+def _messages(example: dict) -> list[dict]:
+    if "messages" in example:
+        return example["messages"]
+    system = [{"role": "system", "content": example["system"]}] if "system" in example else []
+    return system + [{"role": "user", "content": example["prompt"]},
+                     {"role": "assistant", "content": example["response"]}]
+
+
+def _write_jsonl(path: pathlib.Path, records: list) -> pathlib.Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    """Tokenizer directories (plain: no template; chatml: ChatML specials and tokenizer_config.json),
+    the examples, and the two prepared corpora (25% held out)."""
+    root = tmp_path_factory.mktemp("sft")
+    rng = np.random.default_rng(0)
+    plain = train_bpe([_sentence(rng, 3, 30) for _ in range(300)], 300, root / "plain").parent
+    tokenizer = Tokenizer.from_file(str(plain / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    (root / "chatml").mkdir()
+    tokenizer.save(str(root / "chatml" / "tokenizer.json"))
+    (root / "chatml" / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None, "tokenizer_class": "X"}))
+    examples = _examples(1, 64)
+    inputs = _write_jsonl(root / "examples.jsonl", examples)
+    prepared = {}
+    for name in ("plain", "chatml"):
+        prepare_sft([str(inputs)], str(root / name), str(root / f"prepared-{name}"), val_fraction=0.25,
+                    progress=False, shard_tokens=500)
+        prepared[name] = root / f"prepared-{name}"
+    return {"root": root, "plain": plain, "chatml": root / "chatml", "examples": examples, "inputs": inputs,
+            "prepared": prepared}
+
+
+def _documents(split) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(ids, loss mask) of every document of a prepared split."""
+    starts = split.document_starts()
+    return [(split.tokens(a, b).astype(np.int64), split.loss_mask(a, b)) for a, b in itertools.pairwise(starts)]
+
+
+def _spans(tokenizer: Tokenizer, ids: np.ndarray, mask: np.ndarray) -> tuple[list[str], str]:
+    """The decoded runs of masked tokens, and the decoded unmasked tokens."""
+    decode = lambda part: tokenizer.decode([int(i) for i in part], skip_special_tokens=False)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return [decode(ids[a:b]) for a, b in zip(edges[::2], edges[1::2])], decode(ids[mask == 0])
+
+
+# ---- prepare-sft ----
+
+def test_chatml_template_equals_transformers_ids_and_assistant_mask(data):
+    """Every example's ids are transformers' apply_chat_template ids then EOS, and its loss mask is
+    transformers' assistant-token mask ({% generation %}), EOS not trained on."""
+    from transformers import PreTrainedTokenizerFast
+
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(data["chatml"] / "tokenizer.json"), chat_template=CHATML,
+                                        eos_token="<|im_end|>")
+    corpus = PreparedCorpus.open(str(data["prepared"]["chatml"]))
+    assert corpus.loss_mask["chat_template"]["source"] == str(data["chatml"] / "tokenizer_config.json")
+    assert (pathlib.Path(corpus.path) / "chat_template.jinja").read_text() == CHATML
+    eos = corpus.tokenizer.eos_id
+    assert corpus.tokenizer.eos == "<|endoftext|>"  # the document end; the template's eos_token is <|im_end|>
+    documents = _documents(corpus.splits["train"]) + _documents(corpus.splits["val"])
+    # val takes example i when floor((i+1)/4) > floor(i/4): examples 3, 7, 11, ...
+    order = [i for i in range(64) if (i + 1) % 4] + [i for i in range(64) if not (i + 1) % 4]
+    assert len(documents) == 64
+    tokenizer = Tokenizer.from_file(str(data["chatml"] / "tokenizer.json"))
+    for number, (ids, mask) in zip(order, documents):
+        messages = _messages(data["examples"][number])
+        expected = reference.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                 return_assistant_tokens_mask=True)
+        np.testing.assert_array_equal(ids, expected["input_ids"] + [eos])
+        np.testing.assert_array_equal(mask, expected["assistant_masks"] + [0])
+        spans, _ = _spans(tokenizer, ids, mask)
+        assert spans == [m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant"]
+    split = corpus.splits["train"]
+    assert split.loss_tokens == sum(int(mask.sum()) for _, mask in _documents(split))
+    corpus.verify()
+
+
+def test_default_template_for_a_tokenizer_without_one(data, tmp_path, capsys):
+    """The built-in template: each response and its EOS trained on, the prompt not; the EOS that
+    ends the response ends the document (not doubled); the same input gives the same bytes."""
+    out = tmp_path / "out"
+    assert data_main(["prepare-sft", "--tokenizer", str(data["plain"]), "--input", str(data["inputs"]), "--out",
+                      str(out), "--val-fraction", "0.25", "--no-progress", "--shard-tokens", "500"]) == 0
+    captured = capsys.readouterr()
+    assert f"chat template: {DEFAULT_TEMPLATE_SOURCE} (the tokenizer has none" in captured.err
+    lines = captured.out.splitlines()
+    assert lines[0].startswith(f"{out} train: 48 examples, 64 assistant turns, ") and "trained on" in lines[0]
+    assert lines[1].startswith(f"{out} val: 16 examples, ")
+    prepared = data["prepared"]["plain"]
+    for path in prepared.iterdir():  # the fixture's run wrote the same bytes, index.json but the paths alike
+        if path.name != INDEX_FILE:
+            assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+    corpus = PreparedCorpus.open(str(out))
+    assert (out / "chat_template.jinja").read_text() == DEFAULT_CHAT_TEMPLATE
+    tokenizer = Tokenizer.from_file(str(data["plain"] / "tokenizer.json"))
+    order = [i for i in range(64) if (i + 1) % 4]
+    for number, (ids, mask) in zip(order, _documents(corpus.splits["train"])):
+        messages = _messages(data["examples"][number])
+        spans, prompt = _spans(tokenizer, ids, mask)
+        assert spans == [m["content"] + "<|endoftext|>" for m in messages if m["role"] == "assistant"]
+        assert "<|endoftext|>" not in prompt and ids[-1] == corpus.tokenizer.eos_id
+        assert prompt.startswith(messages[0]["content"] if messages[0]["role"] == "system" else "### Instruction:\n")
+        assert prompt.endswith("### Response:\n")
+
+
+def test_val_input_and_a_template_file(data, tmp_path):
+    val = _write_jsonl(tmp_path / "val.jsonl", _examples(2, 5))
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token if m['role'] == "
+                        "'assistant' }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    report = prepare_sft([str(data["inputs"])], str(data["chatml"]), str(tmp_path / "out"), val_inputs=[str(val)],
+                         chat_template=str(template), progress=False)
+    assert report.template_source == str(template)
+    assert report.counts["train"].examples == 64 and report.counts["val"].examples == 5
+    tokenizer = Tokenizer.from_file(str(data["chatml"] / "tokenizer.json"))
+    ids, mask = _documents(report.corpus.splits["val"])[0]
+    messages = _messages(_examples(2, 5)[0])
+    # The template's newline after EOS is part of the assistant's turn (rendered with it).
+    assert _spans(tokenizer, ids, mask)[0] == [m["content"] + "<|im_end|>\n" for m in messages
+                                               if m["role"] == "assistant"]
+
+
+BAD_LINES = [
+    ("not json", "is not a line of JSON"),
+    ('["prompt", "response"]', "is a JSON list, not an object"),
+    ('{"text": "x"}', 'has neither "messages" nor "prompt" and "response" (its keys: text)'),
+    ('{"prompt": "x", "response": 3}', '"response" is a int, not text'),
+    ('{"messages": []}', '"messages" is not a non-empty list'),
+    ('{"messages": [{"role": "user", "content": "x"}]}', 'has no message with role "assistant"'),
+    ('{"messages": [{"role": "assistant"}]}', "messages[0].content is missing, not text"),
+    ('{"messages": [{"role": "user", "content": ["x"]}, {"role": "assistant", "content": "y"}]}',
+     "messages[0].content is a list, not text"),
+    ('{"prompt": "x", "response": "y", "messages": []}', 'has both "messages" and "prompt"/"response"'),
+    ('{"prompt": "x <|endoftext|> y", "response": "z"}', "holds '<|endoftext|>', a special token of the tokenizer"),
+    ('{"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}',
+     "the chat template (the built-in default) refused it: the built-in chat template knows the roles system, "
+     "user and assistant, not tool"),
+]
+
+
+@pytest.mark.parametrize("line,message", BAD_LINES, ids=[f"bad{i}" for i in range(len(BAD_LINES))])
+def test_bad_lines_are_refused_in_one_line_and_nothing_written_is_lost(data, tmp_path, capsys, line, message):
+    out = tmp_path / "out"
+    assert data_main(["prepare-sft", "--tokenizer", str(data["plain"]), "--input", str(data["inputs"]),
+                      "--out", str(out), "--no-progress"]) == 0
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "Say hi.", "response": "Hi."}\n\n' + line + "\n")
+    capsys.readouterr()
+    assert data_main(["prepare-sft", "--tokenizer", str(data["plain"]), "--input", str(bad), "--out", str(out),
+                      "--no-progress", "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0].startswith("chat template:"), err  # the note, then one error line
+    assert err[1].startswith(f"error: --input: {bad}:3") and message in err[1], err[1]
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before  # the corpus is intact
+
+
+def test_a_prompt_whose_tokens_are_not_a_prefix_is_refused(data, tmp_path):
+    """A generation prompt ending in a space: ' capital' starts with a token 'Ġc' in the whole, so the
+    prompt's tokens (ending in 'Ġ') are not a prefix; refused, naming the line and the tokens."""
+    template = tmp_path / "answer.jinja"
+    template.write_text("{% for m in messages %}{% if m['role'] == 'user' %}Question: {{ m['content'] }}\n"
+                        "{% else %}Answer: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
+                        "{% if add_generation_prompt %}Answer:{{ ' ' }}{% endif %}")
+    tokenizer = Tokenizer.from_file(str(data["plain"] / "tokenizer.json"))
+    word = next(w for w in WORDS if tokenizer.encode(" " + w).tokens[0] != "Ġ")  # a merge across the space
+    first = tokenizer.encode(" " + word).tokens[0]
+    inputs = _write_jsonl(tmp_path / "x.jsonl", [{"prompt": "What is it?", "response": f"{word} is it."}])
+    with pytest.raises(ConfigError, match=rf"--input: {inputs}:1: assistant turn 1: the tokens of the conversation "
+                       r"before it with the generation prompt are not a prefix of the whole conversation's \(token "
+                       rf"\d+ is 'Ġ' there but '{first}' in the whole conversation\)"):
+        prepare_sft([str(inputs)], str(data["plain"]), str(tmp_path / "out"), chat_template=str(template),
+                    progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_template_and_option_errors(data, tmp_path):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    with pytest.raises(ConfigError, match=r"--chat-template: the chat template of .*broken.jinja is not valid Jinja "
+                       r"\(its line 1: "):
+        prepare_sft([str(data["inputs"])], str(data["plain"]), str(tmp_path / "o1"), chat_template=str(broken))
+    with pytest.raises(ConfigError, match="--chat-template: no such file"):
+        prepare_sft([str(data["inputs"])], str(data["plain"]), str(tmp_path / "o2"), chat_template="missing.jinja")
+    with pytest.raises(ConfigError, match=r"--val-fraction: 0\.01 of 64 examples rounds down to no val example"):
+        prepare_sft([str(data["inputs"])], str(data["plain"]), str(tmp_path / "o3"), val_fraction=0.01,
+                    progress=False)
+    with pytest.raises(ConfigError, match=r"--out: .* is already prepared"):
+        prepare_sft([str(data["inputs"])], str(data["plain"]), str(data["prepared"]["plain"]), progress=False)
+    assert not any((tmp_path / name).exists() for name in ("o1", "o2", "o3"))
+
+
+def test_the_output_does_not_depend_on_batching_or_the_kept_tokens(data, tmp_path):
+    """A small batch, and an input larger than the tokens the checking pass keeps (rendered and
+    tokenized again in the writing pass), write the same bytes."""
+    prepare_sft([str(data["inputs"])], str(data["plain"]), str(tmp_path / "out"), val_fraction=0.25,
+                progress=False, shard_tokens=500, batch_bytes=300, keep_tokens=100)
+    for path in data["prepared"]["plain"].iterdir():
+        assert (tmp_path / "out" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+# ---- the loss ----
+
+def test_cross_entropy_ignores_masked_positions_exactly():
+    """cross_entropy_sum: the logits and targets at masked positions do not move the sum by one bit,
+    and it equals a float64 cross-entropy over the unmasked positions alone."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 16, 50)).astype(np.float32) * 3
+    targets = rng.integers(0, 50, (4, 16))
+    mask = (rng.random((4, 16)) < 0.4).astype(np.float32)
+    total = float(cross_entropy_sum(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(mask)))
+    prompt = mask == 0
+    moved_logits = logits.copy()
+    moved_logits[prompt] = rng.normal(size=(int(prompt.sum()), 50)) * 100
+    moved_targets = np.where(prompt, (targets + 17) % 50, targets)
+    moved = float(cross_entropy_sum(jnp.asarray(moved_logits), jnp.asarray(moved_targets), jnp.asarray(mask)))
+    assert moved == total
+    log_probs = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    reference = -sum(log_probs[b, t, targets[b, t]] for b, t in zip(*np.nonzero(mask)))
+    assert total == pytest.approx(reference, rel=1e-6)
+
+
+def _alone_logits(params, graphdef, inputs: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """Logits [rows, length, vocab] with every document piece of each row run alone on one device."""
+    pieces, places = [], []
+    for row in range(inputs.shape[0]):
+        for segment in np.unique(segments[row][segments[row] > 0]):
+            where = np.flatnonzero(segments[row] == segment)
+            pieces.append(np.pad(inputs[row, where], (0, inputs.shape[1] - where.size)))
+            places.append((row, where))
+    run = jax.jit(lambda p, tokens: forward(nnx.merge(graphdef, p), tokens, unconstrained))
+    out_logits = np.asarray(run(params, jnp.asarray(np.stack(pieces))))
+    out = np.zeros((*inputs.shape, out_logits.shape[-1]), np.float32)
+    for piece, (row, where) in zip(out_logits, places):
+        out[row, where] = piece[:where.size]
+    return out
+
+
+def _response_loss(logits: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
+    """(sum, count) of the float64 cross-entropy over the positions ``mask`` keeps."""
+    logits = logits.astype(np.float64)
+    log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    token_loss = -np.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
+    return float((token_loss * mask).sum()), float(mask.sum())
+
+
+def _expected_mask(split, windows: np.ndarray) -> np.ndarray:
+    """mask [n, SEQ] of windows ``windows`` (numbers) of a packed split, built independently: the
+    target is a response token of the same document as its input, inside the stream."""
+    starts = split.document_starts()
+    tokens = np.arange(split.num_tokens)
+    document = np.searchsorted(starts, tokens, side="right") - 1
+    loss = split.loss_mask(0, split.num_tokens)
+    out = np.zeros((len(windows), SEQ), np.float32)
+    for row, window in enumerate(windows):
+        for t in range(SEQ):
+            source, target = window * (SEQ + 1) + t, window * (SEQ + 1) + t + 1
+            if target < split.num_tokens and document[source] == document[target]:
+                out[row, t] = loss[target]
+    return out
+
+
+def _flat(tree) -> dict:
+    return {".".join(map(str, path)): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(tree)}
+
+
+@pytest.fixture(scope="module")
+def single_device(data):
+    """On one device, a packed batch of the ChatML corpus: the batch, loss, gradients, evaluation,
+    and the loss and gradients with the prompt positions' targets changed."""
+    trainer = make_trainer((1, 1, 1, 1), SFT_MODEL, batch_size=BATCH)
+    cfg = DataConfig(source=DataSource.TOKENS, path=str(data["prepared"]["chatml"]), packing=Packing.DOCUMENTS)
+    dataset = make_dataset(cfg, vocab_size=SFT_MODEL.vocab_size, seq_len=SEQ)
+    batch = global_batch(dataset, 0, BATCH, trainer.batch_sharding)
+    state = trainer.init_state(seed=0)
+    gradients = jax.jit(trainer.gradients)
+    loss, grads, count, _ = gradients(state, batch)
+    host = {key: np.asarray(value) for key, value in batch.items()}
+    prompt = host["mask"] == 0
+    moved = dict(batch, targets=jnp.asarray(np.where(prompt, (host["targets"] + 5) % 300, host["targets"])))
+    moved_loss, moved_grads, _, _ = gradients(state, moved)
+    alone = _alone_logits(jax.device_get(state.params), trainer.graphdef, host["inputs"], host["segments"])
+    return {"dataset": dataset, "host": host, "loss": float(loss), "count": float(count), "grads": _flat(grads),
+            "moved": (float(moved_loss), _flat(moved_grads)), "alone": alone,
+            "eval": jax.device_get(trainer.eval_step(state.params, batch))}
+
+
+def test_packed_mask_is_documents_times_responses(data, single_device):
+    host, dataset = single_device["host"], single_device["dataset"]
+    split = PreparedCorpus.open(str(data["prepared"]["chatml"])).splits["train"]
+    windows = dataset.windows(np.arange(BATCH))
+    np.testing.assert_array_equal(host["mask"], _expected_mask(split, windows))
+    assert (host["segments"].max(1) >= 2).sum() >= BATCH // 2  # rows hold several examples
+    assert 0 < host["mask"].sum() < 0.5 * (host["segments"] > 0).sum()  # most targets are prompt tokens
+
+
+def test_the_loss_ignores_prompt_tokens_exactly(single_device):
+    """Targets changed at every prompt position: the loss and every gradient are bit-identical; the
+    loss equals a float64 cross-entropy over the response positions of each example run alone."""
+    moved_loss, moved_grads = single_device["moved"]
+    assert moved_loss == single_device["loss"]
+    for name, grad in single_device["grads"].items():
+        np.testing.assert_array_equal(moved_grads[name], grad, err_msg=name)
+    host = single_device["host"]
+    total, count = _response_loss(single_device["alone"], host["targets"], host["mask"])
+    assert count == single_device["count"]
+    assert single_device["loss"] == pytest.approx(total / count, rel=1e-5)
+    # The test can fail: the same logits over every target of the documents give another loss.
+    documents = (host["segments"] > 0) & (np.roll(host["segments"], -1, 1) == host["segments"])
+    everything, every_count = _response_loss(single_device["alone"], host["targets"], documents.astype(np.float32))
+    assert abs(everything / every_count - single_device["loss"]) > 1e-2
+
+
+PIPELINES = {"1f1b": PipelineConfig(2, Schedule.ONE_F_ONE_B), "gpipe": PipelineConfig(2, Schedule.GPIPE),
+             "interleaved": PipelineConfig(2, Schedule.INTERLEAVED, virtual_stages=2)}
+
+
+@pytest.mark.parametrize("mesh_shape,pipeline", [
+    ((2, 2, 2, 1), "none"), ((2, 2, 1, 2), "1f1b"),
+    pytest.param((1, 2, 2, 2), "gpipe", marks=pytest.mark.slow),
+    pytest.param((2, 1, 1, 2), "interleaved", marks=pytest.mark.slow)])
+def test_the_masked_loss_equals_one_device_in_every_layout(data, single_device, mesh_shape, pipeline):
+    trainer = make_trainer(mesh_shape, SFT_MODEL, pipeline=PIPELINES.get(pipeline, PipelineConfig()),
+                           batch_size=BATCH)
+    batch = global_batch(single_device["dataset"], 0, BATCH, trainer.batch_sharding)
+    np.testing.assert_array_equal(np.asarray(batch["mask"]), single_device["host"]["mask"])
+    state = trainer.init_state(seed=0)
+    loss, grads, count, _ = jax.jit(trainer.gradients)(state, batch)
+    assert float(count) == single_device["count"]
+    assert float(loss) == pytest.approx(single_device["loss"], rel=1e-5)
+    for name, grad in _flat(trainer.layer_order.to_logical(grads)).items():
+        reference = single_device["grads"][name]
+        assert np.linalg.norm(grad - reference) / np.linalg.norm(reference) <= 1e-5, name
+    evaluated = jax.device_get(trainer.eval_step(state.params, batch))
+    assert float(evaluated["target_tokens"]) == single_device["count"]
+    assert float(evaluated["loss_sum"]) == pytest.approx(float(single_device["eval"]["loss_sum"]), rel=1e-5)
+
+
+# ---- evaluation on the held-out examples ----
+
+def test_held_out_evaluation_reports_the_response_only_loss(data, tmp_path):
+    """prepare-sft -> train with evaluation on the val split (concat packing, (2,2,2,1)): the eval
+    loss equals the float64 cross-entropy over the val windows' response targets of
+    meshtrain.logits' logits, and not the loss over all targets."""
+    prepared = data["prepared"]["plain"]
+    run = tmp_path / "run"
+    argv = ["train.steps=2", f"train.batch_size={BATCH}", "train.log_every=1", "eval.every=2", "eval.batches=1",
+            "data.source=tokens", f"data.path={prepared}", f"run.dir={run}", "train.precision=fp32",
+            "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", f"model.vocab_size={SFT_MODEL.vocab_size}",
+            "model.embed_dim=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+            "model.head_dim=8", "model.mlp_dim=64", f"model.seq_len={SEQ}"]
+    assert train_main(argv) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "eval_loss" in r][-1]
+    split = PreparedCorpus.open(str(prepared)).split("val")
+    held_out = make_held_out_dataset(DataConfig(source=DataSource.TOKENS, path=str(prepared)), None, path="",
+                                     split="val", field="eval.path", vocab_size=SFT_MODEL.vocab_size, seq_len=SEQ)
+    rows = held_out.rows(np.arange(BATCH))
+    window = SEQ + 1
+    tokens = np.stack([split.tokens(w * window, (w + 1) * window) for w in range(BATCH)]).astype(np.int64)
+    loss_mask = np.stack([split.loss_mask(w * window, (w + 1) * window) for w in range(BATCH)])
+    np.testing.assert_array_equal(rows["mask"], loss_mask[:, 1:])
+    np.save(tmp_path / "windows.npy", tokens[:, :-1])
+    assert logits_cli.main(["--model", str(run), "--tokens", str(tmp_path / "windows.npy"),
+                            "--out", str(tmp_path / "logits.npy")]) == 0
+    logits = np.load(tmp_path / "logits.npy")
+    total, count = _response_loss(logits, tokens[:, 1:], loss_mask[:, 1:].astype(np.float64))
+    assert 0 < count < 0.5 * tokens[:, 1:].size
+    assert evaluated["eval_loss"] == pytest.approx(total / count, rel=1e-5)
+    every, every_count = _response_loss(logits, tokens[:, 1:], np.ones(tokens[:, 1:].shape))
+    assert abs(every / every_count - evaluated["eval_loss"]) > 1e-2
+    assert math.isclose(evaluated["eval_perplexity"], math.exp(evaluated["eval_loss"]), rel_tol=1e-9)
