@@ -53,7 +53,8 @@ STATE_SCALAR_BYTES = 64  # step, skipped_steps, loss scale, Adam/schedule counts
 
 # Why a pipeline layout's verdict is marked (docs/memory.md tables the measured errors).
 UNRELIABLE = ("pipeline temp memory is estimated within -29%..+9% of XLA:CPU's memory analysis on small "
-              "layouts, unchecked at scale; confirm with --verify, whose verdict overrules this one")
+              "layouts and 38-62% below it on 10B layouts (interleaved, ZB-H1, 8 stages); ranked after the "
+              "layouts that fit for certain; confirm with --verify, whose verdict overrules this one")
 # Multiplier of one layer's structural working set (``per_layer_bytes``), fitted (minimax)
 # to XLA:CPU's temp bytes of the real fp32 train step on mesh (1, 8, 1, 1), ZeRO-3, over 13 model
 # shapes per policy (docs/memory.md): XLA reuses some buffers within the layer's backward.

@@ -116,8 +116,11 @@ class Plan:
         return out
 
     def ranked(self) -> tuple[list[Estimate], list[Estimate], list[Estimate]]:
-        """(fit, by step time), (too big, by memory needed), (cannot be built)."""
-        fit = sorted((e for e in self.estimates if self.fits(e)), key=lambda e: (e.step_s, e.total))
+        """(fit: the layouts whose estimate is checked (``Estimate.reliable``) first, each group by
+        step time; too big, by memory needed; cannot be built). A pipelined layout's temporaries are
+        not checked at scale, so it never ranks above one that is: the first row (which
+        ``--write-config`` writes) is one the estimate can vouch for whenever there is one."""
+        fit = sorted((e for e in self.estimates if self.fits(e)), key=lambda e: (not e.reliable, e.step_s, e.total))
         big = sorted((e for e in self.estimates if not e.reasons and not self.fits(e)), key=lambda e: e.total)
         broken = [e for e in self.estimates if e.reasons]
         return fit, big, broken
@@ -161,7 +164,7 @@ def _schedules(cfg: Config, stage: int, schedules: list[Schedule] | None) -> lis
         return [(Schedule.CUSTOM, cfg.pipeline.virtual_stages)]
     wanted = SEARCHED_SCHEDULES if schedules is None else [(s, 2 if s is Schedule.INTERLEAVED else 1)
                                                             for s in schedules]
-    return [(s, v) for s, v in wanted if cfg.model.num_layers % (stage * v) == 0]
+    return [(s, v) for s, v in wanted if v == 1 or cfg.model.num_layers % (stage * v) == 0]
 
 
 def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: float | None = None, *,

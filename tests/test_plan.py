@@ -42,7 +42,7 @@ CASES = {
 def _estimate_and_compile(overrides, mesh, zero, remat, micro):
     cfg = load_config(REPO / "configs" / "tiny.yaml", overrides)
     plan = planner.make_plan(cfg, 8, 80 * GB, meshes=[mesh], zero_stages=[zero],
-                             remats=[RematPolicy(remat)])
+                             remats=[RematPolicy(remat)], schedules=[planner.Schedule.GPIPE])
     (est,) = [e for e in plan.estimates if e.candidate.microbatches == micro or mesh[3] == 1]
     assert not est.reasons, est.reasons
     xla = planner.verify(str(REPO / "configs" / "tiny.yaml"), overrides, est, 8)
@@ -264,3 +264,28 @@ def test_a_search_longer_than_a_second_shows_its_progress(capsys):
     line.last -= 5.0
     line(1234)
     assert capsys.readouterr().err.startswith("planning: 1,234 layouts estimated (5.0 s)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["llama_8b", "qwen3_moe_30b_a3b"])
+def test_the_written_big_config_shards_its_parameters_as_the_plans_first_row(tmp_path, capsys, config):
+    """``plan --write-config`` for a cluster shape (64 x 141 GB), then ``train --print-sharding`` of the
+    written file on 64 simulated devices (nothing compiled): the parameters' bytes per device equal
+    the first row's ``params`` column (3 significant digits)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "planned.yaml"
+    devices = 64
+    assert planner.main(["--config", f"configs/{config}.yaml", "--devices", str(devices), "--device-memory",
+                         "141GB", "--top", "1", "--write-config", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    first = next(line for line in printed if line.startswith("1  ("))
+    params_gb = float(first.split()[planner.HEADER.index("params")])
+    result = subprocess.run([sys.executable, "-m", "meshtrain.train", "--config", str(out), "--host-devices",
+                             str(devices), "--print-sharding"], cwd=REPO, capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    total = next(line for line in result.stdout.splitlines() if line.startswith("total"))
+    per_device = int(total.split()[1])
+    assert per_device / 1e9 == pytest.approx(params_gb, rel=5e-3), (first, total)
