@@ -212,10 +212,11 @@ def test_invalid_fields_are_named(fields, field):
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (a test extra)")
 torch = pytest.importorskip("torch", reason="torch is not installed (a test extra)")
 
-from test_hf import _hf_logits, _mesh, _random_norms, round_trip_through_hf  # noqa: E402
+from test_hf import (_hf_logits, _mesh, _random_norms, generate_cli_matches_transformers,  # noqa: E402
+                     round_trip_through_hf)
 from test_hf_finetune import first_logged_and_transformers_loss  # noqa: E402
 
-from meshtrain import convert, generate, hf, loading  # noqa: E402
+from meshtrain import convert, hf, loading  # noqa: E402
 from meshtrain.config import load_config, model_dict  # noqa: E402
 from meshtrain.errors import ConfigError  # noqa: E402
 from meshtrain.loop import train  # noqa: E402
@@ -339,22 +340,9 @@ def test_unsupported_checkpoints_are_refused_naming_the_key(hf_dirs, tmp_path, c
 def test_generate_cli_gives_transformers_greedy_tokens(hf_dirs, tmp_path):
     """meshtrain.generate on the q-LoRA / YaRN checkpoint (the compressed cache; fsdp over 8 devices:
     one expert each) picks transformers' greedy tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     path, _ = hf_dirs["qlora_yarn"]
-    words = ["<unk>", "</s>"] + [f"w{i}" for i in range(94)]
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    printed = []
-    argv = ["--hf", str(path), "--prompt", "w3 w7 w9", "--max-new-tokens", "8",
-            "--tokenizer", str(tmp_path / "tokenizer.json")]
-    assert generate.main(argv, print_fn=printed.append) == 0
     reference = transformers.DeepseekV3ForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-    with torch.no_grad():
-        ids = reference.generate(torch.tensor([[5, 9, 11]]), max_new_tokens=8, do_sample=False,
-                                 pad_token_id=0)[0, 3:].tolist()
-    assert printed == ["w3 w7 w9" + tokenizer.decode(ids)]
+    generate_cli_matches_transformers(path, reference, tmp_path, vocab=96, new_tokens=8)
 
 
 @pytest.mark.slow

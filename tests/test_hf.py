@@ -81,6 +81,26 @@ def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.tensor(tokens)).logits.float().numpy()
 
 
+def generate_cli_matches_transformers(path: pathlib.Path, reference, tmp_path: pathlib.Path, vocab: int,
+                                      new_tokens: int) -> None:
+    """``meshtrain.generate --hf path`` with a word-level tokenizer (``w0`` .. ``w{vocab-3}`` after
+    ``<unk>`` and ``</s>``) continues ``w3 w7 w9`` with the greedy tokens of transformers' ``reference``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "</s>"] + [f"w{i}" for i in range(vocab - 2)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    printed = []
+    argv = ["--hf", str(path), "--prompt", "w3 w7 w9", "--max-new-tokens", str(new_tokens),
+            "--tokenizer", str(tmp_path / "tokenizer.json")]
+    assert generate.main(argv, print_fn=printed.append) == 0
+    with torch.no_grad():
+        ids = reference.generate(torch.tensor([[5, 9, 11]]), max_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=0)[0, 3:].tolist()
+    assert printed == ["w3 w7 w9" + tokenizer.decode(ids)]
+
+
 def save_variants(root: pathlib.Path, build, variants, tokens: np.ndarray, *, sharded: str, bf16: str) -> dict:
     """{variant: (directory, logits of ``tokens``)} for each ``build(variant)`` saved by transformers under
     ``root`` (``sharded`` in 40 KB files), and ``"bf16"``: a bfloat16 copy of ``bf16`` (no logits)."""

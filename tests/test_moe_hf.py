@@ -28,6 +28,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (a test extr
 
 from test_hf import (
     _hf_logits,
+    generate_cli_matches_transformers,
     _mesh,
     _random_norms,
     _tensors,
@@ -36,7 +37,7 @@ from test_hf import (
 )
 from test_hf_finetune import first_logged_and_transformers_loss
 
-from meshtrain import convert, generate, hf, loading
+from meshtrain import convert, hf, loading
 from meshtrain.checkpoint import save_params
 from meshtrain.config import load_config, model_dict
 from meshtrain.errors import ConfigError
@@ -281,22 +282,8 @@ def test_init_from_hf_names_the_model_fields_to_change(hf_dirs, tmp_path):
 def test_generate_cli_gives_transformers_greedy_tokens(hf_dirs, tmp_path):
     """meshtrain.generate on the Qwen3 checkpoint (fsdp over 8 devices: one expert each), KV cache and
     dropless routing of the prompt and of each new token, picks transformers' greedy tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     path, _ = hf_dirs["qwen3"]
-    words = ["<unk>", "</s>"] + [f"w{i}" for i in range(110)]
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    printed = []
-    argv = ["--hf", str(path), "--prompt", "w3 w7 w9", "--max-new-tokens", "6",
-            "--tokenizer", str(tmp_path / "tokenizer.json")]
-    assert generate.main(argv, print_fn=printed.append) == 0
-    reference = _from_pretrained(path)
-    with torch.no_grad():
-        ids = reference.generate(torch.tensor([[5, 9, 11]]), max_new_tokens=6, do_sample=False,
-                                 pad_token_id=0)[0, 3:].tolist()
-    assert printed == ["w3 w7 w9" + tokenizer.decode(ids)]
+    generate_cli_matches_transformers(path, _from_pretrained(path), tmp_path, vocab=112, new_tokens=6)
 
 
 @pytest.mark.slow
