@@ -57,6 +57,7 @@ from meshtrain.parallel.pipeline import PipelineConfig
 from meshtrain.parallel.rules import ShardingConfig
 from meshtrain.parallel.zero import ZeroConfig
 from meshtrain.train_config import TrainConfig
+from meshtrain.trackers import Logger
 from models.api import (DEFAULT_FAMILY, UnknownFamily, families, family_named, family_of, import_plugin,
                         is_plugin_file, plugin_of)
 from models.common import InvalidField
@@ -68,14 +69,31 @@ FAMILY_FIELD, PLUGIN_FIELD = "family", "plugin"
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Where a run writes: ``dir`` holds metrics.jsonl, tensorboard/, summary.json, loss.png."""
+    """Where a run writes (``dir`` holds metrics.jsonl, tensorboard/, summary.json, loss.png) and the
+    experiment trackers its metrics also go to (``meshtrain.trackers``)."""
 
     dir: str = "runs/default"
-    tensorboard: bool = True
+    loggers: tuple[Logger, ...] = (Logger.TENSORBOARD,)  # any of tensorboard, wandb, mlflow; [] for none
+    project: str | None = None  # the W&B project and MLflow experiment (None: their env variables, else meshtrain)
+    name: str | None = None  # the tracked run's name (None: dir's last component)
 
     def __post_init__(self):
         if not self.dir:
             raise ConfigError("dir", "must be a non-empty path")
+        valid = " | ".join(logger.value for logger in Logger)
+        loggers = []
+        for value in self.loggers:
+            try:
+                loggers.append(Logger(value))
+            except ValueError:
+                raise ConfigError("loggers", f"{_shown(value)} is not valid{_suggest(str(value), valid.split(' | '))}; "
+                                  f"use any of {valid}") from None
+        if len(set(loggers)) < len(loggers):
+            raise ConfigError("loggers", f"names a logger twice: {[logger.value for logger in loggers]}")
+        object.__setattr__(self, "loggers", tuple(loggers))
+        for field in ("project", "name"):
+            if getattr(self, field) == "":
+                raise ConfigError(field, "must be a non-empty name, or null for the default")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +340,14 @@ def _invalid_enum(cls: type, raw: dict) -> tuple[str, str] | None:
         if (isinstance(field_type, type) and issubclass(field_type, enum.Enum)
                 and value not in [member.value for member in field_type]):
             return key, f"{_shown(value)} is not valid; use {_type_name(field_type)}"
+        items = typing.get_args(field_type)[:1]  # a list of enum members (run.loggers)
+        if (typing.get_origin(field_type) is tuple and items and isinstance(items[0], type)
+                and issubclass(items[0], enum.Enum) and isinstance(value, list)):
+            members = [str(member.value) for member in items[0]]
+            for item in value:
+                if item not in members:
+                    return key, (f"{_shown(item)} is not valid{_suggest(str(item), members)}; use any of "
+                                 f"{' | '.join(members)}")
     return None
 
 
@@ -352,6 +378,10 @@ def resolve_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -
             if not isinstance(sources.get(owner), dict):
                 sources[owner] = {}
             sources[owner][owned] = origin
+    run_sources = sources.get("run")
+    if isinstance(run_sources, dict) and TENSORBOARD_FIELD in run_sources:  # printed as the run.loggers it sets
+        origin = run_sources.pop(TENSORBOARD_FIELD)
+        run_sources.setdefault("loggers", origin)
     return config_from_dict(raw), sources
 
 
@@ -448,8 +478,33 @@ def _merged(base: dict, sources: dict, child: dict, origin: str, sections: bool 
     return base, sources
 
 
+# run.tensorboard (a bool) came before run.loggers; configs and checkpoints written then still load.
+TENSORBOARD_FIELD = "tensorboard"
+
+
+def _tensorboard_alias(raw: dict) -> dict:
+    """``raw`` with the deprecated ``run.tensorboard`` turned into ``run.loggers``: ``false`` is
+    ``run.loggers: []``, ``true`` the default (``[tensorboard]``). Given beside ``run.loggers``, it
+    must agree with it (a base file's ``tensorboard: false`` under an override ``run.loggers=[wandb]``)."""
+    run = raw.get("run")
+    if not isinstance(run, dict) or TENSORBOARD_FIELD not in run:
+        return raw
+    value, rest = run[TENSORBOARD_FIELD], {k: v for k, v in run.items() if k != TENSORBOARD_FIELD}
+    if not isinstance(value, bool):
+        raise ConfigError("run.tensorboard", f"expected true or false, got {_shown(value)}; it is deprecated: "
+                          "write run.loggers: [tensorboard] (the default) or run.loggers: []")
+    loggers = rest.get("loggers")
+    if isinstance(loggers, list) and (Logger.TENSORBOARD.value in loggers) != value:
+        raise ConfigError("run.tensorboard", f"{str(value).lower()} contradicts run.loggers {_shown(loggers)}; "
+                          "drop run.tensorboard (deprecated): run.loggers alone names the loggers")
+    if "loggers" not in rest and not value:
+        rest["loggers"] = []
+    return {**raw, "run": rest}
+
+
 def config_from_dict(raw: dict) -> Config:
     """Validates a raw ``{section: {field: value}}`` mapping (YAML, a checkpoint's saved config)."""
+    raw = _tensorboard_alias(raw)
     for (section, field), (owner, owned) in _ALIASES.items():
         if isinstance(raw.get(section), dict) and field in raw[section]:
             target = raw.setdefault(owner, {})

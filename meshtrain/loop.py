@@ -42,6 +42,7 @@ from meshtrain.policies import (PROFILE_DIR, AppliedStateCheck, Evaluation, NonF
                                 Profiler, Reporter, Run, Saver, SkipLimit, StepOutput, any_process, data_changed, log)
 from meshtrain.resume import initial_state
 from meshtrain.run_lock import RunLock
+from meshtrain.trackers import Status, check_installed, close_trackers, open_trackers
 from meshtrain.train_config import NonFinitePolicy
 from meshtrain.trainer import Trainer, TrainState
 
@@ -110,6 +111,7 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
       NonFiniteStop: ``train.on_nonfinite=stop`` met a non-finite loss or gradient norm, or a step
         left non-finite parameters or moments (nothing of it saved).
     """
+    check_installed(cfg.run.loggers)  # a logger named but not installed: one line, before anything else
     mesh = make_mesh(cfg.mesh, devices)
     if jax.process_count() > 1:
         distributed.print_startup(mesh)  # one line per process: rank, local devices, global mesh
@@ -178,6 +180,22 @@ def _record_tokenizer(dataset: TokenDataset, run_dir: pathlib.Path) -> None:
         os.replace(partial, target)
 
 
+def _open_trackers(cfg: Config, run_dir: pathlib.Path, *, resumed: bool) -> list:
+    """Process 0's trackers (``run.loggers``), opened before compiling so that one that cannot start
+    (W&B not logged in) says so at once, on every process; a run resumed from a checkpoint continues
+    the tracked runs whose ids ``run_dir/trackers.json`` keeps."""
+    trackers, error = [], None
+    if jax.process_index() == 0:
+        try:
+            trackers = open_trackers(cfg.run.loggers, run_dir, to_dict(cfg), project=cfg.run.project,
+                                     name=cfg.run.name, resumed=resumed)
+        except ConfigError as err:
+            error = err
+    if any_process(error is not None):
+        raise error or ConfigError("run.loggers", "a tracker could not start its run (see process 0)")
+    return trackers
+
+
 @dataclasses.dataclass(frozen=True)
 class _Setup:
     """What a run is built from, checked before anything is written."""
@@ -207,17 +225,22 @@ def _run(setup: _Setup, checkpoints: RunCheckpoints | None, preemption: Preempti
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         _record_tokenizer(dataset, run_dir)
 
+    trackers = _open_trackers(cfg, run_dir, resumed=start.restored is not None)
     next_batch = lambda step: global_batch(dataset, step, batch_size, trainer.batch_sharding)
-    batch = next_batch(start.step)
-    compile_start = time.perf_counter()
-    train_step = trainer.train_step.lower(start.state, batch).compile()
-    compile_s = time.perf_counter() - compile_start
+    try:
+        batch = next_batch(start.step)
+        compile_start = time.perf_counter()
+        train_step = trainer.train_step.lower(start.state, batch).compile()
+        compile_s = time.perf_counter() - compile_start
+    except BaseException:
+        close_trackers(trackers, Status.FAILED)
+        raise
     memory = train_step.memory_analysis()
     log(f"compiled in {compile_s:.1f} s; per device: arguments {format_bytes(memory.argument_size_in_bytes)}, "
         f"temporaries {format_bytes(memory.temp_size_in_bytes)}")
 
     mesh = trainer.mesh
-    logger = MetricsLogger(run_dir, steps, is_primary=jax.process_index() == 0, tensorboard=cfg.run.tensorboard)
+    logger = MetricsLogger(run_dir, steps, is_primary=jax.process_index() == 0, tensorboard=False, trackers=trackers)
     devices = list(mesh.devices.flat)
     reporter = Reporter(cfg, logger, num_devices=len(devices), peak_tflops=peak_bf16_tflops(devices[0].device_kind),
                         start=start.step)

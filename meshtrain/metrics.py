@@ -19,10 +19,11 @@ bf16 peak: ``mfu = tflops_per_device / peak_bf16_tflops(device_kind)``.
 :class:`MetricsLogger` writes, on the primary process only,
 ``<run_dir>/metrics.jsonl`` (one JSON object per ``log`` call; non-finite floats
 are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` so every line is
-valid JSON), TensorBoard scalars under ``<run_dir>/tensorboard``, and at close
+valid JSON), the same scalars to its trackers (TensorBoard under
+``<run_dir>/tensorboard``, Weights & Biases, MLflow: ``meshtrain.trackers``), and at close
 ``summary.json`` and ``loss.png``. A metric whose value is a list (one number per
 component, e.g. an MoE layer's share of tokens per expert) is also logged as its
-``<key>_max`` and ``<key>_min``, goes to TensorBoard as ``<key>/<i>``, and is
+``<key>_max`` and ``<key>_min``, goes to the trackers as ``<key>/<i>``, and is
 plotted at close as ``<key>.png`` (one line per component).
 """
 
@@ -39,6 +40,8 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+from meshtrain.trackers import Status, TensorBoardTracker, Tracker, close_trackers, scalars
 
 # Dense (non-sparse) bf16 peak TFLOP/s per device, most specific pattern first.
 # Patterns are matched case-insensitively against JAX's ``device.device_kind``.
@@ -188,16 +191,8 @@ def _with_extremes(metrics: Mapping[str, object]) -> dict[str, object]:
     return out
 
 
-def _summary_writer(logdir: Path):
-    """A TensorBoard writer; imported here because tensorboardX imports torch when it is installed
-    (seconds at every start-up of a run that does not want TensorBoard)."""
-    from tensorboardX import SummaryWriter
-
-    return SummaryWriter(logdir=str(logdir))
-
-
 class MetricsLogger:
-    """Logs per-step metrics to JSONL, TensorBoard and stderr; summarises the run at close.
+    """Logs per-step metrics to JSONL, the trackers and stderr; summarises the run at close.
 
     Only the primary process (``is_primary``) writes anything; on other processes
     every method is a no-op and ``run_dir`` is not touched. An existing
@@ -205,13 +200,14 @@ class MetricsLogger:
 
     Keys shown on the progress line when present: ``loss``, ``grad_norm``, ``lr``,
     ``tokens_per_sec``, ``tflops_per_device``, ``mfu`` (a fraction). All keys go to
-    the JSONL file; non-``None`` ones go to TensorBoard.
+    the JSONL file; the numbers among them go to the trackers (``meshtrain.trackers.scalars``).
 
     Args:
       run_dir: the run's output directory, created if missing.
       total_steps: the step the run ends at, for progress and ETA.
       is_primary: whether this is process 0.
-      tensorboard: whether to write TensorBoard event files.
+      tensorboard: whether to write TensorBoard event files under ``run_dir/tensorboard``.
+      trackers: more trackers (``meshtrain.trackers.open_trackers``), closed with the logger.
       live: a ``rich`` progress bar (True) or one plain stderr line per ``log``
         (False); ``None`` chooses live iff stderr is a TTY.
     """
@@ -223,6 +219,7 @@ class MetricsLogger:
         is_primary: bool,
         tensorboard: bool = True,
         live: bool | None = None,
+        trackers: Sequence[Tracker] = (),
     ):
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
@@ -239,7 +236,7 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        self._writer = _summary_writer(self.run_dir / "tensorboard") if tensorboard else None
+        self._trackers = [*([TensorBoardTracker(self.run_dir / "tensorboard")] if tensorboard else []), *trackers]
         self._progress: Progress | None = None
         if live if live is not None else sys.stderr.isatty():
             self._progress = Progress(
@@ -259,7 +256,7 @@ class MetricsLogger:
         self.close()
 
     def log(self, step: int, metrics: Mapping[str, float | int | None]) -> None:
-        """Record ``metrics`` for ``step``: one JSONL line (flushed), TensorBoard scalars, progress."""
+        """Record ``metrics`` for ``step``: one JSONL line (flushed), the trackers' scalars, progress."""
         if not self.is_primary:
             return
         now = time.monotonic()
@@ -271,14 +268,10 @@ class MetricsLogger:
                 steps, values = self._components.setdefault(key, ([], []))
                 steps.append(step)
                 values.append([float(v) for v in value])
-        if self._writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (list, tuple)):
-                    for component, v in enumerate(value):
-                        self._writer.add_scalar(f"{key}/{component}", float(v), step)
-                elif value is not None:
-                    self._writer.add_scalar(key, float(value), step)
-            self._writer.flush()
+        if self._trackers:
+            numbers = scalars(metrics)
+            for tracker in self._trackers:
+                tracker.log(step, numbers)
 
         if metrics.get("loss") is not None:
             self._steps.append(step)
@@ -336,7 +329,7 @@ class MetricsLogger:
         }
 
     def close(self, summary: Mapping[str, object] | None = None, *, print_summary: bool = True) -> None:
-        """Finish the run: stop the display, close files, print and write the summary, plot the loss.
+        """Finish the run: stop the display, close files and trackers, print and write the summary, plot the loss.
 
         ``summary`` holds extra entries (compile time, ``entropy_floor``, per-device
         memory, ...) merged after the computed statistics. ``print_summary=False`` (a run ended by
@@ -349,10 +342,16 @@ class MetricsLogger:
         extra = dict(summary or {})
         if self._progress is not None:
             self._progress.stop()
-        if self._writer is not None:
-            self._writer.close()
         self._jsonl.close()
+        status = (Status.FAILED if extra.get("stopped_by_error") else Status.PREEMPTED if extra.get("preempted")
+                  else Status.FINISHED)
+        try:
+            close_trackers(self._trackers, status)  # before the summary, which W&B's closing lines would follow
+        finally:
+            self._write_summary(extra, print_summary)
 
+    def _write_summary(self, extra: dict[str, object], print_summary: bool) -> None:
+        """summary.json, the printed summary, loss.png and the plots of list-valued metrics."""
         result = _json_value({**self.summary_stats(), **extra})
         (self.run_dir / "summary.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         lines = [f"run summary ({self.run_dir})"]

@@ -50,7 +50,7 @@ def main() -> None:
         for name, extra in MODES.items():
             run_dir = pathlib.Path(tmp) / name.replace(" ", "_").replace(",", "")
             cfg = load_config(args.config, [*args.overrides, f"train.steps={args.steps}", "train.log_every=1",
-                                            "run.tensorboard=false", f"run.dir={run_dir}", "checkpoint.keep=2",
+                                            "run.loggers=[]", f"run.dir={run_dir}", "checkpoint.keep=2",
                                             *extra])
             summary = train(cfg)
             records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
