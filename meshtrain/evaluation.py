@@ -10,19 +10,31 @@ any mesh, through the pipeline schedule's forward when ``mesh.stage`` > 1). Repo
 * ``eval_bits_per_byte``: ``eval_loss / ln 2 / bytes_per_token``, where the held-out data knows its
   UTF-8 text bytes per token (a prepared split: text bytes / tokens, its end-of-document tokens
   included; byte-level text: 1).
+
+With ``eval.sample_prompts``, each evaluation also continues every prompt with the model
+(``meshtrain.generate``'s KV-cache path on the training mesh and parameters; greedy at
+``sample_temperature`` 0) for up to ``sample_tokens`` tokens, encoded and decoded by the run's
+tokenizer: bytes for ``data.source: text``, the prepared corpus's (or ``data.tokenizer``'s)
+``tokenizer.json`` for ``tokens``; the markov source has none.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 
 import jax
+import numpy as np
+from flax import nnx
 
-from meshtrain.data import DataConfig, Packing, global_batch, make_held_out_dataset
+from meshtrain.data import DataConfig, DataSource, Packing, global_batch, make_held_out_dataset
 from meshtrain.data.dataset import TokenDataset
 from meshtrain.data.sources import FileDataset
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.sharding import activation_sharding, data_parallel_size
+from meshtrain.sampling import ByteTokenizer, HFTokenizer, generate_tokens
+from models.api import CachedDecoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +55,26 @@ class EvalConfig:
     batches: int = 4
     path: str = ""
     split: str = "val"
+    sample_prompts: tuple[str, ...] = ()
+    sample_tokens: int = 32
+    sample_temperature: float = 0.0
 
     def __post_init__(self):
-        for name in ("every", "batches"):
+        for name in ("every", "batches", "sample_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "every" else 1):
                 raise ConfigError(name, f"got {value!r}; must be an integer >= {0 if name == 'every' else 1}")
         if not self.split:
             raise ConfigError("split", "must name a split of a prepared directory (train or val)")
+        if isinstance(self.sample_prompts, str) or not all(isinstance(p, str) and p for p in self.sample_prompts):
+            raise ConfigError("sample_prompts", f"must be a list of non-empty strings, got {self.sample_prompts!r}")
+        object.__setattr__(self, "sample_prompts", tuple(self.sample_prompts))
+        if self.sample_prompts and self.every == 0:
+            raise ConfigError("sample_prompts", "are decoded at each evaluation: set eval.every > 0")
+        if not (isinstance(self.sample_temperature, (int, float)) and math.isfinite(self.sample_temperature)
+                and self.sample_temperature >= 0):
+            raise ConfigError("sample_temperature", f"must be a finite number >= 0 (0: greedy), got "
+                              f"{self.sample_temperature!r}")
 
     def due(self, done: int, steps: int) -> bool:
         """Whether to evaluate after step ``done`` of ``steps``."""
@@ -76,6 +100,7 @@ class Evaluator:
         documents = data_cfg.packing is Packing.DOCUMENTS
         self.step = trainer.eval_step.lower(trainer.abstract_state().params,
                                             trainer.abstract_batch(documents)).compile()
+        self.sampler = Sampler(cfg, data_cfg, train_data, trainer, vocab_size) if cfg.sample_prompts else None
 
     def describe(self) -> str:
         source = (self.dataset.info.label if isinstance(self.dataset, FileDataset)
@@ -96,3 +121,42 @@ class Evaluator:
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
                 "eval_bits_per_byte": None if not per_byte else loss / math.log(2) / per_byte,
                 "eval_tokens": targets}
+
+
+class Sampler:
+    """``eval.sample_prompts`` continued by the model at each evaluation (module docstring)."""
+
+    def __init__(self, cfg: EvalConfig, data_cfg: DataConfig, train_data: TokenDataset, trainer, vocab_size: int):
+        if not isinstance(nnx.merge(trainer.graphdef, trainer.abstract_params), CachedDecoder):
+            raise ConfigError("eval.sample_prompts", f"model family {trainer.family.name!r} has no KV-cache path "
+                              "(init_cache / cached_forward), which sampling needs")
+        if data_cfg.source is DataSource.TEXT:
+            self.tokenizer = ByteTokenizer()
+        elif train_data.tokenizer_file is not None:
+            self.tokenizer = HFTokenizer(pathlib.Path(train_data.tokenizer_file))
+        else:
+            raise ConfigError("eval.sample_prompts", f"the run's data (data.source={data_cfg.source.value}) has no "
+                              "tokenizer to encode the prompts and decode the samples; use data.source=text, a "
+                              "prepared corpus, or data.tokenizer")
+        self.prompts = []
+        for prompt in cfg.sample_prompts:
+            ids = self.tokenizer.encode(prompt)
+            if not ids or max(ids) >= vocab_size:
+                raise ConfigError("eval.sample_prompts", f"{prompt!r} encodes to {ids[:8]}, not ids in "
+                                  f"[0, {vocab_size}) (a non-empty prompt the model's vocabulary holds)")
+            self.prompts.append((prompt, ids))
+        self.tokens, self.temperature = cfg.sample_tokens, cfg.sample_temperature
+        self.graphdef, self.shard = trainer.graphdef, activation_sharding(trainer.rules, trainer.mesh)
+        self.rows = data_parallel_size(trainer.rules, trainer.mesh.shape)  # the batch splits that many ways
+
+    def run(self, params, seed: int) -> list[dict[str, str]]:
+        """[{"prompt": p, "text": its continuation}] for each prompt, with the model on ``params``."""
+        samples = []
+        for index, (prompt, ids) in enumerate(self.prompts):
+            new = list(generate_tokens(self.graphdef, params, np.asarray([ids] * self.rows), self.tokens,
+                                       temperature=self.temperature, seed=seed + index,
+                                       stop_id=self.tokenizer.eos_id, shard=self.shard)[0])
+            if self.tokenizer.eos_id is not None and self.tokenizer.eos_id in new:
+                new = new[:new.index(self.tokenizer.eos_id)]
+            samples.append({"prompt": prompt, "text": self.tokenizer.decode(new)})
+        return samples

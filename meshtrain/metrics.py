@@ -314,6 +314,24 @@ class MetricsLogger:
                 fields.append(f"eta {eta}")
             print("  ".join(fields), file=sys.stderr, flush=True)
 
+    def log_samples(self, step: int, samples: list[dict[str, str]]) -> None:
+        """Record text samples (``{"prompt", "text"}`` each) for ``step``: one JSONL line
+        ``{"step", "samples"}``, the trackers' text, and each sample on the console (cut to 200
+        characters)."""
+        if not self.is_primary:
+            return
+        self._jsonl.write(json.dumps({"step": step, "samples": samples}) + "\n")
+        self._jsonl.flush()
+        for tracker in self._trackers:
+            tracker.log_samples(step, samples)
+        for sample in samples:
+            line = f"step {step} sample: {sample['prompt']!r} -> {sample['text']!r}"
+            line = line if len(line) <= 200 else line[:197] + "..."
+            if self._progress is not None:
+                self._progress.console.print(line, markup=False)
+            else:
+                print(line, file=sys.stderr, flush=True)
+
     def summary_stats(self) -> dict[str, object]:
         """Loss and throughput statistics over the steps logged by this logger."""
         finite = [x for x in self._losses if math.isfinite(x)]

@@ -262,6 +262,8 @@ class Evaluation(Policy):
         except DataChanged as err:
             run.request_stop(data_changed(err, done))
             return
+        if self.evaluator.sampler is not None:
+            self.logger.log_samples(done, self.evaluator.sampler.run(run.current.state.params, seed=done))
         self.reporter.exclude(time.perf_counter() - start)
         self.logger.log(done, metrics)
         self.metrics = metrics

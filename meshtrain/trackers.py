@@ -76,6 +76,9 @@ class Tracker(Protocol):
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         """Record ``scalars`` at ``step``."""
 
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, str]]) -> None:
+        """Record text samples (``{"prompt", "text"}`` each) the model produced at ``step``."""
+
     def close(self, status: Status) -> None:
         """End this run segment."""
 
@@ -121,6 +124,10 @@ class TensorBoardTracker:
             self._writer.add_scalar(key, value, step)
         self._writer.flush()
 
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, str]]) -> None:
+        self._writer.add_text("samples", samples_markdown(samples), step)
+        self._writer.flush()
+
     def close(self, status: Status) -> None:
         self._writer.close()
 
@@ -138,6 +145,13 @@ class WandbTracker:
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         self._run.log(dict(scalars), step=step)
+
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, str]]) -> None:
+        import wandb
+
+        table = wandb.Table(columns=["step", "prompt", "text"],
+                            data=[[step, sample["prompt"], sample["text"]] for sample in samples])
+        self._run.log({"samples": table}, step=step)
 
     def close(self, status: Status) -> None:
         if status is Status.PREEMPTED:
@@ -188,9 +202,17 @@ class MlflowTracker:
         for first in range(0, len(metrics), _MLFLOW_METRICS_PER_BATCH):
             self._client.log_batch(self.run_id, metrics=metrics[first:first + _MLFLOW_METRICS_PER_BATCH])
 
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, str]]) -> None:
+        self._client.log_text(self.run_id, samples_markdown(samples), f"samples/step_{step:08d}.md")
+
     def close(self, status: Status) -> None:
         self._client.set_terminated(self.run_id, status={Status.FINISHED: "FINISHED", Status.FAILED: "FAILED",
                                                          Status.PREEMPTED: "KILLED"}[status])
+
+
+def samples_markdown(samples: Sequence[Mapping[str, str]]) -> str:
+    """Text samples as a Markdown list: each prompt in bold, then its continuation."""
+    return "\n\n".join(f"**{sample['prompt']}**{sample['text']}" for sample in samples)
 
 
 def _note(message: str) -> None:

@@ -25,8 +25,10 @@ LAYERS: list[tuple[str, ...]] = [
     # One file per parallelism concern; the data pipeline; the objective and the chunked head's loss
     # (the pipeline's head runs it).
     ("meshtrain.parallel", "meshtrain.data", "meshtrain.loss"),
-    # What is built from a layout: the step, checkpoints, HF files, evaluation, the memory model.
-    ("meshtrain.trainer", "meshtrain.checkpoint", "meshtrain.hf", "meshtrain.evaluation", "meshtrain.memory_model"),
+    # What is built from a layout: the step, checkpoints, HF files, evaluation, the memory model,
+    # sampling with the KV cache.
+    ("meshtrain.trainer", "meshtrain.checkpoint", "meshtrain.hf", "meshtrain.evaluation", "meshtrain.memory_model",
+     "meshtrain.sampling"),
     # The config of every section.
     ("meshtrain.config",),
     # What a run and the tools are made of.
