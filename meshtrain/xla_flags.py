@@ -11,10 +11,31 @@ flag makes XLA abort at start-up, so the list is checked against the pinned jaxl
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import pkgutil
+import re
 
 DISABLE_ENV = "MESHTRAIN_XLA_FLAGS"
+# The first jaxlib whose XLA spells the collective-pipelining switches as enums
+# (``--xla_gpu_pipeline_all_gather=on``); earlier ones know only ``--xla_gpu_enable_pipelined_*=true``,
+# which later ones still accept as deprecated aliases.
+PIPELINE_ENUMS_SINCE = (0, 11)
+
+
+def jaxlib_version() -> tuple[int, ...]:
+    """The installed jaxlib's version as integers (``(0, 11, 2)``), read without importing it."""
+    version = importlib.metadata.version("jaxlib")
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def pipelining_flag(collective: str, why: str, version: tuple[int, ...]) -> tuple[str, str, str]:
+    """The flag that pipelines ``collective`` (all_gather, reduce_scatter, all_reduce) out of the
+    scanned layer loop, as jaxlib ``version``'s XLA spells it."""
+    if version >= PIPELINE_ENUMS_SINCE:
+        return f"xla_gpu_pipeline_{collective}", "on", why
+    return f"xla_gpu_enable_pipelined_{collective}", "true", why
+
 
 # (flag, value, why)
 RECOMMENDED_GPU_FLAGS: tuple[tuple[str, str, str], ...] = (
@@ -30,12 +51,11 @@ RECOMMENDED_GPU_FLAGS: tuple[tuple[str, str, str], ...] = (
      "combine FSDP's per-parameter all-gathers of one layer into fewer, larger ones"),
     ("xla_gpu_reduce_scatter_combine_threshold_bytes", "134217728",
      "combine FSDP's per-parameter gradient reduce-scatters of one layer"),
-    ("xla_gpu_enable_pipelined_all_gather", "true",
-     "inside the scanned layer loop, gather the next layer's weights while this layer computes"),
-    ("xla_gpu_enable_pipelined_reduce_scatter", "true",
-     "inside the scanned backward loop, reduce-scatter a layer's gradients during the next layer"),
-    ("xla_gpu_enable_pipelined_all_reduce", "true",
-     "the same overlap for all-reduced gradients (DP, and TP's row-parallel outputs)"),
+    *(pipelining_flag(collective, why, jaxlib_version()) for collective, why in (
+        ("all_gather", "inside the scanned layer loop, gather the next layer's weights while this layer computes"),
+        ("reduce_scatter", "inside the scanned backward loop, reduce-scatter a layer's gradients during the next "
+                           "layer"),
+        ("all_reduce", "the same overlap for all-reduced gradients (DP, and TP's row-parallel outputs)"))),
     ("xla_gpu_enable_while_loop_double_buffering", "true",
      "double-buffer the layer scan's carries so the pipelined collectives above have room to overlap"),
 )

@@ -268,6 +268,21 @@ def test_xla_flags_known_to_xla():
     assert proc.returncode == 0 and proc.stdout.strip() == "3.0", proc.stderr[-2000:]
 
 
+def test_pipelining_flags_follow_the_jaxlib_spelling():
+    """jaxlib >= 0.11 spells collective pipelining as enums (the booleans are its deprecated aliases);
+    0.10 knows only the booleans. test_xla_flags_known_to_xla parses the chosen set in this jaxlib
+    (CI runs it on the oldest and the newest supported)."""
+    why = "overlap"
+    assert xla_flags.pipelining_flag("all_gather", why, (0, 10, 2)) == ("xla_gpu_enable_pipelined_all_gather",
+                                                                         "true", why)
+    assert xla_flags.pipelining_flag("reduce_scatter", why, (0, 11, 2)) == ("xla_gpu_pipeline_reduce_scatter",
+                                                                             "on", why)
+    chosen = {name for name, _, _ in xla_flags.RECOMMENDED_GPU_FLAGS}
+    enums = xla_flags.jaxlib_version() >= xla_flags.PIPELINE_ENUMS_SINCE
+    assert ("xla_gpu_pipeline_all_gather" in chosen) is enums
+    assert ("xla_gpu_enable_pipelined_all_gather" in chosen) is not enums
+
+
 def test_model_attention_picks_the_kernel():
     """model.attention reaches the kernel: auto (blockwise on CPU, blocks of 3 positions here) equals
     xla (dense) within 1e-5; cudnn on a CPU is a one-line error, not a fallback."""
