@@ -31,6 +31,20 @@ stdlib: $(STAMP)
 	$(VENV)/bin/python -m meshtrain.data prepare --tokenizer data/stdlib_tokenizer --input data/stdlib_docstrings.jsonl --out data/stdlib_docs --val-fraction 0.1 --overwrite
 	$(VENV)/bin/python -m meshtrain.train --config configs/stdlib_docs.yaml --host-devices 8 run.dir=runs/stdlib_docs-$$(date +%Y%m%d-%H%M%S)
 
+# Supervised fine-tuning of that model (docs/sft.md): one-line summaries of the standard library's functions,
+# classes and methods as instructions (pairs and two-turn chats) -> prepare-sft with the run's tokenizer and
+# the built-in chat template (10% held out; loss on the responses only) -> the newest `make stdlib` run with
+# a checkpoint, exported once, fine-tuned by configs/stdlib_sft.yaml. Runs `make stdlib` first if there is none.
+.PHONY: sft
+sft: $(STAMP)
+	ls -d runs/stdlib_docs-*/checkpoints/[0-9]* >/dev/null 2>&1 || $(MAKE) stdlib
+	$(VENV)/bin/python scripts/stdlib_instructions.py --out data/stdlib_instructions.jsonl
+	base=$$(ls -d runs/stdlib_docs-*/checkpoints/[0-9]* | sed 's|/checkpoints/.*||' | sort -u | tail -1) && \
+	echo "fine-tuning $$base" && \
+	{ test -d $$base/export/params || $(VENV)/bin/python -m meshtrain.export --run $$base --out $$base/export; } && \
+	$(VENV)/bin/python -m meshtrain.data prepare-sft --tokenizer $$base/tokenizer.json --input data/stdlib_instructions.jsonl --out data/stdlib_sft --val-fraction 0.1 --overwrite && \
+	$(VENV)/bin/python -m meshtrain.train --config configs/stdlib_sft.yaml --host-devices 8 checkpoint.init_from=$$base/export run.dir=runs/stdlib_sft-$$(date +%Y%m%d-%H%M%S)
+
 # Both tiers run on one pytest-xdist worker per core (at most 4: every worker simulates 8 devices);
 # `.venv/bin/python -m pytest -q` runs them in one process. Their times are in README.md.
 test: $(STAMP)
