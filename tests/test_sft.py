@@ -35,6 +35,7 @@ from meshtrain.data.tokenizer import train_bpe
 from meshtrain.errors import ConfigError
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
+from meshtrain.parallel.rules import Preset
 from meshtrain.train import main as train_main
 from models.api import forward
 from models.common import unconstrained
@@ -396,16 +397,21 @@ def test_the_loss_ignores_prompt_tokens_exactly(single_device):
 
 
 PIPELINES = {"1f1b": PipelineConfig(2, Schedule.ONE_F_ONE_B), "gpipe": PipelineConfig(2, Schedule.GPIPE),
-             "interleaved": PipelineConfig(2, Schedule.INTERLEAVED, virtual_stages=2)}
+             "interleaved": PipelineConfig(2, Schedule.INTERLEAVED, virtual_stages=2),
+             "zb_h1": PipelineConfig(2, Schedule.ZB_H1)}
 
 
-@pytest.mark.parametrize("mesh_shape,pipeline", [
-    ((2, 2, 2, 1), "none"), ((2, 2, 1, 2), "1f1b"),
-    pytest.param((1, 2, 2, 2), "gpipe", marks=pytest.mark.slow),
-    pytest.param((2, 1, 1, 2), "interleaved", marks=pytest.mark.slow)])
-def test_the_masked_loss_equals_one_device_in_every_layout(data, single_device, mesh_shape, pipeline):
-    trainer = make_trainer(mesh_shape, SFT_MODEL, pipeline=PIPELINES.get(pipeline, PipelineConfig()),
-                           batch_size=BATCH)
+@pytest.mark.parametrize("mesh_shape,pipeline,preset", [
+    ((2, 2, 2, 1), "none", Preset.FSDP_TP), ((2, 2, 1, 2), "1f1b", Preset.FSDP_TP),
+    pytest.param((1, 2, 2, 2), "gpipe", Preset.FSDP_TP, marks=pytest.mark.slow),
+    pytest.param((2, 1, 1, 2), "interleaved", Preset.FSDP_TP, marks=pytest.mark.slow),
+    pytest.param((2, 2, 1, 2), "zb_h1", Preset.FSDP_TP, marks=pytest.mark.slow),
+    pytest.param((1, 4, 1, 1), "none", Preset.FSDP_CP_RING, marks=pytest.mark.slow)],
+    ids=["2x2x2x1", "1f1b", "gpipe", "interleaved", "zb_h1", "cp_ring_balanced"])
+def test_the_masked_loss_equals_one_device_in_every_layout(data, single_device, mesh_shape, pipeline, preset):
+    """Under ring attention the balanced order permutes the mask with the targets it belongs to."""
+    trainer = make_trainer(mesh_shape, SFT_MODEL, rules=preset.rules,
+                           pipeline=PIPELINES.get(pipeline, PipelineConfig()), batch_size=BATCH)
     batch = global_batch(single_device["dataset"], 0, BATCH, trainer.batch_sharding)
     np.testing.assert_array_equal(np.asarray(batch["mask"]), single_device["host"]["mask"])
     state = trainer.init_state(seed=0)

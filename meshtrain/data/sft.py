@@ -327,9 +327,10 @@ def _tokenized(tokenizer: Tokenizer, examples: list[_Example], eos_id: int) -> l
                 if len(part) > len(ids) or not np.array_equal(part, ids[:len(part)]):
                     raise ConfigError("--input", f"{example.where}: assistant turn {turn + 1}: the tokens of {what} "
                                       "are not a prefix of the whole conversation's "
-                                      f"({_describe_divergence(tokenizer, part, ids)}): the template or the "
-                                      "tokenizer joins the prompt's end and the response's start (a response "
-                                      "starting with whitespace?); change the example or the template")
+                                      f"({_describe_divergence(tokenizer, part, ids)}): the tokenizer joins the "
+                                      "prompt's end and the response's start into one token (a generation prompt "
+                                      "ending in a space, or a response starting with whitespace?); change the "
+                                      "example or the template")
             if len(upto) <= len(prompt):
                 raise ConfigError("--input", f"{example.where}: assistant turn {turn + 1} renders to no tokens after "
                                   "its prompt; the chat template does not show assistant messages")
