@@ -460,3 +460,21 @@ def test_held_out_evaluation_reports_the_response_only_loss(data, tmp_path):
     every, every_count = _response_loss(logits, tokens[:, 1:], np.ones(tokens[:, 1:].shape))
     assert abs(every / every_count - evaluated["eval_loss"]) > 1e-2
     assert math.isclose(evaluated["eval_perplexity"], math.exp(evaluated["eval_loss"]), rel_tol=1e-9)
+
+
+def test_the_make_sft_instruction_set_is_valid_input(tmp_path):
+    """scripts/stdlib_instructions.py (make sft) writes pairs and two-turn chats that prepare-sft reads."""
+    import subprocess
+    import sys
+
+    from meshtrain.data.sft import conversation
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "instructions.jsonl"
+    subprocess.run([sys.executable, str(repo / "scripts" / "stdlib_instructions.py"), "--out", str(out)], check=True,
+                   capture_output=True, timeout=300)
+    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    chats = [conversation(record, f"line {number}") for number, record in enumerate(records, 1)]
+    assert len(records) > 1000
+    assert {len(chat) for chat in chats} == {2, 5}  # pairs, and system + two turns
+    assert all(chat[-1]["role"] == "assistant" and chat[-1]["content"] for chat in chats)
