@@ -206,9 +206,9 @@ def test_val_input_and_a_template_file(data, tmp_path):
 
 BAD_LINES = [
     ("not json", "is not a line of JSON"),
-    ('["prompt", "response"]', "is a JSON list, not an object"),
+    ('["prompt", "response"]', "is a list, not a JSON object"),
     ('{"text": "x"}', 'has neither "messages" nor "prompt" and "response" (its keys: text)'),
-    ('{"prompt": "x", "response": 3}', '"response" is a int, not text'),
+    ('{"prompt": "x", "response": 3}', '"response" is a number, not text'),
     ('{"messages": []}', '"messages" is not a non-empty list'),
     ('{"messages": [{"role": "user", "content": "x"}]}', 'has no message with role "assistant"'),
     ('{"messages": [{"role": "assistant"}]}', "messages[0].content is missing, not text"),
@@ -271,7 +271,11 @@ def test_template_and_option_errors(data, tmp_path):
                     progress=False)
     with pytest.raises(ConfigError, match=r"--out: .* is already prepared"):
         prepare_sft([str(data["inputs"])], str(data["plain"]), str(data["prepared"]["plain"]), progress=False)
-    assert not any((tmp_path / name).exists() for name in ("o1", "o2", "o3"))
+    bad_val = _write_jsonl(tmp_path / "val.jsonl", [{"prompt": "x"}])
+    with pytest.raises(ConfigError, match=rf"--val-input: {bad_val}:1 has neither"):
+        prepare_sft([str(data["inputs"])], str(data["plain"]), str(tmp_path / "o4"), val_inputs=[str(bad_val)],
+                    progress=False)
+    assert not any((tmp_path / name).exists() for name in ("o1", "o2", "o3", "o4"))
 
 
 def test_the_output_does_not_depend_on_batching_or_the_kept_tokens(data, tmp_path):

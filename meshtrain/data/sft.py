@@ -187,44 +187,52 @@ def load_chat_template(tokenizer_path: str, eos_token: str, template_path: str |
 
 # ---- reading the examples ----
 
-def _message(value, number: int, where: str) -> dict:
+_JSON_KINDS = {bool: "a boolean", int: "a number", float: "a number", str: "text", list: "a list", dict: "an object",
+               type(None): "null"}
+
+
+def _kind(value) -> str:
+    """What a parsed JSON value is, in words ("a number", "an object", ...)."""
+    return _JSON_KINDS.get(type(value), type(value).__name__)
+
+def _message(value, number: int, where: str, field: str) -> dict:
     if not isinstance(value, dict):
-        raise ConfigError("--input", f"{where}: messages[{number}] is a {type(value).__name__}, not "
+        raise ConfigError(field, f"{where}: messages[{number}] is {_kind(value)}, not "
                           f"{{\"role\": ..., \"content\": ...}}; {VALID_LINES}")
     for key in ("role", "content"):
         if not isinstance(value.get(key), str):
-            found = "missing" if key not in value else f"a {type(value[key]).__name__}"
-            raise ConfigError("--input", f"{where}: messages[{number}].{key} is {found}, not text; {VALID_LINES}")
+            found = "missing" if key not in value else _kind(value[key])
+            raise ConfigError(field, f"{where}: messages[{number}].{key} is {found}, not text; {VALID_LINES}")
     return value
 
 
-def conversation(record, where: str) -> list[dict]:
-    """The messages of one parsed line (``where``: its file:line); a one-line ``ConfigError`` naming
-    it and the valid forms when it is neither."""
+def conversation(record, where: str, field: str = "--input") -> list[dict]:
+    """The messages of one parsed line (``where``: its file:line, from the flag ``field``); a one-line
+    ``ConfigError`` naming it and the valid forms when it is neither."""
     if not isinstance(record, dict):
-        raise ConfigError("--input", f"{where} is a JSON {type(record).__name__}, not an object; {VALID_LINES}")
+        raise ConfigError(field, f"{where} is {_kind(record)}, not a JSON object; {VALID_LINES}")
     if "messages" in record:
         if "prompt" in record or "response" in record:
-            raise ConfigError("--input", f"{where} has both \"messages\" and \"prompt\"/\"response\"; give one "
+            raise ConfigError(field, f"{where} has both \"messages\" and \"prompt\"/\"response\"; give one "
                               "form per line")
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
-            raise ConfigError("--input", f"{where}: \"messages\" is not a non-empty list; {VALID_LINES}")
-        messages = [_message(value, number, where) for number, value in enumerate(messages)]
+            raise ConfigError(field, f"{where}: \"messages\" is not a non-empty list; {VALID_LINES}")
+        messages = [_message(value, number, where, field) for number, value in enumerate(messages)]
     elif "prompt" in record and "response" in record:
         pair = {key: record[key] for key in ("system", "prompt", "response") if key in record}
         for key, value in pair.items():
             if not isinstance(value, str):
-                raise ConfigError("--input", f"{where}: \"{key}\" is a {type(value).__name__}, not text; "
+                raise ConfigError(field, f"{where}: \"{key}\" is {_kind(value)}, not text; "
                                   f"{VALID_LINES}")
         messages = ([{"role": "system", "content": pair["system"]}] if "system" in pair else []) + [
             {"role": "user", "content": pair["prompt"]}, {"role": ASSISTANT, "content": pair["response"]}]
     else:
         keys = ", ".join(record) or "none"
-        raise ConfigError("--input", f"{where} has neither \"messages\" nor \"prompt\" and \"response\" (its keys: "
+        raise ConfigError(field, f"{where} has neither \"messages\" nor \"prompt\" and \"response\" (its keys: "
                           f"{keys}); {VALID_LINES}")
     if not any(message["role"] == ASSISTANT for message in messages):
-        raise ConfigError("--input", f"{where} has no message with role \"{ASSISTANT}\", so nothing to train on; "
+        raise ConfigError(field, f"{where} has no message with role \"{ASSISTANT}\", so nothing to train on; "
                           f"{VALID_LINES}")
     return messages
 
@@ -235,6 +243,7 @@ class _Example:
     conversation before it with the generation prompt and up to and including it."""
 
     where: str
+    field: str  # the flag its file came from (--input, --val-input)
     split: str
     text: str
     turns: list[tuple[str, str]]
@@ -274,7 +283,7 @@ class _Reader:
             record = jsonio.loads(line, max_depth=None)
         except ValueError as err:
             raise ConfigError(self.field, f"{where} is not a line of JSON ({err}); {VALID_LINES}") from None
-        messages = conversation(record, where)
+        messages = conversation(record, where, self.field)
         if self.special is not None:
             for number, message in enumerate(messages):
                 found = self.special.search(message["content"])
@@ -293,7 +302,7 @@ class _Reader:
                               "text") from None
         turns = [(self._render(messages[:k], True, where), self._render(messages[:k + 1], False, where))
                  for k, message in enumerate(messages) if message["role"] == ASSISTANT]
-        return _Example(where, "", text, turns, size)
+        return _Example(where, self.field, "", text, turns, size)
 
 
 def _special_tokens(tokenizer: Tokenizer) -> re.Pattern | None:
@@ -325,15 +334,15 @@ def _tokenized(tokenizer: Tokenizer, examples: list[_Example], eos_id: int) -> l
             for part, what in ((prompt, "the conversation before it with the generation prompt"),
                                (upto, "the conversation up to its end")):
                 if len(part) > len(ids) or not np.array_equal(part, ids[:len(part)]):
-                    raise ConfigError("--input", f"{example.where}: assistant turn {turn + 1}: the tokens of {what} "
-                                      "are not a prefix of the whole conversation's "
+                    raise ConfigError(example.field, f"{example.where}: assistant turn {turn + 1}: the tokens of "
+                                      f"{what} are not a prefix of the whole conversation's "
                                       f"({_describe_divergence(tokenizer, part, ids)}): the tokenizer joins the "
                                       "prompt's end and the response's start into one token (a generation prompt "
                                       "ending in a space, or a response starting with whitespace?); change the "
                                       "example or the template")
             if len(upto) <= len(prompt):
-                raise ConfigError("--input", f"{example.where}: assistant turn {turn + 1} renders to no tokens after "
-                                  "its prompt; the chat template does not show assistant messages")
+                raise ConfigError(example.field, f"{example.where}: assistant turn {turn + 1} renders to no tokens "
+                                  "after its prompt; the chat template does not show assistant messages")
             mask[len(prompt):len(upto)] = 1
         if not len(ids) or ids[-1] != eos_id:
             ids, mask = np.append(ids, eos_id), np.append(mask, np.uint8(0))
