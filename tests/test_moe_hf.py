@@ -308,7 +308,7 @@ def test_logits_cli_on_an_expert_parallel_mesh_matches_transformers(hf_dirs, tmp
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
     ("qwen3", {"attention_bias": True}, "attention_bias"),
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
-    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters.rope_type"),
+    ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "rope_parameters.rope_type"),
     ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok"),
     ("qwen3", {"moe_intermediate_size": None}, "moe_intermediate_size"),
     ("qwen3", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
