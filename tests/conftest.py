@@ -8,12 +8,14 @@ test_checkpoint.py aborted on a cache kept from earlier runs, none of 6 on a fre
 JAX_COMPILATION_CACHE_DIR set in the environment overrides it.
 
 XLA:CPU compiles with the flags of tests/compile_flags.py (LLVM at optimization level 0, the
-elemental fusion emitter; each unless XLA_FLAGS already sets it): the suite is mostly compiles of
-programs that then run a step or two, and the collectives stay the same and ``memory_analysis()``
-within 0.02% (README.md's test section has the figures and the time it saves).
+elemental fusion emitter; each that this jaxlib knows, unless XLA_FLAGS already sets it; the header
+of pytest's output names them): the suite is mostly compiles of programs that then run a step or two,
+and the collectives stay the same and ``memory_analysis()`` within 0.02% (README.md's test section
+has the figures and the time it saves).
 """
 
 import atexit
+import importlib.metadata
 import os
 import shutil
 import tempfile
@@ -25,10 +27,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-from compile_flags import with_fast_compile  # noqa: E402  (no jax import there)
+from compile_flags import FAST_COMPILE_XLA_FLAGS, KNOWN_FAST_COMPILE_XLA_FLAGS, with_fast_compile  # noqa: E402
 
 os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_report_header(config):
+    left_out = [flag for flag in FAST_COMPILE_XLA_FLAGS if flag not in KNOWN_FAST_COMPILE_XLA_FLAGS]
+    return [f"jax {jax.__version__}, jaxlib {importlib.metadata.version('jaxlib')}; XLA_FLAGS={os.environ['XLA_FLAGS']}"
+            + (f" (left out, unknown to this jaxlib: {' '.join(left_out)})" if left_out else "")]
