@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
 from meshtrain.errors import ConfigError
 
@@ -86,7 +86,11 @@ class MeshConfig:
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh over ``devices`` (default: all) with axes ``MESH_AXES``, tensor varying fastest."""
+    """A mesh over ``devices`` (default: all) with axes ``MESH_AXES``, tensor varying fastest.
+
+    Every axis is ``AxisType.Auto``, said explicitly (``jax.make_mesh``'s default is Explicit, and
+    ``Mesh``'s could change too): XLA propagates shardings from those of the parameters and inputs
+    and from the model's ``with_sharding_constraint`` calls; array types carry no sharding."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = cfg.resolve(len(devices))
     layout_shape = tuple(sizes[axis] for axis in LAYOUT_ORDER)
@@ -94,7 +98,7 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
         device_array = _hybrid_device_array(cfg, sizes, devices)
     else:
         device_array = mesh_utils.create_device_mesh(layout_shape, devices, allow_split_physical_axes=True)
-    return Mesh(np.transpose(device_array, _TO_MESH_AXES), MESH_AXES)
+    return Mesh(np.transpose(device_array, _TO_MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def _granule_key(devices: Sequence[jax.Device]) -> str:

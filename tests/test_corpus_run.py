@@ -8,7 +8,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain import generate, logits
 from meshtrain.config import load_config
@@ -111,8 +111,8 @@ def test_mixture_proportions_and_determinism(corpus):
     share = np.bincount(picks[:, 0], minlength=2) / picks.shape[0]
     np.testing.assert_allclose(share, [0.7, 0.3], atol=0.01)
     # Same batches whatever the mesh, and whatever rows a process builds (any split of a batch).
-    one = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
-    eight = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("data",)), P("data"))
+    one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,)), P("data"))
+    eight = NamedSharding(Mesh(np.array(jax.devices()), ("data",), axis_types=(AxisType.Auto,)), P("data"))
     for step in (0, 7):
         a, b = global_batch(dataset, step, 16, one), global_batch(dataset, step, 16, eight)
         for key in a:

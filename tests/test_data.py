@@ -6,7 +6,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from meshtrain.data import DataConfig, DataSource, global_batch, make_dataset
 from meshtrain.errors import ConfigError
@@ -175,7 +175,7 @@ def test_errors(tmp_path, token_file):
 
 
 def test_global_batch_on_8_devices():
-    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
     sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
     ds = _markov(96, 16)
     batch_size, step = 16, 3

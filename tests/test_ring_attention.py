@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
 from meshtrain.parallel.ring_attention import balanced_order, ring_attention, sub_block_length
 
@@ -49,7 +49,7 @@ FAST = {(4, True, True, 0), (8, False, False, 0), (2, True, True, 5), (4, False,
     ids=[f"ring{r}-{'segments' if s else 'causal'}-{'balanced' if b else 'in_order'}" + (f"-block{kb}" if kb else "")
          for r, s, b, kb in CASES])
 def test_ring_attention_equals_full_attention(ring, with_segments, balanced, block):
-    mesh = Mesh(np.array(jax.devices()[:ring]), ("fsdp",))
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("fsdp",), axis_types=(AxisType.Auto,))
     q, k, v = _inputs()
     segments = _segments() if with_segments else None
     order = balanced_order(LENGTH, ring) if balanced else np.arange(LENGTH)
@@ -89,7 +89,7 @@ def test_balanced_order_gives_each_rank_an_early_and_a_late_chunk():
 
 
 def test_ring_skips_blocks_after_the_queries_and_moves_keys_by_collective_permute():
-    mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",), axis_types=(AxisType.Auto,))
     q, k, v = _inputs()
     positions = jnp.arange(LENGTH, dtype=jnp.int32)[None]
     compiled = jax.jit(lambda q, k, v: ring_attention(q, k, v, positions, None, mesh=mesh, axis="fsdp")
@@ -102,7 +102,7 @@ def test_ring_skips_blocks_after_the_queries_and_moves_keys_by_collective_permut
 def test_sub_blocks_hold_a_fraction_of_the_score_memory():
     """A step's score block is [block, block] instead of [queries, keys] of the rank: the
     compiled forward and backward's temporaries (memory_analysis) fall accordingly."""
-    mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",), axis_types=(AxisType.Auto,))
     length = 4096  # 1,024 keys per rank
     q = jax.ShapeDtypeStruct((1, length, 2, 16), jnp.float32)
     kv = jax.ShapeDtypeStruct((1, length, 1, 16), jnp.float32)

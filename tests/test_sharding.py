@@ -4,18 +4,20 @@ golden per-parameter table of the tiny model on (2,2,2,1)."""
 import dataclasses
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.rules import PRESETS, AxisRule, Preset, ShardingRules
-from models.api import FRAMEWORK_AXES
+from models.api import FRAMEWORK_AXES, RESIDUAL_AXES
 from models.llama import FAMILY as LLAMA
-from meshtrain.parallel.sharding import parameter_table, replicated_parameters
+from meshtrain.parallel.sharding import activation_sharding, parameter_table, replicated_parameters
 from utils import MODEL, make_trainer, trainer_of_config
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "tiny_2x2x2x1.txt"
@@ -118,3 +120,34 @@ def test_mesh_puts_tensor_on_neighbouring_devices():
     assert ids[0, 0, :, 0].tolist() == [0, 1]  # tensor varies fastest
     assert ids[0, :, 0, 0].tolist() == [0, 2]
     assert ids[:, 0, 0, 0].tolist() == [0, 4]
+    # Auto axes, not left to a default (jax.make_mesh's is Explicit): XLA propagates the shardings.
+    assert mesh.axis_types == (AxisType.Auto,) * 4
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 2, 2, 2), (2, 1, 2, 2)])
+@pytest.mark.parametrize("preset", [Preset.FSDP_TP, Preset.FSDP_TP_CP])
+def test_embedding_lookup_inside_a_pipeline_stage(preset, mesh_shape):
+    """``lookup`` inside a pipeline stage (``stage`` manual), in a branch only the first stage takes
+    (as the executor embeds): it compiles, runs and equals ``jnp.take``, gradient included. On jax
+    0.11.2 XLA's partitioner aborted on the gather from a table whose vocab tensor split, and
+    layouts that moved the width between mesh axes deadlocked on a collective-permute there."""
+    mesh = make_mesh(MeshConfig(*mesh_shape))
+    shard = activation_sharding(preset.rules, mesh)
+    tables = jax.random.normal(jax.random.key(0), (2, 96, 40))  # one table per stage
+    ids = jax.random.randint(jax.random.key(1), (2, 8, 32), 0, 96)
+    loss = lambda lookup, table, ids: jnp.sum(jnp.sin(lookup(table, ids)))
+    lookup = lambda table, ids: shard.lookup(table, ids, RESIDUAL_AXES)
+
+    def per_stage(tables, ids):
+        value, grad = jax.lax.cond(jax.lax.axis_index("stage") == 0,
+                                   lambda: jax.value_and_grad(loss, argnums=1)(lookup, tables[0], ids[0]),
+                                   lambda: (jnp.zeros(()), jnp.zeros_like(tables[0])))
+        return value[None], grad[None]
+
+    staged = jax.shard_map(per_stage, mesh=mesh, in_specs=(P("stage"), P("stage")), out_specs=P("stage"),
+                           axis_names={"stage"}, check_vma=False)
+    values, grads = jax.jit(staged)(tables, ids)
+    value, grad = jax.value_and_grad(loss, argnums=1)(lambda table, ids: jnp.take(table, ids, axis=0), tables[0],
+                                                      ids[0])
+    np.testing.assert_allclose(values[0], value, rtol=1e-5)
+    np.testing.assert_allclose(grads[0], grad, rtol=1e-5, atol=1e-6)

@@ -79,15 +79,22 @@ class MeshActivationSharding:
         ids are gathered over W (they keep any other split), every device looks them up in its
         own ``[vocab / V, width / W]`` slice (rows of other slices masked to zero), and the rows
         are summed over V and resharded to ``axes``: ``[batch, length, width]`` bytes move instead
-        of the whole table every step, and its gradient's scatter-add stays local. Inside a
-        pipeline stage (a manual ``stage`` axis) XLA's partitioner aborts on that gather when fsdp
-        and tensor both split the table (jax 0.10.2), so there the table is first laid out by the
-        activation rules (``vocab`` over tensor, the width gathered)."""
-        if not jax.sharding.get_abstract_mesh().empty:
-            return self(jnp.take(self(table, ("vocab", "embed")), ids, axis=0), axes)
+        of the whole table every step, and its gradient's scatter-add stays local.
+
+        Inside a pipeline stage (a manual ``stage`` axis) the vocab is gathered first: each device
+        looks its ids up in a ``[vocab, width / W]`` table (V times its parameter shard, in the
+        first stage's forward and backward), no sum over V. XLA's partitioner aborts on a gather
+        from a table with a split vocab there (jax 0.10.2 when fsdp and tensor both split the
+        table; jax 0.11.2 already when tensor splits the vocab alone), and the layouts that move
+        the width onto other mesh axes compile to collective-permutes, which deadlock inside the
+        branch that only the first stage takes (on CPU, jax 0.10.2 and 0.11.2)."""
+        traced_mesh = jax.sharding.get_abstract_mesh()
         table_spec = self.rules.param_spec(("vocab", "embed"))
+        if not traced_mesh.empty:
+            table_spec = PartitionSpec(None, table_spec[1])
         ids_spec = drop_axes(self.rules.activation_spec(("batch", "length")), set(mesh_axes_of(table_spec[1])))
-        constrain = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        target = self.mesh if traced_mesh.empty else traced_mesh
+        constrain = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(target, spec))
         rows = jnp.take(constrain(table, table_spec), constrain(ids, ids_spec), axis=0)
         return self(constrain(rows, PartitionSpec(*ids_spec, table_spec[1])), axes)
 
