@@ -103,10 +103,14 @@ def test_bench_vs_baseline_prints_fields(tmp_path):
     # scan (18), the final norm's scale in both (2), the head and the token ids: 22 all-gathers; an
     # activation re-laid out at the layer's sharding constraint and its transpose: 2 all-to-alls.
     # The trainer's step compiles to the guarded hand-written step's collectives, the plain one's
-    # plus the guard's 8 scalar all-reduces (the norms' partial sums and the finite checks).
-    assert result["collectives"] == result["baseline_guarded"]["collectives"] == {
-        "all-gather": 22, "all-reduce": 27, "reduce-scatter": 0, "collective-permute": 0, "all-to-all": 2}
-    assert result["baseline"]["collectives"] == {**result["collectives"], "all-reduce": 19}
+    # plus the guard's scalar all-reduces (the norms' partial sums and the finite checks: 27 against
+    # 19 on jax 0.10.2; XLA 0.11.2 combines them differently, 26 against 20).
+    assert result["collectives"] == result["baseline_guarded"]["collectives"]
+    assert {**result["collectives"], "all-reduce": None} == {
+        "all-gather": 22, "all-reduce": None, "reduce-scatter": 0, "collective-permute": 0, "all-to-all": 2}
+    plain = result["baseline"]["collectives"]
+    assert plain == {**result["collectives"], "all-reduce": plain["all-reduce"]}
+    assert 0 < result["collectives"]["all-reduce"] - plain["all-reduce"] <= 8, (result["collectives"], plain)
     # The guard's passes show in XLA's byte count: it reads every new parameter and moment (the
     # finite check) and the gradients (their norm): more than the donated state's bytes, less than
     # twice them (no copy of the state). meshtrain's step moves what the guarded hand-written one

@@ -55,11 +55,17 @@ def test_wsd_decays_over_its_fraction():
         assert float(lr(step)) == pytest.approx(_closed_form(LRSchedule.WSD, step, 0.5), rel=1e-5, abs=1e-12)
 
 
-@pytest.mark.parametrize("name, learning_rate", [(OptimizerName.LION, 1e-3), (OptimizerName.ADAFACTOR, 1e-2),
-                                                 (OptimizerName.MUON, 1e-2)], ids=lambda x: getattr(x, "value", ""))
-def test_each_optimizer_under_zero3_and_tensor_parallelism_equals_one_device(name, learning_rate):
-    """Three steps on (2, 2, 2, 1) with ZeRO-3: the losses of one device (fp32, rel 1e-5); the state
-    leaves shaped like a parameter live in its ZeRO layout (``optimizer_shardings``), and the
+# Lion steps by lr * sign(update): a coordinate whose update is within rounding of zero moves by
+# +-lr as the summation order decides, so its losses agree less closely (rel 1.4e-5 at step 3 with
+# XLA:CPU's fusion emitters, the only ones of jax >= 0.11; 2e-7 with the tests' elemental emitter on
+# jax 0.10.2); the others within 3e-6 on both.
+@pytest.mark.parametrize("name, learning_rate, rtol", [
+    pytest.param(OptimizerName.LION, 1e-3, 5e-5, id="lion"),
+    pytest.param(OptimizerName.ADAFACTOR, 1e-2, 1e-5, id="adafactor"),
+    pytest.param(OptimizerName.MUON, 1e-2, 1e-5, id="muon")])
+def test_each_optimizer_under_zero3_and_tensor_parallelism_equals_one_device(name, learning_rate, rtol):
+    """Three steps on (2, 2, 2, 1) with ZeRO-3: the losses of one device (fp32, within ``rtol``); the
+    state leaves shaped like a parameter live in its ZeRO layout (``optimizer_shardings``), and the
     loss falls."""
     optimizer = OptimizerConfig(name=name, learning_rate=learning_rate, warmup_steps=0)
     losses = {}
@@ -70,7 +76,7 @@ def test_each_optimizer_under_zero3_and_tensor_parallelism_equals_one_device(nam
     # The moments of the 8-device run are split like their parameters (not replicated).
     specs = [s.spec for s in jax.tree.leaves(trainer.optimizer_compute_shardings)]
     assert sum(any(spec) for spec in specs) >= len(jax.tree.leaves(trainer.abstract_params)) // 2, specs
-    np.testing.assert_allclose(losses[(2, 2, 2, 1)], losses[(1, 1, 1, 1)], rtol=1e-5)
+    np.testing.assert_allclose(losses[(2, 2, 2, 1)], losses[(1, 1, 1, 1)], rtol=rtol)
     assert losses[(1, 1, 1, 1)][-1] < losses[(1, 1, 1, 1)][0]
 
 
