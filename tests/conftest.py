@@ -32,6 +32,7 @@ from compile_flags import FAST_COMPILE_XLA_FLAGS, KNOWN_FAST_COMPILE_XLA_FLAGS, 
 os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -40,3 +41,14 @@ def pytest_report_header(config):
     left_out = [flag for flag in FAST_COMPILE_XLA_FLAGS if flag not in KNOWN_FAST_COMPILE_XLA_FLAGS]
     return [f"jax {jax.__version__}, jaxlib {importlib.metadata.version('jaxlib')}; XLA_FLAGS={os.environ['XLA_FLAGS']}"
             + (f" (left out, unknown to this jaxlib: {' '.join(left_out)})" if left_out else "")]
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """Fails a test whose bad input reached compilation (``Trainer.init_state``) instead of failing early."""
+    from meshtrain.trainer import Trainer
+
+    def fail(*args, **kwargs):
+        raise AssertionError("bad input reached Trainer.init_state (compilation) instead of failing early")
+
+    monkeypatch.setattr(Trainer, "init_state", fail)

@@ -28,29 +28,12 @@ from meshtrain.config import load_config, to_dict
 from meshtrain.errors import ConfigError
 from meshtrain.train import main
 from meshtrain.trackers import TRACKERS_FILE, Logger, Status, flat_params, open_trackers, scalars
-from meshtrain.trainer import Trainer
+from utils import one_line_error
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
 SMALL = ["model.embed_dim=32", "train.batch_size=16", "train.log_every=1", "checkpoint.every=2",
          "checkpoint.async_save=false"]
-
-
-@pytest.fixture
-def no_compile(monkeypatch):
-    def fail(*args, **kwargs):
-        raise AssertionError("bad input reached Trainer.init_state (compilation) instead of failing early")
-
-    monkeypatch.setattr(Trainer, "init_state", fail)
-
-
-def one_line_error(rc: int, err: str, field: str, *hints: str) -> str:
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: {field}: "), err
-    for hint in hints:
-        assert hint in lines[0], (hint, lines[0])
-    return lines[0]
 
 
 def metrics_by_step(run_dir: pathlib.Path) -> dict[int, dict[str, float]]:

@@ -92,3 +92,16 @@ def relative_l2(actual: np.ndarray, expected: np.ndarray) -> float:
     """||actual - expected|| / ||expected|| (0 when both are 0)."""
     norm = np.linalg.norm(expected)
     return float(np.linalg.norm(actual - expected) / norm) if norm else float(np.linalg.norm(actual))
+
+
+def one_line_error(rc: int, err: str, field: str, *hints: str) -> str:
+    """The one error line of a command that exited 2 on bad input (no traceback), naming ``field``
+    and holding each of ``hints``."""
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {field}: "), err
+    assert "Traceback" not in err
+    for hint in hints:
+        assert hint in lines[0], (hint, lines[0])
+    return lines[0]
+
