@@ -417,6 +417,18 @@ class _Encoder:
         self._mark = now
 
 
+def split_input_files(inputs, val_inputs, out_dir: pathlib.Path) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+    """The files of ``--input`` and ``--val-input`` (none without it): ConfigError when a file is in
+    both, or inside ``--out`` ``out_dir``."""
+    train_files = input_files(inputs, "--input")
+    val_files = input_files(val_inputs, "--val-input") if val_inputs else []
+    if set(train_files) & set(val_files):
+        raise ConfigError("--val-input", f"{sorted(set(train_files) & set(val_files))[0]} is also an --input file")
+    if any(out_dir in path.parents for path in train_files + val_files):
+        raise ConfigError("--input", f"matches files inside --out {out_dir}")
+    return train_files, val_files
+
+
 def prepare(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fraction: float = 0.0,
             val_inputs: Sequence[str] = (), text_field: str = "text", eos: str | None = None,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False, progress: bool = True,
@@ -450,12 +462,7 @@ def prepare(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fractio
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab_size)
     out_dir = pathlib.Path(out).absolute()
-    train_files = input_files(inputs, "--input")
-    val_files = input_files(val_inputs, "--val-input") if val_inputs else []
-    if set(train_files) & set(val_files):
-        raise ConfigError("--val-input", f"{sorted(set(train_files) & set(val_files))[0]} is also an --input file")
-    if any(out_dir in path.parents for path in train_files + val_files):
-        raise ConfigError("--input", f"matches files inside --out {out_dir}")
+    train_files, val_files = split_input_files(inputs, val_inputs, out_dir)
     if os.environ.get("TOKENIZERS_PARALLELISM", "true").strip().lower() in _PARALLELISM_OFF:
         say("warning: TOKENIZERS_PARALLELISM turns off tokenizers' threads: one core encodes; unset it")
     writable_directory(out_dir, "--out")

@@ -52,7 +52,7 @@ from tokenizers import Tokenizer
 from meshtrain import jsonio
 from meshtrain.data.corpus import (BATCH_TEXT_BYTES, DEFAULT_SHARD_TOKENS, TRAIN, VAL,
                                    PreparedCorpus, _claim, _Progress, _SplitWriter, _val_selector, check_out,
-                                   finish, input_files, token_dtype)
+                                   finish, split_input_files, token_dtype)
 from meshtrain.data.files import write_file
 from meshtrain.data.tokenizer import MAX_PIECE_CHARS, end_of_document_id, load_tokenizer, tokenizer_file
 from meshtrain.errors import ConfigError, writable_directory
@@ -416,12 +416,7 @@ def prepare_sft(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fra
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab_size)
     out_dir = pathlib.Path(out).absolute()
-    train_files = input_files(inputs, "--input")
-    val_files = input_files(val_inputs, "--val-input") if val_inputs else []
-    if set(train_files) & set(val_files):
-        raise ConfigError("--val-input", f"{sorted(set(train_files) & set(val_files))[0]} is also an --input file")
-    if any(out_dir in path.parents for path in train_files + val_files):
-        raise ConfigError("--input", f"matches files inside --out {out_dir}")
+    train_files, val_files = split_input_files(inputs, val_inputs, out_dir)
     writable_directory(out_dir, "--out", create=False)
     check_out(out_dir, overwrite)
     special = _special_tokens(tokenizer)
