@@ -52,7 +52,7 @@ def baseline_step(trainer: Trainer, guarded: bool = False):
         raise SystemExit("error: --vs-baseline needs mesh.stage=1, train.grad_accum=1 and "
                          "offload.optimizer=false (the baseline is a plain step)")
     graphdef, tx = trainer.graphdef, trainer.tx
-    dtype = trainer.layout.train.precision.compute_dtype
+    dtype = trainer.layout.train.compute_dtype
     shard = activation_sharding(trainer.rules, trainer.mesh)
 
     def loss_fn(params, batch):

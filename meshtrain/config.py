@@ -348,6 +348,11 @@ def _invalid_enum(cls: type, raw: dict) -> tuple[str, str] | None:
                 if item not in members:
                     return key, (f"{_shown(item)} is not valid{_suggest(str(item), members)}; use any of "
                                  f"{' | '.join(members)}")
+        if dataclasses.is_dataclass(field_type) and isinstance(value, dict):  # a nested section (train.fp8)
+            known = typing.get_type_hints(field_type)
+            found = _invalid_enum(field_type, {k: v for k, v in value.items() if k in known})
+            if found:
+                return f"{key}.{found[0]}", found[1]
     return None
 
 

@@ -86,7 +86,7 @@ def _check_memory(cfg: Config, trainer: Trainer) -> None:
     available = device_memory_bytes(trainer.mesh.devices.flat[0])
     if available is None:
         return
-    est = layout_estimate(trainer.layout, np.dtype(cfg.train.precision.compute_dtype).itemsize)
+    est = layout_estimate(trainer.layout, np.dtype(cfg.train.compute_dtype).itemsize)
     if est.total > MEMORY_REFUSAL_FACTOR * available:
         state, working = est.params + est.grads + est.optimizer, est.activations + est.temporaries
         raise ConfigError("model", f"this run needs about {format_bytes(est.total)} per device ({format_bytes(state)} "

@@ -185,7 +185,7 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
                               f"{[r.value for r in ACTIVATION_COEFFICIENTS]}")
     rules = cfg.sharding.resolve()
     abstract_params = abstract_model(cfg.model)[1]
-    compute_bytes = np.dtype(cfg.train.precision.compute_dtype).itemsize
+    compute_bytes = np.dtype(cfg.train.compute_dtype).itemsize
     offloads = sorted({False, True} if host_memory is not None else {cfg.offload.optimizer})
     estimates = []
     tables: dict[tuple[bool, int], SpecTables] = {}  # (pipelined, ZeRO stage) -> the candidates' specs

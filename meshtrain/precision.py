@@ -1,8 +1,10 @@
-"""Mixed precision: fp32 master weights, compute in fp32, bf16 or fp16, dynamic loss scaling for fp16.
+"""Mixed precision: fp32 master weights, compute in fp32, bf16, fp16 or fp8, dynamic loss scaling
+for fp16.
 
 The train state always holds fp32 parameters and optimizer moments. Inside the step the parameters
-are cast to the compute dtype before the forward pass, the
-loss is taken in fp32, and gradients arrive in fp32 through the cast.
+are cast to the compute dtype before the forward pass, the loss is taken in fp32, and gradients
+arrive in fp32 through the cast. ``fp8`` computes in bf16 but for the layer matmuls its recipe
+names, which take FP8 operands (``meshtrain.fp8``).
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from models.fp8 import Fp8Weight
+
 
 class Precision(str, enum.Enum):
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
+    FP8 = "fp8"  # bf16, with the recipe's layer matmuls in FP8 (train.fp8)
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -35,7 +40,8 @@ def initial_loss_scale(dynamic: bool) -> LossScale:
                      dynamic=dynamic)
 
 
-_COMPUTE_DTYPES = {Precision.FP32: jnp.float32, Precision.BF16: jnp.bfloat16, Precision.FP16: jnp.float16}
+_COMPUTE_DTYPES = {Precision.FP32: jnp.float32, Precision.BF16: jnp.bfloat16, Precision.FP16: jnp.float16,
+                   Precision.FP8: jnp.bfloat16}
 
 
 @struct.dataclass
@@ -68,5 +74,12 @@ class LossScale:
 
 
 def cast_floating(tree, dtype: jnp.dtype):
-    """``tree`` with floating-point leaves cast to ``dtype``."""
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    """``tree`` with floating-point leaves cast to ``dtype``; of an ``Fp8Weight``, the weight only
+    (its amaxes stay fp32)."""
+
+    def cast(x):
+        if isinstance(x, Fp8Weight):
+            return x.replace(weight=cast(x.weight))
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(cast, tree, is_leaf=lambda x: isinstance(x, Fp8Weight))

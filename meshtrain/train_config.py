@@ -6,7 +6,10 @@ import dataclasses
 import enum
 import re
 
+import jax.numpy as jnp
+
 from meshtrain.errors import ConfigError
+from meshtrain.fp8 import Fp8Recipe
 from meshtrain.precision import Precision
 from models.common import coerce_enums
 
@@ -27,6 +30,7 @@ class TrainConfig:
     grad_accum: int = 1
     precision: Precision = Precision.FP32
     dynamic_loss_scale: bool | None = None  # None: on for fp16 only
+    fp8: Fp8Recipe = dataclasses.field(default_factory=Fp8Recipe)  # the recipe of precision: fp8
     seed: int = 0
     log_every: int = 10
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.SKIP
@@ -52,6 +56,12 @@ class TrainConfig:
             return self.profile_steps, self.profile_steps
         first, _, last = self.profile_steps.partition("-")
         return int(first), int(last or first)
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """What the forward and backward compute in: the precision's, or under fp8 the recipe's
+        ``wide`` precision outside its FP8 matmuls."""
+        return (self.fp8.wide if self.precision is Precision.FP8 else self.precision).compute_dtype
 
     @property
     def uses_dynamic_loss_scale(self) -> bool:

@@ -1,13 +1,15 @@
 """The sharded train state and the one train step ``(state, batch) -> (state, metrics)``.
 
 Order of application inside the step: ring attention's balanced permutation of the positions (only
-under ring attention) -> precision cast of the master weights -> forward/backward per
+under ring attention) -> precision cast of the master weights (under fp8, the recipe's weights
+passed as FP8 operands: ``meshtrain.fp8``) -> forward/backward per
 accumulation microbatch, through the pipeline schedule when ``mesh.stage`` > 1 (activations
 constrained by the rules, layers rematerialised by the model's policy, the head and the loss in
 chunks of ``train.loss_chunk`` positions: ``meshtrain.loss``) -> gradient accumulation in
 the gradients' layout of the ZeRO stage (split over ``fsdp`` from ZeRO-2 on) -> unscale -> AdamW
-update in place, applied only where the loss and the gradient norm are finite -> the new parameters
-and moments checked for finiteness (``state_finite``).
+update in place (and delayed scaling's amax histories), applied only where the loss, the gradient
+norm and the FP8 amaxes are finite -> the new parameters and moments checked for finiteness
+(``state_finite``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
+from meshtrain.fp8 import Fp8Training, Histories
 from meshtrain.loss import Objective, cross_entropy_sum, with_ahead_targets
 from meshtrain.optim import OptimizerConfig, descended_gradients, make_optimizer, sign_descent_rates
 from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_microbatches
@@ -32,7 +35,7 @@ from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, na
                                          ring_axis)
 from meshtrain.parallel.zero import StateLayout
 from meshtrain.precision import LossScale, Precision, initial_loss_scale
-from models.api import AUX_LOSS, MTP_LOSS, DecoderModel, PredictsAhead
+from models.api import AUX_LOSS, LAYERS_KEY, MTP_LOSS, AxisRole, DecoderModel, ModelFamily, PredictsAhead
 
 Metrics = dict[str, jax.Array]
 
@@ -46,6 +49,8 @@ class TrainState:
     opt_state: optax.OptState
     loss_scale: LossScale
     skipped_steps: jax.Array  # i32 []: steps whose gradients were not finite (update skipped)
+    # train.precision fp8 with delayed scaling: each FP8 weight's amax history (meshtrain.fp8); else {}.
+    fp8: Histories = struct.field(default_factory=dict)
 
 
 class Trainer:
@@ -72,6 +77,8 @@ class Trainer:
         self.state_layout = StateLayout(*(named_shardings(part, mesh) for part in (specs.params, specs.grads,
                                                                                    specs.optimizer)))
         self.param_shardings = self.state_layout.params
+        self.fp8 = (Fp8Training(layout.train.fp8, self.abstract_params, stacked_axes(self.family))
+                    if layout.train.precision is Precision.FP8 else None)
         self.tx, self.schedule = make_optimizer(optimizer, layout.train.steps, self.abstract_params)
         self.sign_rates = sign_descent_rates(self.abstract_params)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -84,7 +91,8 @@ class Trainer:
             opt_state=with_memory_kind(self.optimizer_compute_shardings,
                                        HOST if layout.offload.optimizer else DEVICE),
             loss_scale=jax.tree.map(lambda _: replicated, initial_loss_scale(layout.train.uses_dynamic_loss_scale)),
-            skipped_steps=replicated)
+            skipped_steps=replicated,
+            fp8=self.fp8.history_shardings(self.param_shardings) if self.fp8 else {})
         self.batch_sharding = batch_sharding(self.rules, mesh)
         self.metrics_sharding = replicated
         self.train_step = jax.jit(
@@ -107,7 +115,7 @@ class Trainer:
         params = self.layer_order.to_storage(nnx.state(self.family.build(self.layout.model, seed)))
         return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params),
                           loss_scale=initial_loss_scale(self.layout.train.uses_dynamic_loss_scale),
-                          skipped_steps=jnp.int32(0))
+                          skipped_steps=jnp.int32(0), fp8=self.fp8.initial_histories() if self.fp8 else {})
 
     def init_state(self, seed: int) -> TrainState:
         """A fresh state created directly in its shardings (no full copy on any device)."""
@@ -160,7 +168,7 @@ class Trainer:
         """Forward only: the summed token cross-entropy of a global batch (``loss_sum``, fp32) and its
         target count (``target_tokens``), in ``train.grad_accum`` microbatches like a train step and
         through the same pipeline schedule's forward. Aux losses are not part of it."""
-        compute_dtype = self.layout.train.precision.compute_dtype
+        compute_dtype = self.layout.train.compute_dtype
         batch = self._ordered(batch)
         objective = self._objective(lambda logits, mb: cross_entropy_sum(logits, mb["targets"], mb["mask"]),
                                     lambda aux_sum: jnp.zeros((), jnp.float32))
@@ -174,15 +182,16 @@ class Trainer:
                                 split_microbatches(batch, self.layout.train.grad_accum))
         return {"loss_sum": total, "target_tokens": jnp.sum(batch["mask"])}
 
-    def gradients(self, state: TrainState, batch: Batch) -> tuple[jax.Array, nnx.State, jax.Array, Metrics]:
-        """Mean loss and its fp32 gradients (unscaled) on a global batch, the target count, and the
+    def gradients(self, state: TrainState, batch: Batch
+                  ) -> tuple[jax.Array, nnx.State, jax.Array, Metrics, dict[str, jax.Array]]:
+        """Mean loss and its fp32 gradients (unscaled) on a global batch, the target count, the
         layers' statistics (every aux term of ``DecoderModel.run_layers`` but the loss, as a mean
-        over the batch's rows).
+        over the batch's rows) and, under fp8, the step's amaxes per FP8 weight (else {}).
 
         Microbatches of ``train.grad_accum`` are scanned; each runs through the pipeline schedule
         when ``mesh.stage`` > 1. Gradients of interleaved layers are in storage order.
         """
-        compute_dtype = self.layout.train.precision.compute_dtype
+        compute_dtype = self.layout.train.compute_dtype
         batch = self._ordered(with_ahead_targets(batch, self.ahead_depths))
         target_count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         rows = batch["mask"].shape[0]
@@ -199,17 +208,23 @@ class Trainer:
                                              activation_sharding(self.rules, self.mesh),
                                              compute_dtype)
 
+        params, grad_shardings = state.params, self.state_layout.grads
+        if self.fp8:
+            params = self.fp8.attach(state.params, state.fp8)
+            grad_shardings = self.fp8.attach(grad_shardings, self.fp8.history_shardings(self.param_shardings),
+                                             self.fp8.observed_shardings(self.param_shardings))
+
         def constrain_grads(grads: nnx.State) -> nnx.State:
-            return jax.lax.with_sharding_constraint(grads, self.state_layout.grads)
+            return jax.lax.with_sharding_constraint(grads, grad_shardings)
 
         scaled_loss, aux, scaled_grads = accumulate_gradients(
-            value_and_grad, state.params, split_microbatches(batch, self.layout.train.grad_accum),
-            constrain_grads)
+            value_and_grad, params, split_microbatches(batch, self.layout.train.grad_accum), constrain_grads)
+        scaled_grads, observed = self.fp8.split(scaled_grads) if self.fp8 else (scaled_grads, {})
         # MTP_LOSS is already a share of the (scaled) loss; the rest are sums over rows.
         statistics = {name: state.loss_scale.unscale(value) if name == MTP_LOSS else value / rows
                       for name, value in aux.items() if name != AUX_LOSS}
         return (state.loss_scale.unscale(scaled_loss), state.loss_scale.unscale(scaled_grads),
-                target_count, statistics)
+                target_count, statistics, observed)
 
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         """One optimizer step on a global batch {inputs, targets, mask} (and {positions, segments}
@@ -220,9 +235,16 @@ class Trainer:
         it. What was applied is then measured: ``state_finite`` is whether every new parameter and
         moment is finite (the loop never saves a state without it; docs/checkpoints.md).
         """
-        loss, grads, target_count, statistics = self.gradients(state, batch)
+        loss, grads, target_count, statistics, observed = self.gradients(state, batch)
         grad_norm = optax.tree.norm(descended_gradients(grads, self.sign_rates))
         inputs_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if self.fp8:
+            inputs_finite &= self.fp8.finite(observed)
+            statistics = {**statistics, **self.fp8.metrics(observed)}
+        histories = state.fp8
+        if self.fp8 and self.fp8.delayed:
+            histories = jax.tree.map(lambda new, old: jnp.where(inputs_finite, new, old),
+                                     self.fp8.updated(state.fp8, observed), state.fp8)
         old_opt_state = jax.device_put(state.opt_state, self.optimizer_compute_shardings)
 
         def apply_update(params: nnx.State, opt_state: optax.OptState) -> tuple[nnx.State, optax.OptState]:
@@ -233,7 +255,7 @@ class Trainer:
         new_state = TrainState(
             step=state.step + 1, params=params, opt_state=opt_state,
             loss_scale=state.loss_scale.adjust(inputs_finite),
-            skipped_steps=state.skipped_steps + (~inputs_finite).astype(jnp.int32))
+            skipped_steps=state.skipped_steps + (~inputs_finite).astype(jnp.int32), fp8=histories)
         metrics = {"loss": loss, "grad_norm": grad_norm, "state_finite": all_finite((params, opt_state)),
                    "lr": self.schedule(state.step), "loss_scale": state.loss_scale.scale,
                    "skipped_steps": new_state.skipped_steps, "update_skipped": ~inputs_finite,
@@ -245,3 +267,8 @@ def all_finite(tree) -> jax.Array:
     """bool []: whether every element of every floating-point leaf of ``tree`` is finite."""
     leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)]
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+
+
+def stacked_axes(family: ModelFamily) -> frozenset[str]:
+    """The logical names of ``family``'s stacked-layer axes: ``layers`` and its ``AxisRole.STACKED`` axes."""
+    return frozenset({LAYERS_KEY} | {name for name, role in family.axis_roles.items() if role is AxisRole.STACKED})

@@ -36,6 +36,7 @@ from models.attention import AttentionKernel, AttentionSpec, attention_mask
 from models.api import RESIDUAL_AXES, Documents, LayerAux, forward, no_aux, positions_of
 from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, logical_param, matmul,
                            stacked_layers, unconstrained)
+from models.fp8 import MatmulGroup
 
 # Activations the blocks tag with ``checkpoint_name``, which a NAMED remat policy may keep.
 BLOCK_CHECKPOINT_NAMES = ("query", "key", "value", "attention", "mlp_hidden")
@@ -257,10 +258,11 @@ class Attention(nnx.Module):
     def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs):
         d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         in_std, out_std = d ** -0.5, (n * h) ** -0.5 / math.sqrt(2 * cfg.num_layers)
-        self.query = logical_param(normal(rngs, (d, n, h), in_std), ("embed", "heads", "head_dim"))
-        self.key = logical_param(normal(rngs, (d, k, h), in_std), ("embed", "kv_heads", "head_dim"))
-        self.value = logical_param(normal(rngs, (d, k, h), in_std), ("embed", "kv_heads", "head_dim"))
-        self.out = logical_param(normal(rngs, (n, h, d), out_std), ("heads", "head_dim", "embed"))
+        attention = MatmulGroup.ATTENTION
+        self.query = logical_param(normal(rngs, (d, n, h), in_std), ("embed", "heads", "head_dim"), attention)
+        self.key = logical_param(normal(rngs, (d, k, h), in_std), ("embed", "kv_heads", "head_dim"), attention)
+        self.value = logical_param(normal(rngs, (d, k, h), in_std), ("embed", "kv_heads", "head_dim"), attention)
+        self.out = logical_param(normal(rngs, (n, h, d), out_std), ("heads", "head_dim", "embed"), attention)
         self.spec = cfg.attention_spec
 
     def _project(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array],
@@ -329,10 +331,10 @@ class SwiGLU(nnx.Module):
 
     def __init__(self, cfg: BlockConfig, hidden: int, rngs: nnx.Rngs):
         d, m = cfg.embed_dim, hidden
-        self.gate = logical_param(normal(rngs, (d, m), d ** -0.5), ("embed", "mlp"))
-        self.up = logical_param(normal(rngs, (d, m), d ** -0.5), ("embed", "mlp"))
+        self.gate = logical_param(normal(rngs, (d, m), d ** -0.5), ("embed", "mlp"), MatmulGroup.MLP)
+        self.up = logical_param(normal(rngs, (d, m), d ** -0.5), ("embed", "mlp"), MatmulGroup.MLP)
         self.down = logical_param(normal(rngs, (m, d), m ** -0.5 / math.sqrt(2 * cfg.num_layers)),
-                                  ("mlp", "embed"))
+                                  ("mlp", "embed"), MatmulGroup.MLP)
 
     def __call__(self, x: jax.Array, shard: ActivationSharding) -> jax.Array:
         """x: [batch, length, embed] -> [batch, length, embed]."""

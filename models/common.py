@@ -20,6 +20,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import AttentionSpec, attend
+from models.fp8 import Fp8Weight, MatmulGroup, fp8_matmul
 
 LogicalAxes = tuple[str | None, ...]
 
@@ -58,7 +59,7 @@ def _enum_fields(cls: type) -> tuple[tuple[str, type[enum.Enum]], ...]:
                  if isinstance(hints.get(field.name), type) and issubclass(hints[field.name], enum.Enum))
 
 
-def matmul(equation: str, x: jax.Array, w: jax.Array, result_dtype: jnp.dtype | None = None) -> jax.Array:
+def matmul(equation: str, x: jax.Array, w: jax.Array | Fp8Weight, result_dtype: jnp.dtype | None = None) -> jax.Array:
     """``jnp.einsum(equation, x, w)`` (two operands, no index repeated in one) summed in fp32 and
     returned in ``result_dtype`` (default: ``x``'s dtype), in the forward and in both backward
     matmuls (whose results take the operands' dtypes).
@@ -71,13 +72,17 @@ def matmul(equation: str, x: jax.Array, w: jax.Array, result_dtype: jnp.dtype | 
     ``CHECKPOINT_DOT`` when the einsum has no batch indices, so that ``RematPolicy.DOTS`` keeps it
     as it keeps a plain matmul's output. ``result_dtype=float32`` keeps the fp32 sums (e.g. logits
     for a fp32 loss) instead of rounding them to bf16 and converting back. fp32 operands: a plain
-    einsum.
+    einsum. An ``Fp8Weight`` (what the framework passes for a weight tagged with a ``MatmulGroup``
+    when it trains in FP8): ``models.fp8.fp8_matmul``.
     """
-    if x.dtype == jnp.float32 and w.dtype == jnp.float32:
-        return jnp.einsum(equation, x, w)
     inputs, out = equation.replace(" ", "").split("->")
     lhs, rhs = inputs.split(",")
-    y = _mixed_precision_einsum(lhs, rhs, out, jnp.dtype(result_dtype or x.dtype), x, w)
+    if isinstance(w, Fp8Weight):
+        y = fp8_matmul(equation, x, w, result_dtype or x.dtype)
+    elif x.dtype == jnp.float32 and w.dtype == jnp.float32:
+        return jnp.einsum(equation, x, w)
+    else:
+        y = _mixed_precision_einsum(lhs, rhs, out, jnp.dtype(result_dtype or x.dtype), x, w)
     return checkpoint_name(y, CHECKPOINT_DOT) if not set(lhs) & set(rhs) & set(out) else y
 
 
@@ -196,15 +201,21 @@ def sign_descent_variable(value: jax.Array, axes: LogicalAxes, rate: float) -> S
     return SignDescent(value, rate=rate, out_sharding=axes, eager_sharding=False)
 
 
-def logical_param(value: jax.Array, axes: LogicalAxes) -> nnx.Param:
-    """A parameter annotated with logical axis names (one per dimension).
+# The metadata entry of a parameter's ``MatmulGroup`` (``logical_param``).
+MATMUL_GROUP = "matmul_group"
+
+
+def logical_param(value: jax.Array, axes: LogicalAxes, group: MatmulGroup | None = None) -> nnx.Param:
+    """A parameter annotated with logical axis names (one per dimension) and, for a weight that one
+    matmul of a layer consumes (through ``matmul``, once per forward pass), its ``MatmulGroup``: the
+    framework may then pass it as an ``Fp8Weight`` (``models.fp8``).
 
     Flax's eager sharding is off: where the parameter lives is decided by the framework's rules
     when the whole state is created under ``jit(..., out_shardings=...)``.
     """
     if len(axes) != value.ndim:
         raise ValueError(f"logical axes {axes} do not match a value of shape {value.shape}")
-    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False, **{MATMUL_GROUP: group})
 
 
 def stacked_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs,

@@ -9,6 +9,11 @@
    the first candidate whose compiled footprint (XLA memory_analysis) fits 90 % of the device's
    memory; prints step time, tokens/s, TFLOP/s and MFU, and the planner's temp estimate of that
    layout (``meshtrain.plan``: its backward and update phases) beside this compiler's temp.
+2b. fp8: the same model, remat and batch with ``train.precision=fp8`` (current scaling: the attention
+   and MLP matmuls with E4M3 / E5M2 operands, XLA's FP8 GEMMs): step time beside bf16's
+   (``speedup``); then the tiny config trained ``--fp8-steps`` steps (200) in bf16 and in fp8 on the
+   device from the same init and data: the fp8 run's final loss (mean of its last 5 logged steps)
+   within ``--fp8-tol`` (1.5 %) of bf16's, as on CPU (scripts/bench_fp8.py).
 3. offload: the same model with ``offload.optimizer=true model.remat=offload``: memory_analysis
    (device and host bytes) and the step time.
 4. checkpoint: the tiny state after one step saved (per-array checksums computed on the device) and
@@ -522,6 +527,40 @@ def throughput(load_config, benchmark, args, limit: int | None, attention: str) 
     raise SystemExit("error: no (remat, batch) candidate fits this device")
 
 
+def fp8_check(load_config, benchmark, args, bf16: dict) -> dict:
+    """Step 2b: the 1B model in fp8 against the throughput phase's bf16 step, then the tiny
+    config's fp8 loss against bf16's after ``--fp8-steps`` steps on the device."""
+    import pathlib
+    import tempfile
+
+    import jax
+    from bench_fp8 import run_arm
+
+    cfg = load_config("configs/llama_1b.yaml", [
+        "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.stage=1", "train.precision=fp8",
+        "model.seq_len=2048" if not args.dry_run else "model.seq_len=64", *args.dry_overrides,
+        f"model.attention={bf16['attention']}", f"model.remat={bf16['remat']}",
+        f"train.batch_size={bf16['batch_size']}"])
+    result = benchmark.run(cfg, steps=args.steps, devices=jax.devices()[:1])
+    speedup = bf16["step_time_s_median"] / result["step_time_s_median"]
+    log(f"fp8 1B: step {result['step_time_s_median'] * 1e3:.1f} ms against bf16's "
+        f"{bf16['step_time_s_median'] * 1e3:.1f} ms: {speedup:.2f}x, {result['tflops_per_device']:.1f} TFLOP/s")
+    device = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.stage=1"]
+    with tempfile.TemporaryDirectory() as tmp:
+        arms = {name: run_arm("configs/tiny.yaml", device, [f"train.precision={name}"], args.fp8_steps,
+                              max(1, args.fp8_steps // 20), pathlib.Path(tmp), name)
+                for name in ("bf16", "fp8")}
+    final = {name: sum(list(arm["losses"].values())[-5:]) / len(list(arm["losses"].values())[-5:])
+             for name, arm in arms.items()}
+    ratio = final["fp8"] / final["bf16"]
+    ok = abs(ratio - 1) <= args.fp8_tol and arms["fp8"]["skipped_steps"] == 0
+    log(f"fp8 tiny, {args.fp8_steps} steps: final loss fp8 {final['fp8']:.4f}, bf16 {final['bf16']:.4f}: ratio "
+        f"{ratio:.4f} (tolerance {args.fp8_tol:.1%}): {'PASS' if ok else 'FAIL'}")
+    return {"step_time_s_median": result["step_time_s_median"], "bf16_step_time_s_median": bf16["step_time_s_median"],
+            "speedup": speedup, "tflops_per_device": result["tflops_per_device"], "final_loss": final,
+            "loss_ratio": ratio, "tolerance": args.fp8_tol, "passed": ok}
+
+
 def offload(load_config, benchmark, args, batch: int) -> dict:
     """The same model with optimizer-state and activation offload to pinned host memory."""
     import jax
@@ -577,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe-tol", type=float, default=1e-4)
     parser.add_argument("--pipeline-tol", type=float, default=1e-5)
     parser.add_argument("--attention-tol", type=float, default=2e-5)
+    parser.add_argument("--fp8-steps", type=int, default=200, help="tiny steps of the fp8 loss check")
+    parser.add_argument("--fp8-tol", type=float, default=0.015, help="fp8 final loss within this share of bf16's")
     parser.add_argument("--skip-offload", action="store_true")
     args = parser.parse_args(argv)
     args.dry_overrides = TINY_1B if args.dry_run else []
@@ -588,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         use_host_devices(1)
         args.steps = min(args.steps, 2)
+        args.fp8_steps = min(args.fp8_steps, 10)
     else:
         added = xla_flags.apply_recommended()
         log(f"XLA_FLAGS += {' '.join(added) or '(nothing: not a CUDA run, or already set)'}")
@@ -620,6 +662,10 @@ def main(argv: list[str] | None = None) -> int:
         report["attention"] = "xla (cudnn failed)"
         report["throughput"] = throughput(load_config, benchmark, args, limit, "xla")
     report["throughput"]["wall_s"] = time.perf_counter() - phase
+    report["throughput"]["attention"] = report["attention"].split(" ")[0]
+    phase = time.perf_counter()
+    report["fp8"] = fp8_check(load_config, benchmark, args, report["throughput"])
+    report["fp8"]["wall_s"] = time.perf_counter() - phase
     if not args.skip_offload:
         phase = time.perf_counter()
         report["offload"] = offload(load_config, benchmark, args, max(1, report["throughput"]["batch_size"] // 2))
@@ -644,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     report["wall_s"] = time.perf_counter() - started
     log(f"gpu_check done in {report['wall_s']:.1f} s")
     print("json: " + json.dumps(report), flush=True)
-    passed = all(report[name]["passed"] for name in ("loss_check", "checkpoint", "packing", "moe", "deepseek",
+    passed = all(report[name]["passed"] for name in ("loss_check", "fp8", "checkpoint", "packing", "moe", "deepseek",
                                                      "pipeline", "attention_kernels"))
     return 0 if passed else 1
 

@@ -50,7 +50,7 @@ BAD_INPUTS = [
     _case(["data.source=tokens", "data.path=/nonexistent.bin"], "data.path", "no such file",
           "/nonexistent.bin", id="missing-data-file"),
     _case(["train.steps=-5"], "train.steps", "must be a positive integer", id="negative-steps"),
-    _case(["train.precision=fp8"], "train.precision", "'fp8' is not valid", "fp32 | bf16 | fp16",
+    _case(["train.precision=fp4"], "train.precision", "'fp4' is not valid", "fp32 | bf16 | fp16 | fp8",
           id="unknown-precision"),
     _case([], "--config", "no such file", config="/nonexistent/run.yaml", id="missing-config"),
     _case([], "--config", "is not valid YAML", "line 2", config="BAD_YAML", id="invalid-yaml"),

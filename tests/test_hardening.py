@@ -381,7 +381,7 @@ def _hostile_inputs(root):
         "yaml-syntax": ["--config", write("syntax.yaml", "mesh: {data: 2\n  bad: [\n")],
         "override-without-value": ["--config", TINY, "train.steps"],
         "unknown-flag": ["--config", TINY, "--bogus"],
-        "bad-enum": ["--config", TINY, "train.precision=fp8"],
+        "bad-enum": ["--config", TINY, "train.precision=fp4"],
         "string-for-a-list": ["--config", TINY, "model.remat_names=attention"],
     }
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,

@@ -76,7 +76,7 @@ def loss_grads_and_statistics(trainer: Trainer, batch=None) -> tuple[float, dict
         dataset = make_dataset(DataConfig(), vocab_size=trainer.layout.model.vocab_size,
                                seq_len=trainer.layout.model.seq_len)
         batch = global_batch(dataset, 0, trainer.layout.train.batch_size, trainer.batch_sharding)
-    loss, grads, _, statistics = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
+    loss, grads, _, statistics, _ = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
     grads = trainer.layer_order.to_logical(grads)
     return (float(loss), {".".join(map(str, path)): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(grads)},
             {name: np.asarray(value) for name, value in statistics.items()})

@@ -14,6 +14,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from meshtrain.fp8 import add_gradients
+
 Batch = dict[str, jax.Array]
 
 
@@ -38,12 +40,13 @@ def accumulate_gradients(loss_and_grad: Callable[[Any, Batch], tuple[tuple[jax.A
     microbatch axis with ``lax.scan``: (loss, aux, grads) summed.
 
     ``loss_and_grad`` must already be normalised by the global target count, so sums are exact.
+    The amaxes of FP8 matmuls (``meshtrain.fp8``) combine by maximum.
     """
 
     def add_microbatch(carry, microbatch):
         loss_sum, grad_sum = carry
         (loss, aux), grads = loss_and_grad(params, microbatch)
-        grad_sum = constrain_grads(jax.tree.map(jnp.add, grad_sum, grads))
+        grad_sum = constrain_grads(add_gradients(grad_sum, grads))
         return (loss_sum + loss, grad_sum), aux  # aux: a scan output, summed below
 
     zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))

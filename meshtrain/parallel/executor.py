@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh, PartitionSpec
 
+from meshtrain.fp8 import add_gradients
 from meshtrain.loss import Objective, ahead_loss, head_loss
 from meshtrain.parallel.accumulate import Batch, split_microbatches
 from meshtrain.parallel.backward_split import split_backward
@@ -292,16 +293,17 @@ class TableExecutor:
         return carry.replace(layer_grads=zeros(fp32(self.layers)), rest_grads=zeros(fp32(self.rest)))
 
     def add_layer_grads(self, carry: Carry, v: jax.Array, d_layers: Any) -> Carry:
-        grads = jax.tree.map(lambda g, d: jax.lax.dynamic_update_slice_in_dim(
-            g, jax.lax.dynamic_slice_in_dim(g, v * self.per_chunk, self.per_chunk) + d.astype(jnp.float32),
-            v * self.per_chunk, 0), carry.layer_grads, d_layers)
+        start = v * self.per_chunk
+        chunk = jax.tree.map(lambda g: jax.lax.dynamic_slice_in_dim(g, start, self.per_chunk), carry.layer_grads)
+        grads = jax.tree.map(lambda g, total: jax.lax.dynamic_update_slice_in_dim(g, total, start, 0),
+                             carry.layer_grads, add_gradients(chunk, d_layers))
         return carry.replace(layer_grads=grads)
 
     def add_embed_grads(self, carry: Carry, first: jax.Array, m: jax.Array, dx: jax.Array) -> Carry:
         """Stage 0's gradient of the embedding from d(first chunk's input)."""
         def add(rest_grads):
             _, embed_vjp = jax.vjp(lambda rest: self.embed(rest, m), self.rest)
-            return jax.tree.map(lambda g, d: g + d.astype(jnp.float32), rest_grads, embed_vjp(dx)[0])
+            return add_gradients(rest_grads, embed_vjp(dx)[0])
         return carry.replace(rest_grads=jax.lax.cond(first, add, lambda g: jax.tree.map(_stage_varying, g),
                                                      carry.rest_grads))
 
@@ -340,8 +342,7 @@ class TableExecutor:
         (loss, aux), (d_rest, d_y) = _if(last, lambda: jax.value_and_grad(self.ahead_loss, argnums=(0, 1),
                                                                           has_aux=True)(self.rest, y, m))
         return carry.replace(loss=carry.loss + loss, aux=_add_aux(carry.aux, aux),
-                             rest_grads=jax.tree.map(lambda g, d: g + d.astype(jnp.float32), carry.rest_grads,
-                                                     d_rest)), d_y
+                             rest_grads=add_gradients(carry.rest_grads, d_rest)), d_y
 
     def head_step(self, carry: Carry, y: jax.Array, m: jax.Array, gradient_slot: jax.Array) -> Carry:
         """Microbatch m's head and loss, split over the stages by position."""
@@ -357,8 +358,7 @@ class TableExecutor:
         if d_ahead is not None:
             d_y = d_y + d_ahead.astype(CROSSING_DTYPE)
         return carry.replace(loss=carry.loss + loss, gradients=_write(carry.gradients, gradient_slot, d_y),
-                             rest_grads=jax.tree.map(lambda g, d: g + d.astype(jnp.float32), carry.rest_grads,
-                                                     d_rest))
+                             rest_grads=add_gradients(carry.rest_grads, d_rest))
 
     def backward_slot(self, carry: Carry, task: BackwardTasks) -> tuple[Carry, jax.Array]:
         """The stage's whole backward of this slot: (the carry with its layers' gradients added, the

@@ -44,6 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models.attention import attention_mask
 from models.blocks import KV_AXES, RMSNorm, apply_rotary, normal
 from models.common import ActivationSharding, logical_param, matmul
+from models.fp8 import MatmulGroup
 
 QUERY_AXES = ("batch", "length", "heads", "head_dim")
 
@@ -53,6 +54,9 @@ def interleaved_to_halves(x: jax.Array) -> jax.Array:
     ``apply_rotary`` rotates (evens, then odds): DeepSeek's ``rope_interleave`` checkpoints. Only
     dot products of rotated queries and keys are used, so both permuted alike give the same scores."""
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+ATTENTION = MatmulGroup.ATTENTION  # the group of every projection here (train.fp8.matmuls)
 
 
 class LatentAttention(nnx.Module):
@@ -69,19 +73,21 @@ class LatentAttention(nnx.Module):
         self.scale = cfg.rope_scaling.softmax_scale(qk)
         if cfg.q_lora_rank:
             r = cfg.q_lora_rank
-            self.query_down = logical_param(normal(rngs, (d, r), d ** -0.5), ("embed", "latent"))
+            self.query_down = logical_param(normal(rngs, (d, r), d ** -0.5), ("embed", "latent"), ATTENTION)
             self.query_norm = RMSNorm(r, cfg.norm_eps, "latent")
-            self.query_up = logical_param(normal(rngs, (r, n, qk), r ** -0.5), ("latent_in", "heads", "head_dim"))
+            self.query_up = logical_param(normal(rngs, (r, n, qk), r ** -0.5), ("latent_in", "heads", "head_dim"),
+                                          ATTENTION)
             self.query = None
         else:
             self.query_down = self.query_norm = self.query_up = None
-            self.query = logical_param(normal(rngs, (d, n, qk), d ** -0.5), ("embed", "heads", "head_dim"))
-        self.latent_down = logical_param(normal(rngs, (d, cfg.kv_lora_rank + rope), d ** -0.5), ("embed", "latent"))
+            self.query = logical_param(normal(rngs, (d, n, qk), d ** -0.5), ("embed", "heads", "head_dim"), ATTENTION)
+        self.latent_down = logical_param(normal(rngs, (d, cfg.kv_lora_rank + rope), d ** -0.5),
+                                         ("embed", "latent"), ATTENTION)
         self.latent_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, "latent")
         self.latent_up = logical_param(normal(rngs, (cfg.kv_lora_rank, n, nope + v), cfg.kv_lora_rank ** -0.5),
-                                       ("latent_in", "heads", "head_dim"))
+                                       ("latent_in", "heads", "head_dim"), ATTENTION)
         self.out = logical_param(normal(rngs, (n, v, d), (n * v) ** -0.5 / math.sqrt(2 * cfg.num_layers)),
-                                 ("heads", "head_dim", "embed"))
+                                 ("heads", "head_dim", "embed"), ATTENTION)
 
     def _rotate(self, x: jax.Array, rotary: tuple[jax.Array, jax.Array]) -> jax.Array:
         """x [batch, length, heads, rope] rotated by position."""

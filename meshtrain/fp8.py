@@ -1,0 +1,215 @@
+"""FP8 training (``train.precision: fp8``): which weights' matmuls run in FP8, and the amax
+histories delayed scaling keeps in the train state.
+
+Under ``fp8`` the master weights and moments stay fp32 and everything else computes in
+``train.fp8.wide`` (bf16, as under ``bf16``; fp32 isolates the FP8 matmuls); the weights a family
+tags with one of the recipe's ``MatmulGroup``s (``train.fp8.matmuls``) reach the model as
+``models.fp8.Fp8Weight`` values (``Fp8Training.attach``, after the cast), so their matmuls take
+E4M3 operands forward and E5M2 gradients backward (``models.fp8``). The head, the embedding,
+norms, routers and experts stay wide.
+
+In the step: attach -> forward/backward per microbatch (the gradient of each weight's ``observed``
+is the amax of its matmul's input, weight and output gradient; microbatches and pipeline chunks
+combine them by maximum: ``add_gradients``) -> ``split`` into the parameters' gradients and the
+step's amaxes -> the update, and with delayed scaling the histories shifted by one step with the
+step's amaxes first (``updated``), both only when the loss, the gradient norm and every amax are
+finite. A history is fp32 [stacked layer axes..., 3, train.fp8.history] per tagged weight, keyed by
+the weight's path (``layers.attention.query``), laid out like the weight's stacked axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshtrain.errors import ConfigError
+from meshtrain.precision import Precision
+from models.common import MATMUL_GROUP, coerce_enums
+from models.fp8 import OPERANDS, Fp8Weight, MatmulGroup
+
+Histories = dict[str, jax.Array]
+
+
+class Scaling(str, enum.Enum):
+    """How an FP8 operand's scale is chosen."""
+
+    CURRENT = "current"  # from the operand's own amax in this matmul (no state)
+    DELAYED = "delayed"  # from the largest amax of the last train.fp8.history steps (in the train state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """``train.fp8``: the recipe of ``train.precision: fp8``."""
+
+    scaling: Scaling = Scaling.CURRENT
+    history: int = 16  # delayed scaling: steps of amax kept per operand
+    margin: int = 0  # scales leave 2**margin of headroom below the format's largest value
+    matmuls: tuple[MatmulGroup, ...] = (MatmulGroup.ATTENTION, MatmulGroup.MLP)  # the groups in FP8
+    # What everything else computes in: bf16, or fp32 to isolate the FP8 matmuls (the layout proofs).
+    wide: Precision = Precision.BF16
+
+    def __post_init__(self):
+        coerce_enums(self, ConfigError)
+        valid = " | ".join(group.value for group in MatmulGroup)
+        groups = []
+        for value in self.matmuls:
+            try:
+                groups.append(MatmulGroup(value))
+            except ValueError:
+                raise ConfigError("fp8.matmuls", f"{value!r} is not a matmul group; use any of {valid}") from None
+        if not groups or len(set(groups)) < len(groups):
+            raise ConfigError("fp8.matmuls", f"must name each group at most once and at least one, got "
+                              f"{[g.value for g in groups]}; groups: {valid}")
+        object.__setattr__(self, "matmuls", tuple(groups))
+        if self.wide not in (Precision.BF16, Precision.FP32):
+            raise ConfigError("fp8.wide", f"must be bf16 or fp32, got {self.wide.value}")
+        if self.history < 1:
+            raise ConfigError("fp8.history", f"must be >= 1 step, got {self.history}")
+        if not 0 <= self.margin <= 8:
+            raise ConfigError("fp8.margin", f"must be between 0 and 8 (powers of two of headroom), got {self.margin}")
+
+
+def _name(path: tuple) -> str:
+    """A parameter's path as ``layers.attention.query`` (the Variable's ``value`` attribute dropped)."""
+    keys = [key for key in path if not isinstance(key, jax.tree_util.GetAttrKey)]
+    return ".".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in keys)
+
+
+def _is_fp8(x: Any) -> bool:
+    return isinstance(x, Fp8Weight)
+
+
+def add_gradients(total: Any, grads: Any) -> Any:
+    """``total + grads`` leaf by leaf, but the amaxes of ``Fp8Weight`` nodes (``observed``) by
+    maximum: what a sum over microbatches or pipeline chunks must do."""
+
+    def add(a, b):
+        if isinstance(a, Fp8Weight):
+            history = None if a.history is None else a.history + b.history
+            return a.replace(weight=a.weight + b.weight.astype(a.weight.dtype),
+                             observed=jnp.maximum(a.observed, b.observed), history=history)
+        return a + b.astype(a.dtype)
+
+    return jax.tree.map(add, total, grads, is_leaf=_is_fp8)
+
+
+def shifted(history: jax.Array, observed: jax.Array) -> jax.Array:
+    """``history`` [..., 3, steps] one step older, with ``observed`` [..., 3] as its newest (first) entry."""
+    return jnp.concatenate([observed[..., None], history[..., :-1]], axis=-1)
+
+
+class Fp8Training:
+    """FP8 for one model: its tagged weights (path -> stacked leading shape) under ``recipe``.
+
+    ``abstract_params``: the model's parameters (``nnx.State`` of Variables, shapes suffice);
+    ``stacked_axes``: the logical names of stacked-layer axes (``layers`` and the family's
+    ``AxisRole.STACKED`` axes), which lead a tagged weight's history.
+    """
+
+    def __init__(self, recipe: Fp8Recipe, abstract_params: nnx.State, stacked_axes: frozenset[str]):
+        self.recipe = recipe
+        self.leading: dict[str, int] = {}  # path -> number of stacked leading axes
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+        def visit(path, variable):
+            metadata = variable.get_metadata() if isinstance(variable, nnx.Variable) else {}
+            if metadata.get(MATMUL_GROUP) in recipe.matmuls:
+                axes = tuple(metadata.get("out_sharding") or ())
+                stacked = next((i for i, axis in enumerate(axes) if axis not in stacked_axes), len(axes))
+                name = _name(path)
+                self.leading[name], self.shapes[name] = stacked, tuple(variable.get_value().shape[:stacked])
+            return variable
+
+        jax.tree_util.tree_map_with_path(visit, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        if not self.leading:
+            raise ConfigError("train.fp8.matmuls", f"{[g.value for g in recipe.matmuls]}: the model tags no weight "
+                              "with these groups, so nothing would run in FP8; its family must tag its layers' "
+                              "matmul weights (models.common.logical_param(..., group=...))")
+
+    @property
+    def delayed(self) -> bool:
+        return self.recipe.scaling is Scaling.DELAYED
+
+    def initial_histories(self) -> Histories:
+        """Zero histories (no step seen yet) for delayed scaling; none for current scaling."""
+        if not self.delayed:
+            return {}
+        return {name: jnp.zeros((*shape, len(OPERANDS), self.recipe.history), jnp.float32)
+                for name, shape in self.shapes.items()}
+
+    def _leading_shardings(self, param_shardings: nnx.State, trailing: int) -> dict[str, NamedSharding]:
+        """Per tagged weight: its sharding's stacked leading entries, then ``trailing`` whole axes."""
+        found = {}
+
+        def visit(path, sharding):
+            name = _name(path)
+            if name in self.leading:
+                spec = tuple(sharding.spec) + (None,) * self.leading[name]
+                found[name] = NamedSharding(sharding.mesh, PartitionSpec(*spec[:self.leading[name]],
+                                                                         *(None,) * trailing))
+            return sharding
+
+        jax.tree_util.tree_map_with_path(visit, param_shardings)
+        return found
+
+    def history_shardings(self, param_shardings: nnx.State) -> dict[str, NamedSharding]:
+        """Where each history lives: split like its weight's stacked axes (over ``stage`` in a
+        pipeline), whole along the operands and steps."""
+        return self._leading_shardings(param_shardings, 2) if self.delayed else {}
+
+    def attach(self, params: nnx.State, histories: Mapping[str, Any],
+               observed: Mapping[str, Any] | None = None) -> nnx.State:
+        """``params`` with each tagged weight as an ``Fp8Weight`` of it, zero ``observed`` amaxes
+        (or the given values: shardings, to constrain a tree of attached gradients) and its
+        history (delayed scaling)."""
+
+        def wrap(path, leaf):
+            name = _name(path)
+            if name not in self.leading:
+                return leaf
+            seen = (jnp.zeros((*self.shapes[name], len(OPERANDS)), jnp.float32) if observed is None
+                    else observed[name])
+            return Fp8Weight(weight=leaf, observed=seen, history=histories.get(name), margin=self.recipe.margin)
+
+        return jax.tree_util.tree_map_with_path(wrap, params)
+
+    def observed_shardings(self, param_shardings: nnx.State) -> dict[str, NamedSharding]:
+        return self._leading_shardings(param_shardings, 1)
+
+    def split(self, grads: nnx.State) -> tuple[nnx.State, dict[str, jax.Array]]:
+        """Attached gradients -> (the parameters' gradients, the step's amaxes per tagged weight:
+        fp32 [stacked..., 3] in ``OPERANDS`` order)."""
+        observed = {}
+
+        def unwrap(path, leaf):
+            if isinstance(leaf, Fp8Weight):
+                observed[_name(path)] = leaf.observed
+                return leaf.weight
+            return leaf
+
+        plain = jax.tree_util.tree_map_with_path(unwrap, grads, is_leaf=_is_fp8)
+        return plain, observed
+
+    def updated(self, histories: Histories, observed: Mapping[str, jax.Array]) -> Histories:
+        """Each history ``shifted`` by the step's amaxes of its weight."""
+        return {name: shifted(history, observed[name]) for name, history in histories.items()}
+
+    @staticmethod
+    def metrics(observed: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """The step's largest amax of each operand over every FP8 matmul (``fp8_amax_input``,
+        ``fp8_amax_weight``, ``fp8_amax_grad``)."""
+        stacked = jnp.concatenate([value.reshape(-1, len(OPERANDS)) for value in observed.values()])
+        return {f"fp8_amax_{operand}": jnp.max(stacked[:, i]) for i, operand in enumerate(OPERANDS)}
+
+    @staticmethod
+    def finite(observed: Mapping[str, jax.Array]) -> jax.Array:
+        """bool []: whether every amax of the step is finite (a saturating cast would hide an
+        inf or nan operand from the loss)."""
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(value)) for value in observed.values()]))
