@@ -133,6 +133,13 @@ class Fp8Training:
                               "with these groups, so nothing would run in FP8; its family must tag its layers' "
                               "matmul weights (models.common.logical_param(..., group=...))")
 
+    def describe(self) -> str:
+        """One line: what runs in FP8 and how it is scaled."""
+        recipe = self.recipe
+        how = (f"delayed scaling over {recipe.history} steps" if self.delayed else "current scaling")
+        return (f"fp8: {', '.join(g.value for g in recipe.matmuls)} matmuls of {len(self.leading)} weights in "
+                f"E4M3 (gradients E5M2), {how}, margin {recipe.margin}; the rest in {recipe.wide.value}")
+
     @property
     def delayed(self) -> bool:
         return self.recipe.scaling is Scaling.DELAYED

@@ -134,7 +134,8 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
     banner = [f"meshtrain: process {jax.process_index()}/{jax.process_count()}, {len(devices)} x "
               f"{devices[0].device_kind}, mesh (data, fsdp, tensor, stage) = {mesh_shape(mesh)}, rules "
               f"{trainer.rules.name}, {cfg.model.num_params:,} parameters, precision {cfg.train.precision.value}",
-              attention, *[describe_exchange(trainer.rules, mesh, axis) for axis in trainer.layout.expert_axes],
+              trainer.fp8 and trainer.fp8.describe(), attention,
+              *[describe_exchange(trainer.rules, mesh, axis) for axis in trainer.layout.expert_axes],
               trainer.pipeline_description, dataset.describe(), evaluator and evaluator.describe()]
     setup = _Setup(cfg, trainer, dataset, evaluator, pathlib.Path(cfg.run.dir), banner)
     run_dir = setup.run_dir

@@ -6,8 +6,9 @@ seconds per step.
 
 Every arm trains the same config from the same seed on the same batches (``--steps`` train steps,
 logged every ``--log-every``); "final" is the mean loss of the last ``--tail`` logged steps, less
-noisy than one step's. On a CPU an FP8 matmul converts its operands to fp32 inside (no FP8 units),
-so the step times there say nothing of a GPU's; on an H100/H200 XLA runs FP8 GEMMs.
+noisy than one step's; a config with ``eval`` also reports each arm's last held-out loss. On a CPU
+an FP8 matmul converts its operands to fp32 inside (no FP8 units), so the step times there say
+nothing of a GPU's; on an H100/H200 XLA runs FP8 GEMMs.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def run_arm(config: str, overrides: list[str], arm: list[str], steps: int, log_e
     summary = train(cfg)
     times = _step_times(run_dir)
     return {"losses": _losses(run_dir), "skipped_steps": summary["skipped_steps"],
-            "step_s": sorted(times)[len(times) // 2] if times else None}
+            "step_s": sorted(times)[len(times) // 2] if times else None, "eval_loss": summary.get("eval_loss")}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         result[f"{name}_final_loss"] = final[name]
         result[f"{name}_vs_bf16"] = final[name] / final["bf16"]
         result[f"{name}_skipped_steps"] = run["skipped_steps"]
+        if run["eval_loss"] is not None:  # the config evaluates on held-out data
+            result[f"{name}_eval_loss"] = run["eval_loss"]
         result[f"{name}_step_s"] = run["step_s"]
     bench_common.print_result(result)
     bench_common.write_json(args.json_path, header, result)

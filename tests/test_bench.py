@@ -227,6 +227,8 @@ def test_gpu_check_dry_run():
     assert planned["xla_temp_bytes"] > 0 and not planned["reasons"]
     # The planner's estimate against the compiled step's own temp bytes.
     assert abs(planned["estimate_temp_bytes"] / planned["xla_temp_bytes"] - 1) < PLANNER_TOLERANCE, planned
+    fp8 = report["fp8"]  # the 1B shape's fp8 step beside bf16's; 10 tiny steps fp8 vs bf16
+    assert fp8["passed"] and fp8["speedup"] > 0 and set(fp8["final_loss"]) == {"bf16", "fp8"}
     assert "host_temp_bytes" in report["offload"]["memory_per_device"]
     assert report["checkpoint"]["passed"] and report["checkpoint"]["bit_equal"]
     moe = report["moe"]
