@@ -13,8 +13,9 @@ is the amax of its matmul's input, weight and output gradient; microbatches and 
 combine them by maximum: ``add_gradients``) -> ``split`` into the parameters' gradients and the
 step's amaxes -> the update, and with delayed scaling the histories shifted by one step with the
 step's amaxes first (``updated``), both only when the loss, the gradient norm and every amax are
-finite. A history is fp32 [stacked layer axes..., 3, train.fp8.history] per tagged weight, keyed by
-the weight's path (``layers.attention.query``), laid out like the weight's stacked axes.
+finite. A history is fp32 [stacked layer axes..., 3, train.fp8.history] per tagged weight, in a tree
+nested as the parameters are (``layers.attention.query``), laid out like the weight's stacked axes and
+stored in the same layer order (a pipeline's interleaving reorders it with the parameters).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from meshtrain.precision import Precision
 from models.common import MATMUL_GROUP, coerce_enums
 from models.fp8 import OPERANDS, Fp8Weight, MatmulGroup
 
-Histories = dict[str, jax.Array]
 
 
 class Scaling(str, enum.Enum):
@@ -105,12 +105,32 @@ def shifted(history: jax.Array, observed: jax.Array) -> jax.Array:
     return jnp.concatenate([observed[..., None], history[..., :-1]], axis=-1)
 
 
+def nested(flat: Mapping[str, Any]) -> nnx.State:
+    """``{"layers.mlp.up": x, ...}`` -> ``State({"layers": {"mlp": {"up": x}}})``: the parameters'
+    nesting, so that what moves a parameter tree (a pipeline's layer order, checkpoints) moves it."""
+    tree: dict = {}
+    for name, value in flat.items():
+        *parents, leaf = name.split(".")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return nnx.State(tree)
+
+
+def flat(tree: Any) -> dict[str, Any]:
+    """The inverse of ``nested``: leaves by dotted path."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {_name(path): leaf for path, leaf in leaves}
+
+
 class Fp8Training:
     """FP8 for one model: its tagged weights (path -> stacked leading shape) under ``recipe``.
 
     ``abstract_params``: the model's parameters (``nnx.State`` of Variables, shapes suffice);
     ``stacked_axes``: the logical names of stacked-layer axes (``layers`` and the family's
-    ``AxisRole.STACKED`` axes), which lead a tagged weight's history.
+    ``AxisRole.STACKED`` axes), which lead a tagged weight's history. Histories and amaxes are
+    ``nnx.State`` trees nested as the parameters are (``nested``), holding the tagged weights only.
     """
 
     def __init__(self, recipe: Fp8Recipe, abstract_params: nnx.State, stacked_axes: frozenset[str]):
@@ -144,38 +164,35 @@ class Fp8Training:
     def delayed(self) -> bool:
         return self.recipe.scaling is Scaling.DELAYED
 
-    def initial_histories(self) -> Histories:
-        """Zero histories (no step seen yet) for delayed scaling; none for current scaling."""
+    def initial_histories(self) -> nnx.State:
+        """Zero histories (no step seen yet) for delayed scaling; an empty tree for current scaling."""
         if not self.delayed:
-            return {}
-        return {name: jnp.zeros((*shape, len(OPERANDS), self.recipe.history), jnp.float32)
-                for name, shape in self.shapes.items()}
+            return nnx.State({})
+        return nested({name: jnp.zeros((*shape, len(OPERANDS), self.recipe.history), jnp.float32)
+                       for name, shape in self.shapes.items()})
 
-    def _leading_shardings(self, param_shardings: nnx.State, trailing: int) -> dict[str, NamedSharding]:
+    def _leading_shardings(self, param_shardings: nnx.State, trailing: int) -> nnx.State:
         """Per tagged weight: its sharding's stacked leading entries, then ``trailing`` whole axes."""
         found = {}
-
-        def visit(path, sharding):
-            name = _name(path)
+        for name, sharding in flat(param_shardings).items():
             if name in self.leading:
-                spec = tuple(sharding.spec) + (None,) * self.leading[name]
-                found[name] = NamedSharding(sharding.mesh, PartitionSpec(*spec[:self.leading[name]],
-                                                                         *(None,) * trailing))
-            return sharding
+                spec = (tuple(sharding.spec) + (None,) * self.leading[name])[:self.leading[name]]
+                found[name] = NamedSharding(sharding.mesh, PartitionSpec(*spec, *(None,) * trailing))
+        return nested(found)
 
-        jax.tree_util.tree_map_with_path(visit, param_shardings)
-        return found
-
-    def history_shardings(self, param_shardings: nnx.State) -> dict[str, NamedSharding]:
+    def history_shardings(self, param_shardings: nnx.State) -> nnx.State:
         """Where each history lives: split like its weight's stacked axes (over ``stage`` in a
         pipeline), whole along the operands and steps."""
-        return self._leading_shardings(param_shardings, 2) if self.delayed else {}
+        return self._leading_shardings(param_shardings, 2) if self.delayed else nnx.State({})
 
-    def attach(self, params: nnx.State, histories: Mapping[str, Any],
-               observed: Mapping[str, Any] | None = None) -> nnx.State:
+    def observed_shardings(self, param_shardings: nnx.State) -> nnx.State:
+        return self._leading_shardings(param_shardings, 1)
+
+    def attach(self, params: nnx.State, histories: nnx.State, observed: nnx.State | None = None) -> nnx.State:
         """``params`` with each tagged weight as an ``Fp8Weight`` of it, zero ``observed`` amaxes
         (or the given values: shardings, to constrain a tree of attached gradients) and its
         history (delayed scaling)."""
+        histories, observed = flat(histories), None if observed is None else flat(observed)
 
         def wrap(path, leaf):
             name = _name(path)
@@ -187,10 +204,7 @@ class Fp8Training:
 
         return jax.tree_util.tree_map_with_path(wrap, params)
 
-    def observed_shardings(self, param_shardings: nnx.State) -> dict[str, NamedSharding]:
-        return self._leading_shardings(param_shardings, 1)
-
-    def split(self, grads: nnx.State) -> tuple[nnx.State, dict[str, jax.Array]]:
+    def split(self, grads: nnx.State) -> tuple[nnx.State, nnx.State]:
         """Attached gradients -> (the parameters' gradients, the step's amaxes per tagged weight:
         fp32 [stacked..., 3] in ``OPERANDS`` order)."""
         observed = {}
@@ -202,21 +216,22 @@ class Fp8Training:
             return leaf
 
         plain = jax.tree_util.tree_map_with_path(unwrap, grads, is_leaf=_is_fp8)
-        return plain, observed
-
-    def updated(self, histories: Histories, observed: Mapping[str, jax.Array]) -> Histories:
-        """Each history ``shifted`` by the step's amaxes of its weight."""
-        return {name: shifted(history, observed[name]) for name, history in histories.items()}
+        return plain, nested(observed)
 
     @staticmethod
-    def metrics(observed: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    def updated(histories: nnx.State, observed: nnx.State) -> nnx.State:
+        """Each history ``shifted`` by the step's amaxes of its weight."""
+        return jax.tree.map(shifted, histories, observed)
+
+    @staticmethod
+    def metrics(observed: nnx.State) -> dict[str, jax.Array]:
         """The step's largest amax of each operand over every FP8 matmul (``fp8_amax_input``,
         ``fp8_amax_weight``, ``fp8_amax_grad``)."""
-        stacked = jnp.concatenate([value.reshape(-1, len(OPERANDS)) for value in observed.values()])
+        stacked = jnp.concatenate([value.reshape(-1, len(OPERANDS)) for value in jax.tree.leaves(observed)])
         return {f"fp8_amax_{operand}": jnp.max(stacked[:, i]) for i, operand in enumerate(OPERANDS)}
 
     @staticmethod
-    def finite(observed: Mapping[str, jax.Array]) -> jax.Array:
+    def finite(observed: nnx.State) -> jax.Array:
         """bool []: whether every amax of the step is finite (a saturating cast would hide an
         inf or nan operand from the loss)."""
-        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(value)) for value in observed.values()]))
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(value)) for value in jax.tree.leaves(observed)]))

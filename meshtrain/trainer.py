@@ -23,7 +23,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
-from meshtrain.fp8 import Fp8Training, Histories
+from meshtrain.fp8 import Fp8Training
 from meshtrain.loss import Objective, cross_entropy_sum, with_ahead_targets
 from meshtrain.optim import OptimizerConfig, descended_gradients, make_optimizer, sign_descent_rates
 from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_microbatches
@@ -49,8 +49,9 @@ class TrainState:
     opt_state: optax.OptState
     loss_scale: LossScale
     skipped_steps: jax.Array  # i32 []: steps whose gradients were not finite (update skipped)
-    # train.precision fp8 with delayed scaling: each FP8 weight's amax history (meshtrain.fp8); else {}.
-    fp8: Histories = struct.field(default_factory=dict)
+    # train.precision fp8 with delayed scaling: each FP8 weight's amax history (meshtrain.fp8, nested
+    # as the parameters); else empty.
+    fp8: nnx.State = struct.field(default_factory=lambda: nnx.State({}))
 
 
 class Trainer:
@@ -92,7 +93,7 @@ class Trainer:
                                        HOST if layout.offload.optimizer else DEVICE),
             loss_scale=jax.tree.map(lambda _: replicated, initial_loss_scale(layout.train.uses_dynamic_loss_scale)),
             skipped_steps=replicated,
-            fp8=self.fp8.history_shardings(self.param_shardings) if self.fp8 else {})
+            fp8=self.fp8.history_shardings(self.param_shardings) if self.fp8 else nnx.State({}))
         self.batch_sharding = batch_sharding(self.rules, mesh)
         self.metrics_sharding = replicated
         self.train_step = jax.jit(
@@ -115,7 +116,7 @@ class Trainer:
         params = self.layer_order.to_storage(nnx.state(self.family.build(self.layout.model, seed)))
         return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params),
                           loss_scale=initial_loss_scale(self.layout.train.uses_dynamic_loss_scale),
-                          skipped_steps=jnp.int32(0), fp8=self.fp8.initial_histories() if self.fp8 else {})
+                          skipped_steps=jnp.int32(0), fp8=self.fp8.initial_histories() if self.fp8 else nnx.State({}))
 
     def init_state(self, seed: int) -> TrainState:
         """A fresh state created directly in its shardings (no full copy on any device)."""
@@ -183,10 +184,10 @@ class Trainer:
         return {"loss_sum": total, "target_tokens": jnp.sum(batch["mask"])}
 
     def gradients(self, state: TrainState, batch: Batch
-                  ) -> tuple[jax.Array, nnx.State, jax.Array, Metrics, dict[str, jax.Array]]:
+                  ) -> tuple[jax.Array, nnx.State, jax.Array, Metrics, nnx.State]:
         """Mean loss and its fp32 gradients (unscaled) on a global batch, the target count, the
         layers' statistics (every aux term of ``DecoderModel.run_layers`` but the loss, as a mean
-        over the batch's rows) and, under fp8, the step's amaxes per FP8 weight (else {}).
+        over the batch's rows) and, under fp8, the step's amaxes per FP8 weight (else an empty tree).
 
         Microbatches of ``train.grad_accum`` are scanned; each runs through the pipeline schedule
         when ``mesh.stage`` > 1. Gradients of interleaved layers are in storage order.
@@ -219,7 +220,7 @@ class Trainer:
 
         scaled_loss, aux, scaled_grads = accumulate_gradients(
             value_and_grad, params, split_microbatches(batch, self.layout.train.grad_accum), constrain_grads)
-        scaled_grads, observed = self.fp8.split(scaled_grads) if self.fp8 else (scaled_grads, {})
+        scaled_grads, observed = self.fp8.split(scaled_grads) if self.fp8 else (scaled_grads, nnx.State({}))
         # MTP_LOSS is already a share of the (scaled) loss; the rest are sums over rows.
         statistics = {name: state.loss_scale.unscale(value) if name == MTP_LOSS else value / rows
                       for name, value in aux.items() if name != AUX_LOSS}

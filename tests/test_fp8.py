@@ -24,7 +24,7 @@ from meshtrain.checkpoint import CHECKPOINT_DIR, RunCheckpoints
 from meshtrain.config import config_from_dict, load_config, to_dict
 from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.errors import ConfigError
-from meshtrain.fp8 import Fp8Recipe, Scaling, shifted
+from meshtrain.fp8 import Fp8Recipe, Scaling, flat, shifted
 from meshtrain.loop import train
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
@@ -159,26 +159,26 @@ def _with_histories(trainer):
     state = trainer.init_state(seed=0)
     if not state.fp8:
         return state
-    filled = {name: jnp.broadcast_to(jnp.array([0.5, 0.02, 1e-4], jnp.float32)[:, None], h.shape)
-              for name, h in state.fp8.items()}
+    filled = jax.tree.map(lambda h: jnp.broadcast_to(jnp.array([0.5, 0.02, 1e-4], jnp.float32)[:, None], h.shape),
+                          state.fp8)
     return state.replace(fp8=jax.device_put(filled, trainer.state_shardings.fp8))
 
 
 def _loss_grads_amaxes(trainer, state):
     """Loss, per-parameter gradients (logical layer order) and the step's amaxes per FP8 weight."""
     loss, grads, _, _, observed = jax.jit(trainer.gradients)(state, _first_batch(trainer))
-    grads = trainer.layer_order.to_logical(grads)
+    grads, observed = trainer.layer_order.to_logical(grads), trainer.layer_order.to_logical(observed)
     return (float(loss), {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)},
-            {name: np.asarray(value) for name, value in observed.items()})
+            {name: np.asarray(value) for name, value in flat(observed).items()})
 
 
-def _one_device_and(mesh_shape, scaling, **fields):
+def _one_device_and(mesh_shape, scaling, model=MODEL, **fields):
     """(one device's, ``mesh_shape``'s) loss, gradients and amaxes, with the same microbatches (a
     pipeline's: current scaling takes each microbatch's own amaxes), from histories that clip."""
     accum = fields["pipeline"].microbatches if "pipeline" in fields else 1
     runs = []
     for shape, kwargs in (((1, 1, 1, 1), dict(grad_accum=accum)), (mesh_shape, fields)):
-        trainer = _fp8_trainer(shape, scaling=scaling, **kwargs)
+        trainer = _fp8_trainer(shape, model, scaling=scaling, **kwargs)
         runs.append(_loss_grads_amaxes(trainer, _with_histories(trainer)))
     return runs
 
@@ -193,6 +193,26 @@ def test_fp8_layouts_equal_one_device(layout, scaling):
     (ref_loss, ref_grads, ref_amax), (loss, grads, amax) = _one_device_and(fields.pop("mesh_shape"), scaling, **fields)
     assert abs(loss - ref_loss) / ref_loss <= 1e-5
     assert grads.keys() == ref_grads.keys() and amax.keys() == ref_amax.keys()
+    for name, expected in ref_grads.items():
+        assert relative_l2(grads[name], expected) <= 1e-5, name
+    for name, expected in ref_amax.items():
+        np.testing.assert_allclose(amax[name], expected, rtol=1e-5, err_msg=name)
+
+
+# The schedules with most machinery: ZB-H1's split backward, interleaved 1F1B's layer order (the
+# histories and amaxes are stored interleaved with their layers).
+SCHEDULES = {"zb_h1-2stages": (PipelineConfig(2, Schedule.ZB_H1), 2),
+             "interleaved-2x2": (PipelineConfig(4, Schedule.INTERLEAVED, virtual_stages=2), 4)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_fp8_pipeline_schedules_equal_one_device(schedule):
+    pipeline, layers = SCHEDULES[schedule]
+    model = dataclasses.replace(MODEL, num_layers=layers)
+    (ref_loss, ref_grads, ref_amax), (loss, grads, amax) = _one_device_and((1, 1, 1, 2), Scaling.DELAYED, model,
+                                                                           pipeline=pipeline)
+    assert abs(loss - ref_loss) / ref_loss <= 1e-5
     for name, expected in ref_grads.items():
         assert relative_l2(grads[name], expected) <= 1e-5, name
     for name, expected in ref_amax.items():
@@ -226,23 +246,25 @@ def test_nonfinite_amax_skips_the_step_and_keeps_the_histories():
     params = jax.tree.map(lambda x: x, state.params)
     params["layers"]["mlp"]["up"].set_value(params["layers"]["mlp"]["up"].get_value().at[0, 0, 0].set(jnp.inf))
     state = state.replace(params=params)
-    before = jax.tree.map(np.asarray, state.fp8)
+    before = {name: np.asarray(h) for name, h in flat(state.fp8).items()}
     new, metrics = trainer.train_step(state, _first_batch(trainer))
     assert np.isfinite(float(metrics["loss"])) and bool(metrics["update_skipped"])
     assert float(metrics["fp8_amax_weight"]) == np.inf and int(new.skipped_steps) == 1
     for name, history in before.items():
-        np.testing.assert_array_equal(np.asarray(new.fp8[name]), history)
+        np.testing.assert_array_equal(np.asarray(flat(new.fp8)[name]), history)
 
 
 def test_fp8_metrics_and_histories_after_a_step():
     trainer = _fp8_trainer(scaling=Scaling.DELAYED)
     state = trainer.init_state(seed=0)
     blocks = {"attention": ("query", "key", "value", "out"), "mlp": ("gate", "up", "down")}
-    assert sorted(state.fp8) == sorted(f"layers.{block}.{name}" for block, names in blocks.items() for name in names)
-    assert state.fp8["layers.mlp.up"].shape == (MODEL.num_layers, 3, 4)
+    expected = sorted(f"layers.{block}.{name}" for block, names in blocks.items() for name in names)
+    assert sorted(flat(state.fp8)) == expected
+    assert flat(state.fp8)["layers.mlp.up"].shape == (MODEL.num_layers, 3, 4)
     new, metrics = trainer.train_step(state, _first_batch(trainer))
-    newest = np.stack([np.asarray(h)[..., 0] for h in new.fp8.values()]).reshape(-1, 3)
-    assert np.all(newest > 0) and all(np.all(np.asarray(h)[..., 1:] == 0) for h in new.fp8.values())
+    histories = flat(new.fp8).values()
+    newest = np.stack([np.asarray(h)[..., 0] for h in histories]).reshape(-1, 3)
+    assert np.all(newest > 0) and all(np.all(np.asarray(h)[..., 1:] == 0) for h in histories)
     for i, operand in enumerate(("input", "weight", "grad")):
         assert float(metrics[f"fp8_amax_{operand}"]) == pytest.approx(newest[:, i].max(), rel=1e-6)
 
@@ -264,7 +286,7 @@ def test_histories_are_checkpointed_and_restore_onto_another_mesh(tmp_path):
                                         layer_order=trainer.layer_order).state
         finally:
             checkpoints.close()
-        restored.append({name: np.asarray(h) for name, h in state.fp8.items()})
+        restored.append({name: np.asarray(h) for name, h in flat(state.fp8).items()})
     assert restored[0].keys() == restored[1].keys() and restored[0]
     for name, history in restored[0].items():
         assert np.all(history[..., :3] > 0) and np.all(history[..., 3] == 0)  # three steps seen
