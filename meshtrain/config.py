@@ -37,6 +37,7 @@ import math
 import os
 import pathlib
 import re
+import types
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -337,6 +338,9 @@ def _invalid_enum(cls: type, raw: dict) -> tuple[str, str] | None:
     hints = typing.get_type_hints(cls)
     for key, value in raw.items():
         field_type = hints[key]
+        options = [arg for arg in typing.get_args(field_type) if arg is not type(None)]
+        if typing.get_origin(field_type) in (typing.Union, types.UnionType) and len(options) == 1:
+            field_type = options[0]  # an optional field (train.fp8.matmuls: a list or null)
         if (isinstance(field_type, type) and issubclass(field_type, enum.Enum)
                 and value not in [member.value for member in field_type]):
             return key, f"{_shown(value)} is not valid; use {_type_name(field_type)}"

@@ -6,7 +6,7 @@ Under ``fp8`` the master weights and moments stay fp32 and everything else compu
 tags with one of the recipe's ``MatmulGroup``s (``train.fp8.matmuls``) reach the model as
 ``models.fp8.Fp8Weight`` values (``Fp8Training.attach``, after the cast), so their matmuls take
 E4M3 operands forward and E5M2 gradients backward (``models.fp8``). The head, the embedding,
-norms, routers and experts stay wide.
+norms and routers stay wide.
 
 In the step: attach -> forward/backward per microbatch (the gradient of each weight's ``observed``
 is the amax of its matmul's input, weight and output gradient; microbatches and pipeline chunks
@@ -51,7 +51,8 @@ class Fp8Recipe:
     scaling: Scaling = Scaling.CURRENT
     history: int = 16  # delayed scaling: steps of amax kept per operand
     margin: int = 0  # scales leave 2**margin of headroom below the format's largest value
-    matmuls: tuple[MatmulGroup, ...] = (MatmulGroup.ATTENTION, MatmulGroup.MLP)  # the groups in FP8
+    # The groups of layer matmuls in FP8; None: every group the model tags.
+    matmuls: tuple[MatmulGroup, ...] | None = None
     # What everything else computes in: bf16, or fp32 to isolate the FP8 matmuls (the layout proofs).
     wide: Precision = Precision.BF16
 
@@ -59,15 +60,15 @@ class Fp8Recipe:
         coerce_enums(self, ConfigError)
         valid = " | ".join(group.value for group in MatmulGroup)
         groups = []
-        for value in self.matmuls:
+        for value in self.matmuls or ():
             try:
                 groups.append(MatmulGroup(value))
             except ValueError:
                 raise ConfigError("fp8.matmuls", f"{value!r} is not a matmul group; use any of {valid}") from None
-        if not groups or len(set(groups)) < len(groups):
-            raise ConfigError("fp8.matmuls", f"must name each group at most once and at least one, got "
-                              f"{[g.value for g in groups]}; groups: {valid}")
-        object.__setattr__(self, "matmuls", tuple(groups))
+        if self.matmuls is not None and (not groups or len(set(groups)) < len(groups)):
+            raise ConfigError("fp8.matmuls", f"must name each group at most once and at least one (or be null: "
+                              f"every group the model tags), got {[g.value for g in groups]}; groups: {valid}")
+        object.__setattr__(self, "matmuls", None if self.matmuls is None else tuple(groups))
         if self.wide not in (Precision.BF16, Precision.FP32):
             raise ConfigError("fp8.wide", f"must be bf16 or fp32, got {self.wide.value}")
         if self.history < 1:
@@ -137,10 +138,14 @@ class Fp8Training:
         self.recipe = recipe
         self.leading: dict[str, int] = {}  # path -> number of stacked leading axes
         self.shapes: dict[str, tuple[int, ...]] = {}
+        tagged: dict[MatmulGroup, int] = {}  # group -> weights the model tags with it
 
         def visit(path, variable):
             metadata = variable.get_metadata() if isinstance(variable, nnx.Variable) else {}
-            if metadata.get(MATMUL_GROUP) in recipe.matmuls:
+            group = metadata.get(MATMUL_GROUP)
+            if group is not None:
+                tagged[group] = tagged.get(group, 0) + 1
+            if group is not None and (recipe.matmuls is None or group in recipe.matmuls):
                 axes = tuple(metadata.get("out_sharding") or ())
                 stacked = next((i for i, axis in enumerate(axes) if axis not in stacked_axes), len(axes))
                 name = _name(path)
@@ -148,16 +153,22 @@ class Fp8Training:
             return variable
 
         jax.tree_util.tree_map_with_path(visit, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        has = f"the model tags {', '.join(g.value for g in tagged) or 'no group'}"
+        missing = [g.value for g in recipe.matmuls or () if g not in tagged]
+        if missing:
+            raise ConfigError("train.fp8.matmuls", f"{missing}: {has}, so these would not run in FP8 (a mixture's "
+                              "routed experts are tagged under model.dispatch onehot or capacity only: dropless's "
+                              "grouped matmuls take no FP8 yet)")
         if not self.leading:
-            raise ConfigError("train.fp8.matmuls", f"{[g.value for g in recipe.matmuls]}: the model tags no weight "
-                              "with these groups, so nothing would run in FP8; its family must tag its layers' "
-                              "matmul weights (models.common.logical_param(..., group=...))")
+            raise ConfigError("train.precision", f"fp8: {has}, so nothing would run in FP8; its family must tag its "
+                              "layers' matmul weights (models.common.logical_param(..., group=...))")
+        self.groups = tuple(g for g in MatmulGroup if g in tagged and (recipe.matmuls is None or g in recipe.matmuls))
 
     def describe(self) -> str:
         """One line: what runs in FP8 and how it is scaled."""
         recipe = self.recipe
         how = (f"delayed scaling over {recipe.history} steps" if self.delayed else "current scaling")
-        return (f"fp8: {', '.join(g.value for g in recipe.matmuls)} matmuls of {len(self.leading)} weights in "
+        return (f"fp8: {', '.join(g.value for g in self.groups)} matmuls of {len(self.leading)} weights in "
                 f"E4M3 (gradients E5M2), {how}, margin {recipe.margin}; the rest in {recipe.wide.value}")
 
     @property

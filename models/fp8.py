@@ -34,7 +34,8 @@ class MatmulGroup(str, enum.Enum):
     """The kinds of layer matmul a family tags its weights with (``train.fp8.matmuls`` names them)."""
 
     ATTENTION = "attention"  # attention's input and output projections (query, key, value, latent, out)
-    MLP = "mlp"  # a dense feed-forward block's gate, up and down projections
+    MLP = "mlp"  # a dense feed-forward block's gate, up and down projections (shared experts too)
+    EXPERTS = "experts"  # routed experts' stacked weights, where their matmuls go through ``matmul``
 
 
 FORWARD_DTYPE = jnp.float8_e4m3fn  # the input and the weight: 3 mantissa bits, largest 448

@@ -30,6 +30,7 @@ from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
 from meshtrain.precision import Precision
 from models.fp8 import Fp8Weight, MatmulGroup, fp8_matmul
+from models.moe import Dispatch, MoEConfig
 from utils import MODEL, loss_and_grads, make_trainer, relative_l2, trainer_of_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -296,7 +297,7 @@ def test_histories_are_checkpointed_and_restore_onto_another_mesh(tmp_path):
 @pytest.mark.parametrize("fields, field, hint", [
     ({"scaling": "late"}, "train.fp8.scaling", "current | delayed"),
     ({"history": 0}, "train.fp8.history", ">= 1"),
-    ({"matmuls": ["attention", "heads"]}, "train.fp8.matmuls", "attention | mlp"),
+    ({"matmuls": ["attention", "heads"]}, "train.fp8.matmuls", "attention | mlp | experts"),
     ({"matmuls": []}, "train.fp8.matmuls", "at least one"),
     ({"wide": "fp16"}, "train.fp8.wide", "bf16 or fp32"),
 ])
@@ -342,3 +343,40 @@ def test_fsdp_gathers_the_fp8_weights_in_fp8(tmp_path):
                                       if d == dtype and s in layer_shapes)
     assert size(fp8, "f8e4m3fn") == size(bf16, "bf16") > 0  # elements: 1 byte each against 2
     assert fp8[("bf16", f"{MODEL.embed_dim},{MODEL.vocab_size}")] == 1  # the head
+
+
+# A mixture under one-hot dispatch with capacity (tokens dropped): its experts multiply through ``matmul``.
+MOE = MoEConfig(vocab_size=96, embed_dim=40, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=6, num_experts=8,
+                top_k=2, expert_mlp_dim=24, seq_len=32, group_size=16, dispatch=Dispatch.CAPACITY, capacity_factor=0.5)
+
+
+def test_default_recipe_takes_every_group_the_model_tags():
+    llama = _fp8_trainer(wide=Precision.BF16)
+    assert llama.fp8.groups == (MatmulGroup.ATTENTION, MatmulGroup.MLP) and len(llama.fp8.leading) == 7
+    moe = _fp8_trainer(model=MOE, wide=Precision.BF16)
+    assert moe.fp8.groups == (MatmulGroup.ATTENTION, MatmulGroup.EXPERTS)
+    assert sorted(name for name in moe.fp8.leading if "moe" in name) == ["layers.moe.down", "layers.moe.gate",
+                                                                          "layers.moe.up"]
+    jaxpr = jax.make_jaxpr(moe.step)(moe.abstract_state(), moe.abstract_batch()).jaxpr
+    kinds = [tuple(sorted((lhs, rhs))) for lhs, rhs, _, _ in _dot_operand_dtypes(jaxpr)]
+    assert kinds.count(("float8_e4m3fn", "float8_e4m3fn")) == 4 + 3  # attention, experts: per scanned layer
+    assert kinds.count(("float8_e4m3fn", "float8_e5m2")) == 2 * (4 + 3)
+
+
+def test_groups_the_model_does_not_tag_are_one_line():
+    dropless = dataclasses.replace(MOE, dispatch=Dispatch.DROPLESS)
+    with pytest.raises(ConfigError) as err:
+        _fp8_trainer(model=dropless, recipe={"matmuls": (MatmulGroup.EXPERTS,)})
+    assert err.value.field == "train.fp8.matmuls" and "dropless" in str(err.value) and "attention" in str(err.value)
+
+
+@pytest.mark.slow
+def test_fp8_expert_parallel_equals_one_device():
+    """EP 8 over data: the experts' amaxes are global maxima over every expert and row, so the
+    split experts quantise as on one device (loss, gradients, amaxes at rel 1e-5)."""
+    (ref_loss, ref_grads, ref_amax), (loss, grads, amax) = _one_device_and((8, 1, 1, 1), Scaling.DELAYED, MOE)
+    assert abs(loss - ref_loss) / ref_loss <= 1e-5
+    for name, expected in ref_grads.items():
+        assert relative_l2(grads[name], expected) <= 1e-5, name
+    for name, expected in ref_amax.items():
+        np.testing.assert_allclose(amax[name], expected, rtol=1e-5, err_msg=name)

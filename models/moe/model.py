@@ -61,6 +61,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.api import AUX_LOSS, RESIDUAL_AXES, Documents, LayerAux
 from models.attention import AttentionSpec
+from models.fp8 import MatmulGroup
 from models.grouped_matmul import (BlockLayout, GroupedKernel, GroupedSpec, auto_block, blocked_matmul,
                                    ragged_matmul)
 from models.blocks import (BLOCK_CHECKPOINT_NAMES, AttentionKernel, Decoder, PreNormLayer, QKNormAttention, RMSNorm,
@@ -445,10 +446,13 @@ class SparseMoE(nnx.Module):
         d, e, f = cfg.embed_dim, cfg.num_experts, cfg.expert_mlp_dim
         self.cfg = cfg
         self.router = logical_param(normal(rngs, (d, e), d ** -0.5), ("embed", "expert_logits"))
-        self.gate = logical_param(normal(rngs, (e, d, f), d ** -0.5), EXPERT_PARAM_AXES[0])
-        self.up = logical_param(normal(rngs, (e, d, f), d ** -0.5), EXPERT_PARAM_AXES[1])
+        # One-hot dispatch multiplies the experts through ``matmul`` (FP8 when the framework asks);
+        # the grouped kernels of DROPLESS take plain arrays, so there the experts stay untagged.
+        group = None if cfg.dispatch is Dispatch.DROPLESS else MatmulGroup.EXPERTS
+        self.gate = logical_param(normal(rngs, (e, d, f), d ** -0.5), EXPERT_PARAM_AXES[0], group)
+        self.up = logical_param(normal(rngs, (e, d, f), d ** -0.5), EXPERT_PARAM_AXES[1], group)
         self.down = logical_param(normal(rngs, (e, f, d), f ** -0.5 / math.sqrt(2 * cfg.num_layers)),
-                                  EXPERT_PARAM_AXES[2])
+                                  EXPERT_PARAM_AXES[2], group)
         self.routing_bias = (sign_descent_variable(jnp.zeros((e,), jnp.float32), ("expert_logits",),
                                                    cfg.bias_update_rate) if cfg.bias_update_rate > 0 else None)
 
