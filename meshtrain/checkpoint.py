@@ -149,12 +149,15 @@ def _flat_config(config: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def config_differences(old: dict, new: dict, sections: tuple[str, ...]) -> list[str]:
-    """``["model.embed_dim: 32 there, 40 here", ...]`` for the fields of ``sections`` that differ."""
-    old_flat, new_flat = _flat_config(old), _flat_config(new)
+def config_differences(old: dict, new: dict, sections: tuple[str, ...], defaults: dict | None = None) -> list[str]:
+    """``["model.embed_dim: 32 there, 40 here", ...]`` for the fields of ``sections`` that differ; a
+    field ``old`` lacks (written before it existed) whose value here is its default in ``defaults``
+    is no difference."""
+    old_flat, new_flat, default_flat = _flat_config(old), _flat_config(new), _flat_config(defaults or {})
     return [f"{key}: {old_flat.get(key)!r} there, {new_flat.get(key)!r} here"
             for key in sorted(set(old_flat) | set(new_flat))
-            if key.split(".")[0] in sections and old_flat.get(key) != new_flat.get(key)]
+            if key.split(".")[0] in sections and old_flat.get(key) != new_flat.get(key)
+            and not (key not in old_flat and key in default_flat and new_flat.get(key) == default_flat[key])]
 
 
 def check_compatible(saved: dict[str, tuple], wanted: dict[str, tuple], *, field: str, where: str,
@@ -323,8 +326,13 @@ class RunCheckpoints:
         check_compatible(saved, flat_shapes(abstract_state), field=field, where=f"checkpoint {self.path(step)}",
                          differences=config_differences(meta.get("config", {}), config, ("model", "optimizer")))
         try:
-            state = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state))).state
+            unsaved = _empty_fields_not_saved(abstract_state, self._manager.item_metadata(step)["state"])
+            target = abstract_state if not unsaved else {f.name: getattr(abstract_state, f.name)
+                                                         for f in dataclasses.fields(abstract_state)
+                                                         if f.name not in unsaved}
+            state = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
+            if unsaved:
+                state = abstract_state.replace(**state)
             jax.block_until_ready(state)
         except Exception as err:
             raise UnreadableCheckpoint(_one_line(err)) from err
@@ -393,6 +401,15 @@ def reorder_layers(state: Any, stored: LayerOrder, target: LayerOrder) -> Any:
         return state
     shardings = jax.tree.map(lambda array: array.sharding, state)
     return jax.jit(lambda s: stored.convert(s, target), out_shardings=shardings, donate_argnums=0)(state)
+
+
+def _empty_fields_not_saved(abstract_state: Any, saved: Any) -> set[str]:
+    """The fields of a dataclass state that hold no arrays and that a checkpoint written before they
+    existed lacks (``TrainState.fp8`` of a run without FP8): restored as the empty values they are."""
+    if not dataclasses.is_dataclass(abstract_state) or not hasattr(saved, "keys"):
+        return set()
+    return {f.name for f in dataclasses.fields(abstract_state)
+            if f.name not in set(saved.keys()) and not jax.tree.leaves(getattr(abstract_state, f.name))}
 
 
 def _bits(x: jax.Array) -> jax.Array:

@@ -77,7 +77,8 @@ def _check_resumed(cfg: Config, restored: Restored, config: dict[str, Any], run_
     if restored.step > cfg.train.steps:
         raise ConfigError("train.steps", f"is {cfg.train.steps}, but checkpoint {restored.path} is "
                           f"already at step {restored.step}; raise train.steps to continue it")
-    differences = [d for d in config_differences(restored.meta.get("config", {}), config, NUMERIC_SECTIONS)
+    differences = [d for d in config_differences(restored.meta.get("config", {}), config, NUMERIC_SECTIONS,
+                                                 defaults=to_dict(Config()))
                    if not d.startswith(HARMLESS_FIELDS)]
     if not differences:
         return

@@ -380,3 +380,29 @@ def test_fp8_expert_parallel_equals_one_device():
         assert relative_l2(grads[name], expected) <= 1e-5, name
     for name, expected in ref_amax.items():
         np.testing.assert_allclose(amax[name], expected, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow
+def test_checkpoints_written_before_the_fp8_state_still_resume(tmp_path, capsys):
+    """A checkpoint whose state and config predate ``TrainState.fp8`` and ``train.fp8`` (rewritten here
+    without them) resumes: the empty histories need nothing from it, and the recipe's defaults are
+    no config change."""
+    overrides = ["model.embed_dim=32", "train.batch_size=16", "train.log_every=1", "run.loggers=[]"]
+    tiny = str(REPO / "configs" / "tiny.yaml")
+    cfg = load_config(tiny, [*overrides, "train.steps=2", f"run.dir={tmp_path / 'new'}"])
+    train(cfg)
+    source = RunCheckpoints(tmp_path / "new" / CHECKPOINT_DIR, read_only=True)
+    trainer = trainer_of_config(cfg)
+    restored = source.restore(2, trainer.abstract_state(), field="test", config=to_dict(cfg),
+                              layer_order=trainer.layer_order)
+    source.close()
+    meta = dict(restored.meta)
+    meta["config"] = {**meta["config"], "train": {k: v for k, v in meta["config"]["train"].items() if k != "fp8"}}
+    old_state = {f.name: getattr(restored.state, f.name) for f in dataclasses.fields(restored.state) if f.name != "fp8"}
+    old = RunCheckpoints(tmp_path / "old" / CHECKPOINT_DIR)
+    old.save(2, old_state, {k: v for k, v in meta.items() if k != "checksums"})
+    old.close()
+    capsys.readouterr()
+    summary = train(load_config(tiny, [*overrides, "train.steps=3", f"run.dir={tmp_path / 'old'}"]))
+    assert summary["resumed_from"] == 2
+    assert "fp8" not in capsys.readouterr().err
