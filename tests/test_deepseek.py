@@ -105,7 +105,7 @@ FOUR_LAYERS = dataclasses.replace(DEEPSEEK, num_layers=4, mtp_layers=2)
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape, pipeline", [
     ((1, 1, 1, 2), PipelineConfig(2, Schedule.GPIPE)),
-    ((1, 1, 2, 2), PipelineConfig(4, Schedule.INTERLEAVED, virtual_stages=2)),
+    ((1, 1, 2, 2), PipelineConfig(2, Schedule.INTERLEAVED, virtual_stages=2)),
     ((2, 1, 1, 2), PipelineConfig(2, Schedule.ZB_H1)),
 ], ids=["gpipe", "tp2-interleaved", "ep2-zb_h1"])
 def test_two_prediction_depths_through_every_schedule_equal_one_device(four_layer_reference, mesh_shape, pipeline):
