@@ -156,9 +156,8 @@ class Fp8Training:
         has = f"the model tags {', '.join(g.value for g in tagged) or 'no group'}"
         missing = [g.value for g in recipe.matmuls or () if g not in tagged]
         if missing:
-            raise ConfigError("train.fp8.matmuls", f"{missing}: {has}, so these would not run in FP8 (a mixture's "
-                              "routed experts are tagged under model.dispatch onehot or capacity only: dropless's "
-                              "grouped matmuls take no FP8 yet)")
+            raise ConfigError("train.fp8.matmuls", f"{missing}: {has}, so these would not run in FP8; name only "
+                              "groups the model has, or null for all of them")
         if not self.leading:
             raise ConfigError("train.precision", f"fp8: {has}, so nothing would run in FP8; its family must tag its "
                               "layers' matmul weights (models.common.logical_param(..., group=...))")

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from models.attention import varying_axes
+
 
 class MatmulGroup(str, enum.Enum):
     """The kinds of layer matmul a family tags its weights with (``train.fp8.matmuls`` names them)."""
@@ -53,12 +55,16 @@ class Fp8Weight:
     history: fp32 [..., 3, steps] amaxes of earlier steps, newest first, whose largest sets the scale
         (delayed scaling); None: each scale from this matmul's own amax (current scaling).
     The leading ``...`` are the weight's stacked-layer axes (a scan over layers slices all three).
+    ``amax_axes``: see the field.
     """
 
     weight: jax.Array
     observed: jax.Array
     history: jax.Array | None = None
     margin: int = struct.field(pytree_node=False, default=0)
+    # Inside a ``shard_map`` that splits the matmul's operands (expert parallelism's exchange), the
+    # manual mesh axes the framework names here make every amax a maximum over them (``amax``).
+    amax_axes: tuple[str, ...] = struct.field(pytree_node=False, default=())
 
     def __getitem__(self, index):
         """Itself for ``[...]``: how a model reads a parameter (``self.query[...]``)."""
@@ -72,9 +78,12 @@ def largest(dtype: jnp.dtype) -> float:
     return float(jnp.finfo(dtype).max)
 
 
-def amax(x: jax.Array) -> jax.Array:
-    """f32 []: the largest magnitude in ``x``."""
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+def amax(x: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
+    """f32 []: the largest magnitude in ``x``, over the manual mesh axes ``axes`` too (those ``x``
+    varies over inside a ``shard_map``): the same value on every device."""
+    local = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    over = tuple(a for a in axes if a in varying_axes(x))
+    return jax.lax.pmax(local, over) if over else local
 
 
 def scale_of(current: jax.Array, history: jax.Array | None, dtype: jnp.dtype, margin: int) -> jax.Array:
@@ -105,17 +114,17 @@ def fp8_matmul(equation: str, x: jax.Array, w: Fp8Weight, result_dtype: jnp.dtyp
     inputs, out = equation.replace(" ", "").split("->")
     lhs, rhs = inputs.split(",")
     return _fp8_einsum(lhs, rhs, out, jnp.dtype(result_dtype), jnp.dtype(x.dtype), jnp.dtype(w.weight.dtype),
-                       w.margin, x, w.weight, w.observed, w.history)
+                       w.margin, w.amax_axes, x, w.weight, w.observed, w.history)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
-def _fp8_einsum(lhs, rhs, out, result_dtype, x_dtype, w_dtype, margin, x, w, observed, history):
-    return _forward(lhs, rhs, out, result_dtype, x_dtype, w_dtype, margin, x, w, observed, history)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+def _fp8_einsum(lhs, rhs, out, result_dtype, x_dtype, w_dtype, margin, axes, x, w, observed, history):
+    return _forward(lhs, rhs, out, result_dtype, x_dtype, w_dtype, margin, axes, x, w, observed, history)[0]
 
 
-def _forward(lhs, rhs, out, result_dtype, x_dtype, w_dtype, margin, x, w, observed, history):
+def _forward(lhs, rhs, out, result_dtype, x_dtype, w_dtype, margin, axes, x, w, observed, history):
     del x_dtype, w_dtype, observed
-    amax_x, amax_w = amax(x), amax(w)
+    amax_x, amax_w = amax(x, axes), amax(w, axes)
     scale_x = scale_of(amax_x, _row(history, 0), FORWARD_DTYPE, margin)
     scale_w = scale_of(amax_w, _row(history, 1), FORWARD_DTYPE, margin)
     q_x, q_w = quantize(x, scale_x, FORWARD_DTYPE), quantize(w, scale_w, FORWARD_DTYPE)
@@ -123,10 +132,10 @@ def _forward(lhs, rhs, out, result_dtype, x_dtype, w_dtype, margin, x, w, observ
     return y, (q_x, q_w, scale_x, scale_w, amax_x, amax_w, history)
 
 
-def _backward(lhs, rhs, out, result_dtype, x_dtype, w_dtype, margin, residuals, grad):
+def _backward(lhs, rhs, out, result_dtype, x_dtype, w_dtype, margin, axes, residuals, grad):
     del result_dtype
     q_x, q_w, scale_x, scale_w, amax_x, amax_w, history = residuals
-    amax_g = amax(grad)
+    amax_g = amax(grad, axes)
     scale_g = scale_of(amax_g, _row(history, 2), GRADIENT_DTYPE, margin)
     q_g = quantize(grad, scale_g, GRADIENT_DTYPE)
     d_x = _scaled_product(f"{out},{rhs}->{lhs}", q_g, q_w, scale_g * scale_w, x_dtype)

@@ -17,17 +17,23 @@ Two kernels (``GroupedKernel``):
 
 ``GroupedKernel.AUTO`` is ``ragged`` on TPUs and ``blocked`` elsewhere (on GPUs XLA's ragged_dot is
 reported to expand like XLA:CPU's; scripts/gpu_check.sh times both there).
+
+FP8 (``models.fp8.Fp8Weight`` weights): ``fp8_blocked_matmul``, the blocked kernel with E4M3 rows and
+weights forward and an E5M2 output gradient backward, one per-tensor scale for all the groups'
+weights (the layer's expert stack), amaxes over the mesh axes ``Fp8Weight.amax_axes`` names.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from models.attention import varying_axes
+from models.fp8 import FORWARD_DTYPE, GRADIENT_DTYPE, Fp8Weight, amax, quantize, scale_of
 
 
 class GroupedKernel(str, enum.Enum):
@@ -104,6 +110,62 @@ def _blocked_backward(residuals, dy):
 
 
 blocked_matmul.defvjp(_blocked_forward, _blocked_backward)
+
+
+def fp8_blocked_matmul(x: jax.Array, w: Fp8Weight, block_group: jax.Array) -> jax.Array:
+    """``blocked_matmul`` with FP8 operands (module docstring): x [blocks, block, in], w.weight
+    [groups, in, out] -> [blocks, block, out] in x's dtype; the gradient of ``w.observed`` is the
+    amaxes of the rows, the weights and the output gradient (``models.fp8.OPERANDS``)."""
+    return _fp8_blocked(w.margin, w.amax_axes, jnp.dtype(x.dtype), jnp.dtype(w.weight.dtype), x, w.weight,
+                        block_group, w.observed, w.history)
+
+
+def _history_row(history: jax.Array | None, operand: int) -> jax.Array | None:
+    return None if history is None else history[..., operand, :]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fp8_blocked(margin, axes, x_dtype, w_dtype, x, w, block_group, observed, history):
+    return _fp8_blocked_forward(margin, axes, x_dtype, w_dtype, x, w, block_group, observed, history)[0]
+
+
+def _fp8_blocked_forward(margin, axes, x_dtype, w_dtype, x, w, block_group, observed, history):
+    del w_dtype, observed
+    amax_x, amax_w = amax(x, axes), amax(w, axes)
+    scale_x = scale_of(amax_x, _history_row(history, 0), FORWARD_DTYPE, margin)
+    scale_w = scale_of(amax_w, _history_row(history, 1), FORWARD_DTYPE, margin)
+    q_x, q_w = quantize(x, scale_x, FORWARD_DTYPE), quantize(w, scale_w, FORWARD_DTYPE)
+    product = lambda xb, group: (jnp.einsum("bi,io->bo", xb, q_w[group], preferred_element_type=jnp.float32)
+                                 * (scale_x * scale_w)).astype(x_dtype)
+    y = jax.lax.scan(lambda _, xs: (None, product(*xs)), None, (q_x, block_group))[1]
+    return y, (q_x, q_w, scale_x, scale_w, amax_x, amax_w, block_group, history)
+
+
+def _fp8_blocked_backward(margin, axes, x_dtype, w_dtype, residuals, dy):
+    q_x, q_w, scale_x, scale_w, amax_x, amax_w, block_group, history = residuals
+    amax_g = amax(dy, axes)
+    scale_g = scale_of(amax_g, _history_row(history, 2), GRADIENT_DTYPE, margin)
+    q_g = quantize(dy, scale_g, GRADIENT_DTYPE)
+
+    def step(dw, xs):
+        xb, gb, group = xs
+        dw = dw.at[group].add(jnp.einsum("bi,bo->io", xb, gb, preferred_element_type=jnp.float32))
+        dx = jnp.einsum("bo,io->bi", gb, q_w[group], preferred_element_type=jnp.float32) * (scale_g * scale_w)
+        return dw, dx.astype(x_dtype)
+
+    dw, dx = jax.lax.scan(step, _varying_as(jnp.zeros(q_w.shape, jnp.float32), q_x, q_g, q_w),
+                          (q_x, q_g, block_group))
+    dw = _summed_as(dw * (scale_x * scale_g), q_w).astype(w_dtype)
+    observed = jnp.stack([amax_x, amax_w, amax_g])
+    return _summed_as(dx, q_x), dw, None, observed, jax.tree.map(jnp.zeros_like, history)
+
+
+_fp8_blocked.defvjp(_fp8_blocked_forward, _fp8_blocked_backward)
+
+
+def grouped_product(x: jax.Array, w: jax.Array | Fp8Weight, block_group: jax.Array) -> jax.Array:
+    """``blocked_matmul``, or ``fp8_blocked_matmul`` for an ``Fp8Weight``."""
+    return fp8_blocked_matmul(x, w, block_group) if isinstance(w, Fp8Weight) else blocked_matmul(x, w, block_group)
 
 
 @jax.tree_util.register_dataclass

@@ -364,17 +364,36 @@ def test_default_recipe_takes_every_group_the_model_tags():
 
 
 def test_groups_the_model_does_not_tag_are_one_line():
-    dropless = dataclasses.replace(MOE, dispatch=Dispatch.DROPLESS)
     with pytest.raises(ConfigError) as err:
-        _fp8_trainer(model=dropless, recipe={"matmuls": (MatmulGroup.EXPERTS,)})
-    assert err.value.field == "train.fp8.matmuls" and "dropless" in str(err.value) and "attention" in str(err.value)
+        _fp8_trainer(recipe={"matmuls": (MatmulGroup.ATTENTION, MatmulGroup.EXPERTS)})
+    assert err.value.field == "train.fp8.matmuls" and "['experts']: the model tags attention, mlp" in str(err.value)
+
+
+def test_dropless_experts_run_the_blocked_kernel_in_fp8():
+    """Sorted dispatch: each of the experts' three grouped matmuls takes E4M3 blocks forward (one
+    scanned block matmul each) and E5M2 x E4M3 backward (two per block step)."""
+    dropless = _fp8_trainer(model=dataclasses.replace(MOE, dispatch=Dispatch.DROPLESS), wide=Precision.BF16)
+    assert dropless.fp8.groups == (MatmulGroup.ATTENTION, MatmulGroup.EXPERTS)
+    jaxpr = jax.make_jaxpr(dropless.step)(dropless.abstract_state(), dropless.abstract_batch()).jaxpr
+    kinds = [tuple(sorted((lhs, rhs))) for lhs, rhs, _, _ in _dot_operand_dtypes(jaxpr)]
+    assert kinds.count(("float8_e4m3fn", "float8_e4m3fn")) == 4 + 3
+    assert kinds.count(("float8_e4m3fn", "float8_e5m2")) == 2 * (4 + 3)
 
 
 @pytest.mark.slow
-def test_fp8_expert_parallel_equals_one_device():
-    """EP 8 over data: the experts' amaxes are global maxima over every expert and row, so the
-    split experts quantise as on one device (loss, gradients, amaxes at rel 1e-5)."""
-    (ref_loss, ref_grads, ref_amax), (loss, grads, amax) = _one_device_and((8, 1, 1, 1), Scaling.DELAYED, MOE)
+@pytest.mark.parametrize("dispatch, mesh_shape, fields", [
+    (Dispatch.CAPACITY, (8, 1, 1, 1), {}),
+    (Dispatch.DROPLESS, (8, 1, 1, 1), {}),
+    (Dispatch.DROPLESS, (2, 1, 1, 2), {"pipeline": PipelineConfig(2, Schedule.ONE_F_ONE_B)}),
+], ids=["capacity-ep8", "dropless-ep8", "dropless-ep2-1f1b"])
+def test_fp8_expert_parallel_equals_one_device(dispatch, mesh_shape, fields):
+    """The experts split over data: their amaxes are global maxima over every expert and row (one-hot:
+    XLA's partitioner; sorted: maxima over the exchange's shard_map; inside a pipeline stage XLA
+    partitions the FP8 experts), so they quantise as on one device (loss, gradients, amaxes at rel
+    1e-5)."""
+    model = dataclasses.replace(MOE, dispatch=dispatch)
+    (ref_loss, ref_grads, ref_amax), (loss, grads, amax) = _one_device_and(mesh_shape, Scaling.DELAYED, model,
+                                                                           **fields)
     assert abs(loss - ref_loss) / ref_loss <= 1e-5
     for name, expected in ref_grads.items():
         assert relative_l2(grads[name], expected) <= 1e-5, name

@@ -19,6 +19,10 @@ output) and counted. ``jax.lax.ragged_all_to_all`` would send each peer only its
 does not implement it (``UNIMPLEMENTED: HLO opcode ragged-all-to-all``), so the buffers here are
 fixed.
 
+FP8 experts (``models.fp8.Fp8Weight``, ``train.precision: fp8``) carry the mesh's axes as their
+``amax_axes``, so that each amax inside the ``shard_map`` is the maximum over every device: the
+quantisation is the one-device run's.
+
 Inside a pipeline stage (``stage`` already manual) no nested ``shard_map`` compiles on a supported
 jax (docs/long_context.md), so there the same steps are written for XLA's partitioner
 (``_run_in_stage``: ``vmap`` over the peers, the all-to-all a resharding transpose).
@@ -35,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
 from models.common import ExpertCompute, LogicalAxes, choice_rows
+from models.fp8 import Fp8Weight
 
 TOKEN_AXES: LogicalAxes = ("batch", "length")
 
@@ -86,6 +91,10 @@ def run_experts(compute: ExpertCompute, x: jax.Array, choices: jax.Array, params
         raise ConfigError(f"sharding.rules.{param_axes[0][0]}", f"the experts split over {experts} must be "
                           f"computed where the tokens are split (over {list(token_axes)})")
     peers = math.prod(mesh.shape[a] for a in experts)
+    # FP8 weights (models.fp8): amaxes are maxima over the mesh, their amaxes and histories whole.
+    params = tuple(p.replace(amax_axes=tuple(mesh.axis_names)) if isinstance(p, Fp8Weight) else p for p in params)
+    specs = [p.replace(weight=spec, observed=PartitionSpec(), history=None if p.history is None else PartitionSpec())
+             if isinstance(p, Fp8Weight) else spec for p, spec in zip(params, specs)]
 
     def body(x: jax.Array, choices: jax.Array, *params: jax.Array) -> tuple[jax.Array, jax.Array]:
         rows, ids = choice_rows(x, top_k), choices.reshape(-1)
@@ -103,6 +112,10 @@ def run_experts(compute: ExpertCompute, x: jax.Array, choices: jax.Array, params
     tokens = PartitionSpec(*token_spec, None)
     return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, *specs),
                          out_specs=(PartitionSpec(*token_spec, None, None), PartitionSpec()))(x, choices, *params)
+
+
+def _weight(param: jax.Array | Fp8Weight) -> jax.Array:
+    return param.weight if isinstance(param, Fp8Weight) else param
 
 
 def _pack(rows: jax.Array, ids: jax.Array, local: int, peers: int, capacity: int
@@ -135,7 +148,7 @@ def _exchange(compute: ExpertCompute, rows: jax.Array, ids: jax.Array, params: t
     """One device's rows [m, embed] for experts ``ids`` [m] -> (their outputs [m, embed], zero where
     dropped; the number dropped), through the peers' experts (steps 1-4 of the module docstring)."""
     capacity = exchange_rows(rows.shape[0], peers, buffer_factor)
-    send, send_ids, slot, kept = _pack(rows, ids, params[0].shape[0], peers, capacity)
+    send, send_ids, slot, kept = _pack(rows, ids, _weight(params[0]).shape[0], peers, capacity)
     exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0)
     out = compute(exchange(send).reshape(-1, rows.shape[1]), exchange(send_ids).reshape(-1), *params)
     if hidden:
@@ -157,7 +170,8 @@ def _run_in_stage(compute: ExpertCompute, x: jax.Array, choices: jax.Array, para
     experts = tuple(a for a in mesh_axes_of(rules.activation_spec(param_axes[0][:1])[0]) if mesh.shape[a] > 1)
     batch = tuple(a for a in mesh_axes_of(rules.activation_spec(("batch",))[0]) if mesh.shape[a] > 1)
     peers = math.prod(mesh.shape[a] for a in experts)
-    if peers == 1 or experts != batch or x.shape[0] % peers:
+    # FP8 weights: per-peer amaxes under the vmap would not be the tensor's; XLA partitions instead.
+    if peers == 1 or experts != batch or x.shape[0] % peers or any(isinstance(p, Fp8Weight) for p in params):
         out = compute(choice_rows(x, top_k), choices.reshape(-1), *params)
         return out.reshape(*choices.shape, width), jnp.zeros((), jnp.int32)
     split = lambda a, *rest: jax.lax.with_sharding_constraint(

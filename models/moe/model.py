@@ -61,8 +61,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.api import AUX_LOSS, RESIDUAL_AXES, Documents, LayerAux
 from models.attention import AttentionSpec
-from models.fp8 import MatmulGroup
-from models.grouped_matmul import (BlockLayout, GroupedKernel, GroupedSpec, auto_block, blocked_matmul,
+from models.fp8 import Fp8Weight, MatmulGroup
+from models.grouped_matmul import (BlockLayout, GroupedKernel, GroupedSpec, auto_block, grouped_product,
                                    ragged_matmul)
 from models.blocks import (BLOCK_CHECKPOINT_NAMES, AttentionKernel, Decoder, PreNormLayer, QKNormAttention, RMSNorm,
                            RopeScalingConfig, SwiGLU, check_attention_fields, normal, score_bytes)
@@ -419,9 +419,11 @@ def grouped_swiglu(rows: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Arr
     mlp], down [experts, mlp, embed] -> [m, embed], by ``spec``'s grouped-matmul kernel
     (``models/grouped_matmul.py``: ``2 * m * embed * mlp`` FLOPs per matmul, plus the blocked
     kernel's padding, for any number of experts). Each matmul's result is tagged ``CHECKPOINT_DOT``
-    (no batch dimension: ``RematPolicy.DOTS`` keeps it as a plain matmul's)."""
+    (no batch dimension: ``RematPolicy.DOTS`` keeps it as a plain matmul's). FP8 weights
+    (``models.fp8.Fp8Weight``) always run the blocked kernel (``fp8_blocked_matmul``)."""
     tagged = lambda y: checkpoint_name(y, CHECKPOINT_DOT)
-    if spec.kernel.resolve(jax.default_backend()) is GroupedKernel.RAGGED:
+    fp8 = isinstance(gate, Fp8Weight)
+    if not fp8 and spec.kernel.resolve(jax.default_backend()) is GroupedKernel.RAGGED:
         order = jnp.argsort(ids, stable=True)
         sizes = jnp.bincount(ids, length=gate.shape[0]).astype(jnp.int32)  # ids past the experts: not counted
         ordered = rows[order]
@@ -429,11 +431,13 @@ def grouped_swiglu(rows: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Arr
                   * tagged(ragged_matmul(ordered, up, sizes)))
         out = tagged(ragged_matmul(checkpoint_name(hidden, "expert_hidden"), down, sizes))
         return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
-    layout = BlockLayout.of(ids, gate.shape[0], spec.block or auto_block(ids.shape[0], gate.shape[0]))
+    groups = (gate.weight if fp8 else gate).shape[0]
+    layout = BlockLayout.of(ids, groups, spec.block or auto_block(ids.shape[0], groups))
     x = layout.gather(rows)
-    hidden = (jax.nn.silu(tagged(blocked_matmul(x, gate, layout.block_group)))
-              * tagged(blocked_matmul(x, up, layout.block_group)))
-    return layout.scatter(tagged(blocked_matmul(checkpoint_name(hidden, "expert_hidden"), down, layout.block_group)))
+    hidden = (jax.nn.silu(tagged(grouped_product(x, gate, layout.block_group)))
+              * tagged(grouped_product(x, up, layout.block_group)))
+    return layout.scatter(tagged(grouped_product(checkpoint_name(hidden, "expert_hidden"), down,
+                                                 layout.block_group)))
 
 
 EXPERT_PARAM_AXES = (("experts", "expert_embed", "expert_mlp"),) * 2 + (("experts", "expert_mlp", "expert_embed"),)
@@ -446,9 +450,9 @@ class SparseMoE(nnx.Module):
         d, e, f = cfg.embed_dim, cfg.num_experts, cfg.expert_mlp_dim
         self.cfg = cfg
         self.router = logical_param(normal(rngs, (d, e), d ** -0.5), ("embed", "expert_logits"))
-        # One-hot dispatch multiplies the experts through ``matmul`` (FP8 when the framework asks);
-        # the grouped kernels of DROPLESS take plain arrays, so there the experts stay untagged.
-        group = None if cfg.dispatch is Dispatch.DROPLESS else MatmulGroup.EXPERTS
+        # One-hot dispatch multiplies the experts through ``matmul``, the sorted one through the
+        # blocked kernel: FP8 either way when the framework asks.
+        group = MatmulGroup.EXPERTS
         self.gate = logical_param(normal(rngs, (e, d, f), d ** -0.5), EXPERT_PARAM_AXES[0], group)
         self.up = logical_param(normal(rngs, (e, d, f), d ** -0.5), EXPERT_PARAM_AXES[1], group)
         self.down = logical_param(normal(rngs, (e, f, d), f ** -0.5 / math.sqrt(2 * cfg.num_layers)),
