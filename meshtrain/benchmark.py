@@ -180,3 +180,33 @@ def run(cfg, *, steps: int = 10, vs_baseline: bool = False, devices=None, prepar
         plain_bytes, guarded_bytes = (result[name]["bytes_accessed"] for name in ("baseline", "baseline_guarded"))
         result["guard_bytes"] = None if None in (plain_bytes, guarded_bytes) else guarded_bytes - plain_bytes
     return result
+
+
+def compare(configs: dict, *, steps: int = 10, devices=None) -> dict:
+    """Each of ``configs``' train steps (name -> config) compiled, warmed up and timed with the others'
+    interleaved (order reversed every step, so machine noise hits them all): per name, its median
+    step seconds, tokens/s, first and last loss, compile seconds, memory per device, and
+    ``vs_first``: its median over the first config's."""
+    arms = {}
+    for name, cfg in configs.items():
+        trainer, compiled, compile_s = prepare(cfg, devices)
+        state, batch = trainer.init_state(seed=cfg.train.seed), random_batch(trainer)
+        state, metrics = compiled(state, batch)  # warm-up
+        arms[name] = {"compiled": compiled, "state": state, "batch": batch, "times": [], "compile_s": compile_s,
+                      "loss_first": float(metrics["loss"]), "tokens": cfg.train.batch_size * cfg.model.seq_len}
+
+    def step(arm):
+        elapsed, (arm["state"], arm["metrics"]) = _timed(lambda: arm["compiled"](arm["state"], arm["batch"]))
+        arm["times"].append(elapsed)
+
+    names = list(arms)
+    for i in range(steps):
+        for name in names if i % 2 == 0 else names[::-1]:
+            step(arms[name])
+    first = statistics.median(arms[names[0]]["times"])
+    return {name: {"step_time_s_median": statistics.median(arm["times"]),
+                   "tokens_per_sec": arm["tokens"] / statistics.median(arm["times"]),
+                   "vs_first": statistics.median(arm["times"]) / first, "compile_s": arm["compile_s"],
+                   "loss_first": arm["loss_first"], "loss_last": float(arm["metrics"]["loss"]),
+                   "memory_per_device": memory_of(arm["compiled"])}
+            for name, arm in arms.items()}

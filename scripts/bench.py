@@ -1,7 +1,7 @@
 """Benchmark meshtrain's train step: step time, tokens/s, TFLOP/s per device, MFU, compile time, memory.
 
     python scripts/bench.py --config configs/tiny.yaml --host-devices 8 [--steps 10] [--vs-baseline]
-        [--attention auto|xla|cudnn] [--json FILE] [section.field=value ...]
+        [--vs-precision fp32|bf16|fp16|fp8] [--attention auto|xla|cudnn] [--json FILE] [section.field=value ...]
 
 The other benchmarks, one script each (same ``--config``, ``--steps``, ``--host-devices``, ``--json``):
 ``bench_layouts.py`` (the parallel layouts side by side), ``bench_experts.py`` (expert parallelism),
@@ -29,6 +29,10 @@ but the layers' scan is the same in all three and the optimizer update runs outs
 differences between them are the extra passes over parameter-sized buffers (``guard_bytes`` = guarded
 - plain baseline), free of timing noise.
 
+``--vs-precision P`` times the config as given and the same config with ``train.precision=P``
+(e.g. ``fp8`` against the config's ``bf16``), steps interleaved (``meshtrain.benchmark.compare``), and
+prints ``precision_ratio`` = median step with P / median step as given, with each arm's figures.
+
 Every result is printed as ``name: value`` lines and, last, one ``json: {...}`` line.
 MFU is ``null`` when the device's peak is unknown (CPU). FLOPs are the family's
 ``flops_per_token`` (for a mixture of experts: the active parameters, ``top_k`` experts).
@@ -47,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_common.add_arguments(parser)
     parser.add_argument("--vs-baseline", action="store_true",
                         help="also time a hand-written jax.jit step, interleaved, and print the ratio")
+    parser.add_argument("--vs-precision", choices=("fp32", "bf16", "fp16", "fp8"),
+                        help="also time the config with train.precision set to this, interleaved, and print the ratio")
     parser.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
                         help="model.attention: jax.nn.dot_product_attention's implementation (cudnn: GPU only)")
     args = parser.parse_args(argv)
@@ -54,9 +60,19 @@ def main(argv: list[str] | None = None) -> int:
     from meshtrain import benchmark
     from meshtrain.config import load_config
 
-    cfg = load_config(args.config, [*args.overrides, f"model.attention={args.attention}"])
-    results = {**header, "attention": args.attention, **benchmark.run(cfg, steps=args.steps,
-                                                                      vs_baseline=args.vs_baseline)}
+    overrides = [*args.overrides, f"model.attention={args.attention}"]
+    cfg = load_config(args.config, overrides)
+    if args.vs_precision == cfg.train.precision.value:
+        parser.error(f"--vs-precision {args.vs_precision} is the config's own train.precision")
+    if args.vs_precision:
+        other = load_config(args.config, [*overrides, f"train.precision={args.vs_precision}"])
+        arms = benchmark.compare({cfg.train.precision.value: cfg, args.vs_precision: other}, steps=args.steps)
+        results = {**header, "attention": args.attention, **{f"{name}_{key}": value for name, arm in arms.items()
+                                                            for key, value in arm.items() if key != "vs_first"},
+                   "precision_ratio": arms[args.vs_precision]["vs_first"]}
+    else:
+        results = {**header, "attention": args.attention, **benchmark.run(cfg, steps=args.steps,
+                                                                          vs_baseline=args.vs_baseline)}
     bench_common.print_result(results)
     bench_common.write_json(args.json_path, header, results)
     return 0

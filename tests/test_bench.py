@@ -80,6 +80,20 @@ def _per_device_bytes(tree) -> int:
 
 
 @pytest.mark.slow
+def test_bench_vs_precision_times_both_arms_interleaved():
+    """fp8 beside the config's bf16, from the same init and batch: both arms' figures and the ratio."""
+    proc = _script("bench.py", "--config", "configs/tiny.yaml", "--host-devices", "8", "--steps", "2",
+                   "--vs-precision", "fp8", "train.precision=bf16")
+    result = _json_line(proc)
+    assert result["precision_ratio"] == pytest.approx(result["fp8_step_time_s_median"]
+                                                      / result["bf16_step_time_s_median"])
+    # The first step's loss before any update: the quantised matmuls move it only a little.
+    assert result["fp8_loss_first"] == pytest.approx(result["bf16_loss_first"], rel=1e-2)
+    assert result["fp8_loss_first"] != result["bf16_loss_first"]
+    assert "\nprecision_ratio: " in proc.stdout
+
+
+@pytest.mark.slow
 def test_bench_vs_baseline_prints_fields(tmp_path):
     from meshtrain.config import load_config
     from utils import trainer_of_config
