@@ -1,7 +1,8 @@
 """``python -m meshtrain.data prepare ...``, ``prepare-sft ...`` and ``train-tokenizer ...``
 
-``prepare`` tokenizes text files (one document each) and ``.jsonl`` files (one document a line)
-with a Hugging Face tokenizer into a prepared directory of token shards (see
+``prepare`` tokenizes text files (one document each), ``.jsonl`` files (one document a line) and
+parquet files, Arrow files and ``datasets`` ``save_to_disk`` directories (one document a row:
+``meshtrain.data.columnar``) with a Hugging Face tokenizer into a prepared directory of token shards (see
 ``meshtrain.data.corpus`` and docs/data.md) and prints one summary line per split.
 ``prepare-sft`` does the same for supervised fine-tuning: JSON lines of prompt/response pairs or
 chat messages, rendered with the tokenizer's chat template, with a loss mask that is 1 on the
@@ -64,10 +65,12 @@ def _parse_args(argv: list[str] | None):
         command.add_argument("--overwrite", action="store_true", help=f"replace {replaced}")
         command.add_argument("--input", action="append", required=True, metavar="GLOB",
                              help=("JSON lines files (repeatable; ** is recursive)" if command is sft
-                                   else "text or .jsonl files (repeatable; ** is recursive)"))
+                                   else "text, .jsonl, .parquet or .arrow files, or save_to_disk directories "
+                                   "(repeatable; ** is recursive)"))
         command.add_argument("--out", required=True, help="directory to write")
         if command is not sft:
-            command.add_argument("--text-field", default="text", help="field of a .jsonl line holding its text")
+            command.add_argument("--text-field", default="text",
+                                 help="field of a .jsonl line, or column of a parquet/Arrow file, holding its text")
     args = parser.parse_args(argv)
     if args.overrides:
         parser.error(f"unexpected arguments: {' '.join(args.overrides)}")

@@ -42,6 +42,7 @@ from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn, 
                            TransferSpeedColumn)
 
 from meshtrain import jsonio
+from meshtrain.data import columnar
 from meshtrain.data.files import commit_file, write_file
 from meshtrain.data.tokenizer import (MAX_PIECE_CHARS, PIECE_CHARS, TOKENIZER_FILE, Cuts, end_of_document_id,
                                       file_sha256, load_tokenizer, piece_bounds, tokenizer_cuts, tokenizer_file)
@@ -68,23 +69,28 @@ _PARALLELISM_OFF = ("", "0", "false", "off", "no", "n", "f")
 # ---- reading the input documents ----
 
 def input_files(patterns: Sequence[str], field: str) -> list[pathlib.Path]:
-    """The files the globs match (``**`` recursive), each once, in sorted absolute-path order; a
+    """The files the globs match (``**`` recursive), each once, in sorted absolute-path order: a
+    matched directory that ``datasets``' ``save_to_disk`` wrote gives its Arrow files (its
+    ``state.json`` and ``dataset_info.json`` are never input), other directories nothing; a
     ``ConfigError(field)`` when there are none or a glob matches no file."""
     if not patterns:
         raise ConfigError(field, "give at least one glob of input files")
     files = set()
     for pattern in patterns:
-        matched = [os.path.abspath(path) for path in glob.glob(pattern, recursive=True) if os.path.isfile(path)]
+        paths, matched = glob.glob(pattern, recursive=True), []
+        for path in paths:
+            if os.path.isdir(path):
+                matched += columnar.saved_dataset_files(path, field) or []
+            elif os.path.isfile(path) and not columnar.is_saved_dataset_metadata(path, field):
+                matched.append(path)
         if not matched:
-            raise ConfigError(field, f"{pattern!r} matches no file")
-        files.update(matched)
+            raise ConfigError(field, f"{pattern!r} matches no file{columnar.dataset_dict_hint(paths)}")
+        files.update(os.path.abspath(path) for path in matched)
     return [pathlib.Path(path) for path in sorted(files)]
 
 
 def _binary_reason(path: pathlib.Path, head: bytes) -> str | None:
     """Why the file starting with ``head`` is not read as text, or None when it is text."""
-    if path.suffix == ".parquet":
-        return "parquet is not read (pyarrow is not a dependency); convert it to jsonl"
     if b"\0" in head:
         return f"binary: a NUL byte in its first {SNIFF_BYTES // 1024} KiB"
     try:
@@ -97,19 +103,26 @@ def _binary_reason(path: pathlib.Path, head: bytes) -> str | None:
 
 class DocumentReader:
     """Iterates ``(text, utf8_bytes)`` over the documents of ``files`` in order: a ``.jsonl`` file
-    holds one per line (its ``text_field``), any other file is one document. Binary files are
-    skipped with a one-line ``warn``; empty documents and blank lines are skipped. Raises
+    holds one per line (its ``text_field``), a parquet or Arrow file one per row (its column
+    ``text_field``, read a record batch at a time: ``columnar``), any other file is one document.
+    Binary files are skipped with a one-line ``warn``, and so are null cells (one line per file
+    with their count); empty documents and blank lines are skipped. The columnar files' columns are
+    checked when the reader is made (a ``ConfigError``, before anything is read). Raises
     ``ConfigError(field)`` at the end when no document was found.
 
     Counters advanced while iterating: ``bytes_read`` (input bytes consumed, skipped files
-    included), ``files_read``, ``skipped`` (binary files); ``where``: the file (``path``) or line
-    (``path:N``) of the document last given.
+    included; a columnar file's by the share of its rows or batches read), ``files_read``,
+    ``skipped`` (binary files); ``where``: the file (``path``), line (``path:N``) or row
+    (``path row N``, from 0) of the document last given.
     """
 
     def __init__(self, files: Sequence[pathlib.Path], text_field: str, field: str, warn: Callable[[str], None]):
         self.files, self.text_field, self.field, self.warn = list(files), text_field, field, warn
         self.bytes_read = self.files_read = self.skipped = 0
         self.where = ""
+        for path in self.files:
+            if columnar.is_columnar(path):
+                columnar.check_text_column(path, text_field, field)
 
     def pieces(self, cuts: Cuts, *, piece_chars: int = PIECE_CHARS,
                max_chars: int = MAX_PIECE_CHARS) -> Iterator[tuple[str, int, bool]]:
@@ -138,6 +151,9 @@ class DocumentReader:
                               f"{self.skipped} skipped as binary, the rest empty)")
 
     def _documents(self, path: pathlib.Path) -> Iterator[tuple[str, int]]:
+        if columnar.is_columnar(path):
+            yield from self._column_documents(path)
+            return
         with open(path, "rb") as stream:
             head = stream.read(SNIFF_BYTES)
             reason = _binary_reason(path, head)
@@ -162,6 +178,24 @@ class DocumentReader:
         self.where = str(path)
         if text:
             yield text, size
+
+    def _column_documents(self, path: pathlib.Path) -> Iterator[tuple[str, int]]:
+        start, file_bytes = self.bytes_read, path.stat().st_size
+        row, nulls, first_null = 0, 0, None
+        for texts, sizes, done in columnar.text_batches(path, self.text_field, self.field):
+            for text, size in zip(texts, sizes):
+                if text is None:
+                    nulls += 1
+                    first_null = row if first_null is None else first_null
+                elif text:
+                    self.where = f"{path} row {row}"
+                    yield text, size
+                row += 1
+            self.bytes_read = start + round(file_bytes * done)
+        self.bytes_read = start + file_bytes
+        if nulls:
+            self.warn(f"warning: {self.field}: {path}: skipped {nulls:,} null {self.text_field!r} cells (the first "
+                      f"at row {first_null})")
 
     def _jsonl_documents(self, path: pathlib.Path, stream: BinaryIO) -> Iterator[tuple[str, int]]:
         for number, line in enumerate(stream, 1):
@@ -463,15 +497,15 @@ def prepare(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fractio
     dtype = token_dtype(vocab_size)
     out_dir = pathlib.Path(out).absolute()
     train_files, val_files = split_input_files(inputs, val_inputs, out_dir)
+    readers = [(DocumentReader(train_files, text_field, "--input", say), None)]  # columnar files checked here
+    if val_files:
+        readers.append((DocumentReader(val_files, text_field, "--val-input", say), VAL))
     if os.environ.get("TOKENIZERS_PARALLELISM", "true").strip().lower() in _PARALLELISM_OFF:
         say("warning: TOKENIZERS_PARALLELISM turns off tokenizers' threads: one core encodes; unset it")
     writable_directory(out_dir, "--out")
     # Another prepare writing into --out holds it: a second one refuses instead of removing its files.
     with RunLock(out_dir, field="--out", holder="prepare"):
         _claim(out_dir, overwrite, say)
-        readers = [(DocumentReader(train_files, text_field, "--input", say), None)]
-        if val_files:
-            readers.append((DocumentReader(val_files, text_field, "--val-input", say), VAL))
         encoder = _Encoder(tokenizer, eos_id, {split: _SplitWriter(out_dir, split, dtype, shard_tokens)
                                                for split in ([TRAIN, VAL] if val_files or val_fraction else [TRAIN])})
         all_files = train_files + val_files

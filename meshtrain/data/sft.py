@@ -53,6 +53,7 @@ from meshtrain import jsonio
 from meshtrain.data.corpus import (BATCH_TEXT_BYTES, DEFAULT_SHARD_TOKENS, TRAIN, VAL,
                                    PreparedCorpus, _claim, _Progress, _SplitWriter, _val_selector, check_out,
                                    finish, split_input_files, token_dtype)
+from meshtrain.data.columnar import is_columnar
 from meshtrain.data.files import write_file
 from meshtrain.data.tokenizer import MAX_PIECE_CHARS, end_of_document_id, load_tokenizer, tokenizer_file
 from meshtrain.errors import ConfigError, writable_directory
@@ -417,6 +418,11 @@ def prepare_sft(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fra
     dtype = token_dtype(vocab_size)
     out_dir = pathlib.Path(out).absolute()
     train_files, val_files = split_input_files(inputs, val_inputs, out_dir)
+    for flag, files in (("--input", train_files), ("--val-input", val_files)):
+        table = next((path for path in files if is_columnar(path)), None)
+        if table is not None:
+            raise ConfigError(flag, f"{table}: prepare-sft reads JSON lines, not parquet or Arrow files; convert it "
+                              "to .jsonl (datasets: Dataset.to_json)")
     writable_directory(out_dir, "--out", create=False)
     check_out(out_dir, overwrite)
     special = _special_tokens(tokenizer)
