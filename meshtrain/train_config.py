@@ -74,6 +74,9 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be a positive integer, got {getattr(self, name)}")
+        if self.precision is not Precision.FP8 and self.fp8 != Fp8Recipe():
+            raise ConfigError("fp8", f"is set, but train.precision is {self.precision.value}: the recipe applies "
+                              "under train.precision: fp8 only (set it, or drop train.fp8)")
         if self.max_consecutive_skips < 0:
             raise ConfigError("max_consecutive_skips", f"must be >= 0 (0: no limit), got {self.max_consecutive_skips}")
         if self.loss_chunk < 0:

@@ -307,6 +307,13 @@ def test_bad_recipe_is_one_line_naming_the_field(fields, field, hint):
     assert err.value.field == field and hint in str(err.value)
 
 
+def test_a_recipe_without_fp8_precision_is_one_line():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"train": {"precision": "bf16", "fp8": {"scaling": "delayed"}}})
+    assert err.value.field == "train.fp8" and "train.precision: fp8" in str(err.value)
+    assert config_from_dict({"train": {"precision": "bf16", "fp8": {}}}).train.fp8 == Fp8Recipe()
+
+
 def test_recipe_parses_from_overrides():
     cfg = config_from_dict({"train": {"precision": "fp8", "fp8": {"scaling": "delayed", "matmuls": ["mlp"]}}})
     assert cfg.train.fp8 == Fp8Recipe(scaling=Scaling.DELAYED, matmuls=(MatmulGroup.MLP,))
