@@ -36,7 +36,6 @@ from models.common import MATMUL_GROUP, coerce_enums
 from models.fp8 import OPERANDS, Fp8Weight, MatmulGroup
 
 
-
 class Scaling(str, enum.Enum):
     """How an FP8 operand's scale is chosen."""
 
