@@ -69,5 +69,12 @@ $(STAMP_NEWEST): pyproject.toml
 test-fast-newest: $(STAMP_NEWEST)
 	$(VENV_NEWEST)/bin/python -m pytest -q -n auto --maxprocesses 4 -m "not slow"
 
+# The bare GPU machine rehearsed (scripts/gpu_rehearsal.sh): a Python 3.12 venv with only its packages (jax
+# 0.11.2, flax, optax, ...), scripts/gpu_wheels.sh for what meshtrain needs beyond them, and
+# scripts/gpu_check.sh --dry-run installing those wheels into .gpu_site. Needs PyPI; CI runs it.
+.PHONY: gpu-rehearsal
+gpu-rehearsal:
+	scripts/gpu_rehearsal.sh $(PYTHON_NEWEST)
+
 clean:
 	rm -rf $(VENV) $(VENV_NEWEST) runs data .pytest_cache
