@@ -32,8 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
 from meshtrain.precision import Precision
-from models.common import MATMUL_GROUP, coerce_enums
-from models.fp8 import OPERANDS, Fp8Weight, MatmulGroup
+from models.common import MATMUL_GROUP, OPERANDS, Fp8Weight, MatmulGroup, coerce_enums
 
 
 class Scaling(str, enum.Enum):

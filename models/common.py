@@ -21,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import AttentionSpec, attend
 from models.fp8 import Fp8Weight, MatmulGroup, fp8_matmul
+from models.fp8 import OPERANDS as OPERANDS  # the FP8 amaxes' order, for the framework (meshtrain.fp8)
 
 LogicalAxes = tuple[str | None, ...]
 

@@ -184,6 +184,17 @@ def _one_device_and(mesh_shape, scaling, model=MODEL, **fields):
     return runs
 
 
+def _assert_equal_runs(reference, run):
+    """Loss, every gradient and every amax of ``run`` at rel 1e-5 of ``reference`` (``_one_device_and``)."""
+    (ref_loss, ref_grads, ref_amax), (loss, grads, amax) = reference, run
+    assert abs(loss - ref_loss) / ref_loss <= 1e-5
+    assert grads.keys() == ref_grads.keys() and amax.keys() == ref_amax.keys()
+    for name, expected in ref_grads.items():
+        assert relative_l2(grads[name], expected) <= 1e-5, name
+    for name, expected in ref_amax.items():
+        np.testing.assert_allclose(amax[name], expected, rtol=1e-5, err_msg=name)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scaling", list(Scaling))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -191,13 +202,7 @@ def test_fp8_layouts_equal_one_device(layout, scaling):
     """ZeRO-3, data parallelism and a 2-stage pipeline: loss, every gradient and every amax at rel
     1e-5 of one device."""
     fields = dict(LAYOUTS[layout])
-    (ref_loss, ref_grads, ref_amax), (loss, grads, amax) = _one_device_and(fields.pop("mesh_shape"), scaling, **fields)
-    assert abs(loss - ref_loss) / ref_loss <= 1e-5
-    assert grads.keys() == ref_grads.keys() and amax.keys() == ref_amax.keys()
-    for name, expected in ref_grads.items():
-        assert relative_l2(grads[name], expected) <= 1e-5, name
-    for name, expected in ref_amax.items():
-        np.testing.assert_allclose(amax[name], expected, rtol=1e-5, err_msg=name)
+    _assert_equal_runs(*_one_device_and(fields.pop("mesh_shape"), scaling, **fields))
 
 
 # The schedules with most machinery: ZB-H1's split backward, interleaved 1F1B's layer order (the
@@ -211,13 +216,7 @@ SCHEDULES = {"zb_h1-2stages": (PipelineConfig(2, Schedule.ZB_H1), 2),
 def test_fp8_pipeline_schedules_equal_one_device(schedule):
     pipeline, layers = SCHEDULES[schedule]
     model = dataclasses.replace(MODEL, num_layers=layers)
-    (ref_loss, ref_grads, ref_amax), (loss, grads, amax) = _one_device_and((1, 1, 1, 2), Scaling.DELAYED, model,
-                                                                           pipeline=pipeline)
-    assert abs(loss - ref_loss) / ref_loss <= 1e-5
-    for name, expected in ref_grads.items():
-        assert relative_l2(grads[name], expected) <= 1e-5, name
-    for name, expected in ref_amax.items():
-        np.testing.assert_allclose(amax[name], expected, rtol=1e-5, err_msg=name)
+    _assert_equal_runs(*_one_device_and((1, 1, 1, 2), Scaling.DELAYED, model, pipeline=pipeline))
 
 
 @pytest.mark.slow
@@ -399,13 +398,7 @@ def test_fp8_expert_parallel_equals_one_device(dispatch, mesh_shape, fields):
     partitions the FP8 experts), so they quantise as on one device (loss, gradients, amaxes at rel
     1e-5)."""
     model = dataclasses.replace(MOE, dispatch=dispatch)
-    (ref_loss, ref_grads, ref_amax), (loss, grads, amax) = _one_device_and(mesh_shape, Scaling.DELAYED, model,
-                                                                           **fields)
-    assert abs(loss - ref_loss) / ref_loss <= 1e-5
-    for name, expected in ref_grads.items():
-        assert relative_l2(grads[name], expected) <= 1e-5, name
-    for name, expected in ref_amax.items():
-        np.testing.assert_allclose(amax[name], expected, rtol=1e-5, err_msg=name)
+    _assert_equal_runs(*_one_device_and(mesh_shape, Scaling.DELAYED, model, **fields))
 
 
 @pytest.mark.slow

@@ -38,8 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
-from models.common import ExpertCompute, LogicalAxes, choice_rows
-from models.fp8 import Fp8Weight
+from models.common import ExpertCompute, Fp8Weight, LogicalAxes, choice_rows
 
 TOKEN_AXES: LogicalAxes = ("batch", "length")
 
