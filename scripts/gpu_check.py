@@ -52,7 +52,14 @@
    step's bytes accessed per device (XLA's cost analysis: ``guard_bytes`` is the guard's extra
    traffic as this compiler fuses it).
 
-``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs everything on the CPU with tiny shapes, in seconds;
+The phases run in the order of their value (loss, throughput, fp8, checkpoint, packing, moe,
+deepseek, attention kernels, pipeline, offload, overhead) within ``--budget`` seconds (450 on a
+device): each has a cap (its expected seconds on one H100/H200, in ``main``) and starts only while
+the budget left holds it; a skipped phase says why. Each phase's result is printed when it is known
+(``phase NAME: PASS|FAIL|done|ERROR ...|skipped: ...``); an error in one phase is recorded and the
+next runs; a table of every phase's seconds, cap and result ends the run.
+
+``--dry-run`` (or ``GPU_CHECK_DRY_RUN=1``) runs everything on the CPU with tiny shapes and no budget;
 the test suite runs that. Exit status 1 when the loss, checkpoint, packing, MoE, pipeline or ring
 check fails. Last line: ``json: {...}``.
 """
@@ -619,8 +626,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8-steps", type=int, default=200, help="tiny steps of the fp8 loss check")
     parser.add_argument("--fp8-tol", type=float, default=0.015, help="fp8 final loss within this share of bf16's")
     parser.add_argument("--skip-offload", action="store_true")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole check (default 450 on a device, unlimited in a dry run): a "
+                             "phase starts only while what is left holds its cap")
     args = parser.parse_args(argv)
     args.dry_overrides = TINY_1B if args.dry_run else []
+    if args.budget is None:
+        args.budget = float("inf") if args.dry_run else 450.0
     started = time.perf_counter()
 
     from meshtrain import xla_flags
@@ -648,50 +660,63 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device_kind": device.device_kind, "platform": device.platform, "jax": jax.__version__,
               "dry_run": args.dry_run, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
-    phase = time.perf_counter()
-    report["loss_check"] = loss_check(load_config, benchmark, 3, args.loss_tol, args.dry_run)
+    def run_throughput() -> dict:
+        try:
+            result = throughput(load_config, benchmark, args, limit, report["attention"])
+        except Exception as err:
+            if report["attention"] != "cudnn":
+                raise
+            log(f"cuDNN attention failed ({type(err).__name__}: {str(err)[:300]}); retrying with XLA attention")
+            report["attention"] = "xla (cudnn failed)"
+            result = throughput(load_config, benchmark, args, limit, "xla")
+        return {**result, "attention": report["attention"].split(" ")[0]}
+
     report["attention"] = "cudnn" if device.platform == "gpu" else "xla"
-    report["loss_check"]["wall_s"] = time.perf_counter() - phase
-    phase = time.perf_counter()
-    try:
-        report["throughput"] = throughput(load_config, benchmark, args, limit, report["attention"])
-    except Exception as err:
-        if report["attention"] != "cudnn":
-            raise
-        log(f"cuDNN attention failed ({type(err).__name__}: {str(err)[:300]}); retrying with XLA attention")
-        report["attention"] = "xla (cudnn failed)"
-        report["throughput"] = throughput(load_config, benchmark, args, limit, "xla")
-    report["throughput"]["wall_s"] = time.perf_counter() - phase
-    report["throughput"]["attention"] = report["attention"].split(" ")[0]
-    phase = time.perf_counter()
-    report["fp8"] = fp8_check(load_config, benchmark, args, report["throughput"])
-    report["fp8"]["wall_s"] = time.perf_counter() - phase
-    if not args.skip_offload:
-        phase = time.perf_counter()
-        report["offload"] = offload(load_config, benchmark, args, max(1, report["throughput"]["batch_size"] // 2))
-        report["offload"]["wall_s"] = time.perf_counter() - phase
-    report["checkpoint"] = checkpoint_check(load_config, benchmark)
-    report["packing"] = packing_check(load_config, args.packing_tol)
-    phase = time.perf_counter()
-    report["moe"] = moe_check(args.moe_tol, args.dry_run)
-    report["moe"]["wall_s"] = time.perf_counter() - phase
-    phase = time.perf_counter()
-    report["deepseek"] = deepseek_check(args.moe_tol, args.dry_run)
-    report["deepseek"]["wall_s"] = time.perf_counter() - phase
-    phase = time.perf_counter()
-    report["pipeline"] = pipeline_check(args.dry_run, args.pipeline_tol)
-    report["pipeline"]["wall_s"] = time.perf_counter() - phase
-    phase = time.perf_counter()
-    report["attention_kernels"] = attention_check(args.dry_run, args.attention_tol)
-    report["attention_kernels"]["wall_s"] = time.perf_counter() - phase
-    phase = time.perf_counter()
-    report["overhead"] = overhead_check(load_config, benchmark, args)
-    report["overhead"]["wall_s"] = time.perf_counter() - phase
+    # In order of value, each with the seconds it is expected to need on one H100/H200 (its cap: a
+    # phase starts only while the budget left holds its cap) and the phase whose result it needs.
+    phases = [
+        ("loss_check", 60, None, lambda: loss_check(load_config, benchmark, 3, args.loss_tol, args.dry_run)),
+        ("throughput", 150, None, run_throughput),
+        ("fp8", 90, "throughput", lambda: fp8_check(load_config, benchmark, args, report["throughput"])),
+        ("checkpoint", 20, None, lambda: checkpoint_check(load_config, benchmark)),
+        ("packing", 20, None, lambda: packing_check(load_config, args.packing_tol)),
+        ("moe", 60, None, lambda: moe_check(args.moe_tol, args.dry_run)),
+        ("deepseek", 60, None, lambda: deepseek_check(args.moe_tol, args.dry_run)),
+        ("attention_kernels", 60, None, lambda: attention_check(args.dry_run, args.attention_tol)),
+        ("pipeline", 60, None, lambda: pipeline_check(args.dry_run, args.pipeline_tol)),
+        ("offload", 60, "throughput", lambda: offload(load_config, benchmark, args,
+                                                      max(1, report["throughput"]["batch_size"] // 2))),
+        ("overhead", 40, None, lambda: overhead_check(load_config, benchmark, args)),
+    ]
+    if args.skip_offload:
+        phases = [phase for phase in phases if phase[0] != "offload"]
+    rows = []
+    for name, cap, needs, run in phases:
+        left = args.budget - (time.perf_counter() - started)
+        if needs is not None and ({"error", "skipped"} & set(report.get(needs, {"skipped": "not run"}))):
+            report[name] = {"skipped": f"needs {needs}"}
+        elif cap > left:
+            report[name] = {"skipped": f"budget: {left:.0f} s left, cap {cap} s"}
+        else:
+            phase = time.perf_counter()
+            try:
+                report[name] = run()
+            except (Exception, SystemExit) as err:  # noqa: BLE001 - one phase's failure must not cost the others
+                report[name] = {"error": f"{type(err).__name__}: {str(err)[:500]}", "passed": False}
+            report[name]["wall_s"] = time.perf_counter() - phase
+        result = report[name]
+        status = ("skipped: " + result["skipped"] if "skipped" in result else "ERROR " + result["error"]
+                  if "error" in result else {True: "PASS", False: "FAIL"}.get(result.get("passed"), "done"))
+        rows.append((name, status, result.get("wall_s"), cap))
+        log(f"phase {name}: {status}" + (f" ({result['wall_s']:.1f} s, cap {cap} s)" if "wall_s" in result else ""))
     report["wall_s"] = time.perf_counter() - started
-    log(f"gpu_check done in {report['wall_s']:.1f} s")
+    log(f"gpu_check done in {report['wall_s']:.1f} s (budget {args.budget:.0f} s)")
+    log(f"{'phase':<18} {'seconds':>8} {'cap':>5}  result")
+    for name, status, wall, cap in rows:
+        log(f"{name:<18} {'-' if wall is None else f'{wall:.1f}':>8} {cap:>5}  {status[:100]}")
     print("json: " + json.dumps(report), flush=True)
-    passed = all(report[name]["passed"] for name in ("loss_check", "fp8", "checkpoint", "packing", "moe", "deepseek",
-                                                     "pipeline", "attention_kernels"))
+    checked = ("loss_check", "fp8", "checkpoint", "packing", "moe", "deepseek", "pipeline", "attention_kernels")
+    passed = all(report[name].get("passed", True) for name in checked if name in report)
     return 0 if passed else 1
 
 

@@ -228,6 +228,24 @@ def test_hlo_readers():
     assert footprint_bytes(memory) == 117  # 100 + 60 - 50 + 7
 
 
+def test_gpu_check_starts_no_phase_its_budget_cannot_hold():
+    """Every cap is at least 20 s: with 10 s for the whole check each phase is skipped and says why
+    (fp8 and offload: their throughput phase did not run), the table lists them all, exit 0."""
+    env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": FAST_COMPILE_XLA_FLAG}
+    proc = subprocess.run([str(ROOT / "scripts/gpu_check.sh"), "--dry-run", "--budget", "10"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    report = _json_line(proc)
+    assert proc.returncode == 0, proc.stderr
+    phases = ("loss_check", "throughput", "fp8", "checkpoint", "packing", "moe", "deepseek", "attention_kernels",
+              "pipeline", "offload", "overhead")
+    assert all("skipped" in report[name] for name in phases)
+    assert report["fp8"]["skipped"] == report["offload"]["skipped"] == "needs throughput"
+    assert report["loss_check"]["skipped"].startswith("budget: ")
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split() == ["phase", "seconds", "cap", "result"])
+    assert [line.split()[0] for line in lines[header + 1:header + 1 + len(phases)]] == list(phases)
+
+
 @pytest.mark.slow
 def test_gpu_check_dry_run():
     # Only the suite's compile-speed flag (tests/conftest.py), no simulated devices: one CPU device.
@@ -265,6 +283,7 @@ def test_gpu_check_dry_run():
     assert overhead["bytes_accessed"] == pytest.approx(guarded, rel=1e-3)
     assert all(overhead[key] > 0 for key in ("overhead_ratio", "guarded_overhead_ratio", "guard_ratio"))
     assert "TFLOP/s" in proc.stdout and "MFU" in proc.stdout
+    assert proc.returncode == 0 and "phase fp8: PASS" in proc.stdout and "phase pipeline: PASS" in proc.stdout
 
 
 def test_xla_flags_keep_user_values():
