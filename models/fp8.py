@@ -108,6 +108,42 @@ def _row(history: jax.Array | None, operand: int) -> jax.Array | None:
     return None if history is None else history[..., operand, :]
 
 
+@struct.dataclass
+class QuantizedOperands:
+    """The forward's E4M3 input and weight with their scales and amaxes (what a backward keeps)."""
+
+    q_x: jax.Array
+    q_w: jax.Array
+    scale_x: jax.Array
+    scale_w: jax.Array
+    amax_x: jax.Array
+    amax_w: jax.Array
+
+
+def quantize_operands(x: jax.Array, w: jax.Array, history: jax.Array | None, margin: int,
+                      axes: tuple[str, ...]) -> QuantizedOperands:
+    """``x`` and ``w`` in E4M3, each by its scale (``scale_of`` with its history row, or current)."""
+    amax_x, amax_w = amax(x, axes), amax(w, axes)
+    scale_x = scale_of(amax_x, _row(history, 0), FORWARD_DTYPE, margin)
+    scale_w = scale_of(amax_w, _row(history, 1), FORWARD_DTYPE, margin)
+    return QuantizedOperands(quantize(x, scale_x, FORWARD_DTYPE), quantize(w, scale_w, FORWARD_DTYPE),
+                             scale_x, scale_w, amax_x, amax_w)
+
+
+def quantize_gradient(grad: jax.Array, history: jax.Array | None, margin: int, axes: tuple[str, ...]
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The output gradient in E5M2: (it, its scale, its amax)."""
+    amax_g = amax(grad, axes)
+    scale_g = scale_of(amax_g, _row(history, 2), GRADIENT_DTYPE, margin)
+    return quantize(grad, scale_g, GRADIENT_DTYPE), scale_g, amax_g
+
+
+def observed_cotangents(operands: QuantizedOperands, amax_g: jax.Array, history: jax.Array | None
+                        ) -> tuple[jax.Array, jax.Array | None]:
+    """The gradients of ``Fp8Weight.observed`` (the step's three amaxes) and of its history (zero)."""
+    return jnp.stack([operands.amax_x, operands.amax_w, amax_g]), jax.tree.map(jnp.zeros_like, history)
+
+
 def fp8_matmul(equation: str, x: jax.Array, w: Fp8Weight, result_dtype: jnp.dtype) -> jax.Array:
     """``jnp.einsum(equation, x, w.weight)`` (two operands) with FP8 operands and fp32 sums, in
     ``result_dtype``; the gradient of ``x`` in ``x``'s dtype and of the weight in its own."""
@@ -124,24 +160,18 @@ def _fp8_einsum(lhs, rhs, out, result_dtype, x_dtype, w_dtype, margin, axes, x, 
 
 def _forward(lhs, rhs, out, result_dtype, x_dtype, w_dtype, margin, axes, x, w, observed, history):
     del x_dtype, w_dtype, observed
-    amax_x, amax_w = amax(x, axes), amax(w, axes)
-    scale_x = scale_of(amax_x, _row(history, 0), FORWARD_DTYPE, margin)
-    scale_w = scale_of(amax_w, _row(history, 1), FORWARD_DTYPE, margin)
-    q_x, q_w = quantize(x, scale_x, FORWARD_DTYPE), quantize(w, scale_w, FORWARD_DTYPE)
-    y = _scaled_product(f"{lhs},{rhs}->{out}", q_x, q_w, scale_x * scale_w, result_dtype)
-    return y, (q_x, q_w, scale_x, scale_w, amax_x, amax_w, history)
+    q = quantize_operands(x, w, history, margin, axes)
+    y = _scaled_product(f"{lhs},{rhs}->{out}", q.q_x, q.q_w, q.scale_x * q.scale_w, result_dtype)
+    return y, (q, history)
 
 
 def _backward(lhs, rhs, out, result_dtype, x_dtype, w_dtype, margin, axes, residuals, grad):
     del result_dtype
-    q_x, q_w, scale_x, scale_w, amax_x, amax_w, history = residuals
-    amax_g = amax(grad, axes)
-    scale_g = scale_of(amax_g, _row(history, 2), GRADIENT_DTYPE, margin)
-    q_g = quantize(grad, scale_g, GRADIENT_DTYPE)
-    d_x = _scaled_product(f"{out},{rhs}->{lhs}", q_g, q_w, scale_g * scale_w, x_dtype)
-    d_w = _scaled_product(f"{lhs},{out}->{rhs}", q_x, q_g, scale_x * scale_g, w_dtype)
-    observed = jnp.stack([amax_x, amax_w, amax_g])
-    return d_x, d_w, observed, jax.tree.map(jnp.zeros_like, history)
+    q, history = residuals
+    q_g, scale_g, amax_g = quantize_gradient(grad, history, margin, axes)
+    d_x = _scaled_product(f"{out},{rhs}->{lhs}", q_g, q.q_w, scale_g * q.scale_w, x_dtype)
+    d_w = _scaled_product(f"{lhs},{out}->{rhs}", q.q_x, q_g, q.scale_x * scale_g, w_dtype)
+    return (d_x, d_w, *observed_cotangents(q, amax_g, history))
 
 
 _fp8_einsum.defvjp(_forward, _backward)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from models.attention import varying_axes
-from models.fp8 import FORWARD_DTYPE, GRADIENT_DTYPE, Fp8Weight, amax, quantize, scale_of
+from models.fp8 import Fp8Weight, observed_cotangents, quantize_gradient, quantize_operands
 
 
 class GroupedKernel(str, enum.Enum):
@@ -120,10 +120,6 @@ def fp8_blocked_matmul(x: jax.Array, w: Fp8Weight, block_group: jax.Array) -> ja
                         block_group, w.observed, w.history)
 
 
-def _history_row(history: jax.Array | None, operand: int) -> jax.Array | None:
-    return None if history is None else history[..., operand, :]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _fp8_blocked(margin, axes, x_dtype, w_dtype, x, w, block_group, observed, history):
     return _fp8_blocked_forward(margin, axes, x_dtype, w_dtype, x, w, block_group, observed, history)[0]
@@ -131,33 +127,27 @@ def _fp8_blocked(margin, axes, x_dtype, w_dtype, x, w, block_group, observed, hi
 
 def _fp8_blocked_forward(margin, axes, x_dtype, w_dtype, x, w, block_group, observed, history):
     del w_dtype, observed
-    amax_x, amax_w = amax(x, axes), amax(w, axes)
-    scale_x = scale_of(amax_x, _history_row(history, 0), FORWARD_DTYPE, margin)
-    scale_w = scale_of(amax_w, _history_row(history, 1), FORWARD_DTYPE, margin)
-    q_x, q_w = quantize(x, scale_x, FORWARD_DTYPE), quantize(w, scale_w, FORWARD_DTYPE)
-    product = lambda xb, group: (jnp.einsum("bi,io->bo", xb, q_w[group], preferred_element_type=jnp.float32)
-                                 * (scale_x * scale_w)).astype(x_dtype)
-    y = jax.lax.scan(lambda _, xs: (None, product(*xs)), None, (q_x, block_group))[1]
-    return y, (q_x, q_w, scale_x, scale_w, amax_x, amax_w, block_group, history)
+    q = quantize_operands(x, w, history, margin, axes)
+    product = lambda xb, group: (jnp.einsum("bi,io->bo", xb, q.q_w[group], preferred_element_type=jnp.float32)
+                                 * (q.scale_x * q.scale_w)).astype(x_dtype)
+    y = jax.lax.scan(lambda _, xs: (None, product(*xs)), None, (q.q_x, block_group))[1]
+    return y, (q, block_group, history)
 
 
 def _fp8_blocked_backward(margin, axes, x_dtype, w_dtype, residuals, dy):
-    q_x, q_w, scale_x, scale_w, amax_x, amax_w, block_group, history = residuals
-    amax_g = amax(dy, axes)
-    scale_g = scale_of(amax_g, _history_row(history, 2), GRADIENT_DTYPE, margin)
-    q_g = quantize(dy, scale_g, GRADIENT_DTYPE)
+    q, block_group, history = residuals
+    q_g, scale_g, amax_g = quantize_gradient(dy, history, margin, axes)
 
     def step(dw, xs):
         xb, gb, group = xs
         dw = dw.at[group].add(jnp.einsum("bi,bo->io", xb, gb, preferred_element_type=jnp.float32))
-        dx = jnp.einsum("bo,io->bi", gb, q_w[group], preferred_element_type=jnp.float32) * (scale_g * scale_w)
+        dx = jnp.einsum("bo,io->bi", gb, q.q_w[group], preferred_element_type=jnp.float32) * (scale_g * q.scale_w)
         return dw, dx.astype(x_dtype)
 
-    dw, dx = jax.lax.scan(step, _varying_as(jnp.zeros(q_w.shape, jnp.float32), q_x, q_g, q_w),
-                          (q_x, q_g, block_group))
-    dw = _summed_as(dw * (scale_x * scale_g), q_w).astype(w_dtype)
-    observed = jnp.stack([amax_x, amax_w, amax_g])
-    return _summed_as(dx, q_x), dw, None, observed, jax.tree.map(jnp.zeros_like, history)
+    dw, dx = jax.lax.scan(step, _varying_as(jnp.zeros(q.q_w.shape, jnp.float32), q.q_x, q_g, q.q_w),
+                          (q.q_x, q_g, block_group))
+    dw = _summed_as(dw * (q.scale_x * scale_g), q.q_w).astype(w_dtype)
+    return (_summed_as(dx, q.q_x), dw, None, *observed_cotangents(q, amax_g, history))
 
 
 _fp8_blocked.defvjp(_fp8_blocked_forward, _fp8_blocked_backward)
