@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
 from meshtrain.precision import Precision
+from models.api import LAYERS_KEY, AxisRole, ModelFamily
 from models.common import MATMUL_GROUP, OPERANDS, Fp8Weight, MatmulGroup, coerce_enums
 
 
@@ -126,14 +127,15 @@ def flat(tree: Any) -> dict[str, Any]:
 class Fp8Training:
     """FP8 for one model: its tagged weights (path -> stacked leading shape) under ``recipe``.
 
-    ``abstract_params``: the model's parameters (``nnx.State`` of Variables, shapes suffice);
-    ``stacked_axes``: the logical names of stacked-layer axes (``layers`` and the family's
-    ``AxisRole.STACKED`` axes), which lead a tagged weight's history. Histories and amaxes are
+    ``abstract_params``: the model's parameters (``nnx.State`` of Variables, shapes suffice), of
+    ``family``, whose stacked-layer axes (``layers`` and its ``AxisRole.STACKED`` axes) lead a
+    tagged weight's history. Histories and amaxes are
     ``nnx.State`` trees nested as the parameters are (``nested``), holding the tagged weights only.
     """
 
-    def __init__(self, recipe: Fp8Recipe, abstract_params: nnx.State, stacked_axes: frozenset[str]):
+    def __init__(self, recipe: Fp8Recipe, abstract_params: nnx.State, family: ModelFamily):
         self.recipe = recipe
+        stacked_axes = {LAYERS_KEY} | {name for name, role in family.axis_roles.items() if role is AxisRole.STACKED}
         self.leading: dict[str, int] = {}  # path -> number of stacked leading axes
         self.shapes: dict[str, tuple[int, ...]] = {}
         tagged: dict[MatmulGroup, int] = {}  # group -> weights the model tags with it

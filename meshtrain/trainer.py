@@ -35,7 +35,7 @@ from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, na
                                          ring_axis)
 from meshtrain.parallel.zero import StateLayout
 from meshtrain.precision import LossScale, Precision, initial_loss_scale
-from models.api import AUX_LOSS, LAYERS_KEY, MTP_LOSS, AxisRole, DecoderModel, ModelFamily, PredictsAhead
+from models.api import AUX_LOSS, MTP_LOSS, DecoderModel, PredictsAhead
 
 Metrics = dict[str, jax.Array]
 
@@ -78,7 +78,7 @@ class Trainer:
         self.state_layout = StateLayout(*(named_shardings(part, mesh) for part in (specs.params, specs.grads,
                                                                                    specs.optimizer)))
         self.param_shardings = self.state_layout.params
-        self.fp8 = (Fp8Training(layout.train.fp8, self.abstract_params, stacked_axes(self.family))
+        self.fp8 = (Fp8Training(layout.train.fp8, self.abstract_params, self.family)
                     if layout.train.precision is Precision.FP8 else None)
         self.tx, self.schedule = make_optimizer(optimizer, layout.train.steps, self.abstract_params)
         self.sign_rates = sign_descent_rates(self.abstract_params)
@@ -268,8 +268,3 @@ def all_finite(tree) -> jax.Array:
     """bool []: whether every element of every floating-point leaf of ``tree`` is finite."""
     leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)]
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
-
-
-def stacked_axes(family: ModelFamily) -> frozenset[str]:
-    """The logical names of ``family``'s stacked-layer axes: ``layers`` and its ``AxisRole.STACKED`` axes."""
-    return frozenset({LAYERS_KEY} | {name for name, role in family.axis_roles.items() if role is AxisRole.STACKED})
