@@ -9,6 +9,11 @@
    the first candidate whose compiled footprint (XLA memory_analysis) fits 90 % of the device's
    memory; prints step time, tokens/s, TFLOP/s and MFU, and the planner's temp estimate of that
    layout (``meshtrain.plan``: its backward and update phases) beside this compiler's temp.
+2a. xla_flag_arms: the same model, remat and batch compiled and timed under each flag set of
+   meshtrain/xla_flags.py (``fixed``: the flags before issue 37; ``derived``: the recommended set;
+   ``o1``: derived at ``jax_optimization_level=O1``), the flags that differ set per compile; a table
+   of step time, tokens/s, TFLOP/s, MFU and compile seconds, the fastest named. On one device there
+   are no collectives, so the arms differ there in command buffers and O1 only.
 2b. fp8: the same model, remat and batch with ``train.precision=fp8`` (current scaling: the attention
    and MLP matmuls with E4M3 / E5M2 operands, XLA's FP8 GEMMs): step time beside bf16's
    (``speedup``); then the tiny config trained ``--fp8-steps`` steps (200) in bf16 and in fp8 on the
@@ -52,7 +57,7 @@
    step's bytes accessed per device (XLA's cost analysis: ``guard_bytes`` is the guard's extra
    traffic as this compiler fuses it).
 
-The phases run in the order of their value (loss, throughput, fp8, checkpoint, packing, moe,
+The phases run in the order of their value (loss, throughput, xla flag arms, fp8, checkpoint, packing, moe,
 deepseek, attention kernels, pipeline, offload, overhead) within ``--budget`` seconds (450 on a
 device): each has a cap (its expected seconds on one H100/H200, in ``main``) and starts only while
 the budget left holds it; a skipped phase says why. Each phase's result is printed when it is known
@@ -78,6 +83,8 @@ CANDIDATES = (("none", 16), ("dots", 16), ("full", 32), ("full", 16), ("full", 8
 TINY_1B = ["model.num_layers=2", "model.embed_dim=64", "model.num_heads=4", "model.num_kv_heads=2",
            "model.head_dim=16", "model.mlp_dim=192", "model.seq_len=64", "model.vocab_size=256"]
 DRY_CANDIDATES = (("dots", 4), ("full", 2))
+# Seconds of the XLA flag arms phase: three compiles and timings of the 1B step.
+ARMS_CAP = 120
 
 
 def log(message: str) -> None:
@@ -534,6 +541,60 @@ def throughput(load_config, benchmark, args, limit: int | None, attention: str) 
     raise SystemExit("error: no (remat, batch) candidate fits this device")
 
 
+def xla_flag_arms(load_config, benchmark, args, bf16: dict, cap: float) -> dict:
+    """Phase 3: the 1B step of the throughput phase (its remat, batch and attention) compiled and timed
+    under each arm of meshtrain/xla_flags.py: ``fixed`` (the flags before issue 37), ``derived`` (the
+    recommended set for this layout) and ``o1`` (derived at ``jax_optimization_level=O1``). The
+    process keeps its XLA_FLAGS; an arm sets per compile the flags that differ between arms
+    (``xla_flags.arm_setting``). An arm starts only while ``cap`` holds one more arm as long as the
+    mean so far. On one device there are no collectives: the arms differ in command buffers and O1."""
+    import jax
+
+    from meshtrain import xla_flags
+    from meshtrain.mesh import make_mesh
+    from meshtrain.trainer import Trainer
+
+    cfg = load_config("configs/llama_1b.yaml", [
+        "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.stage=1", "train.precision=bf16",
+        "model.seq_len=2048" if not args.dry_run else "model.seq_len=64", *args.dry_overrides,
+        f"model.attention={bf16['attention']}", f"model.remat={bf16['remat']}",
+        f"train.batch_size={bf16['batch_size']}"])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+    trainer = Trainer(cfg.layout(mesh.shape), mesh, cfg.optimizer)
+    lower = lambda: trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch())
+    started, arms, timed = time.perf_counter(), {}, []
+    for arm in xla_flags.Arm:
+        spent = time.perf_counter() - started
+        if timed and spent / len(timed) > cap - spent:
+            arms[arm.value] = {"skipped": f"cap: {cap - spent:.0f} s left, an arm takes {spent / len(timed):.0f} s"}
+            log(f"xla flag arm {arm.value}: skipped ({arms[arm.value]['skipped']})")
+            continue
+        setting = xla_flags.arm_setting(arm, trainer.layout)
+        start = time.perf_counter()
+        compiled = xla_flags.compile_arm(lower, setting)
+        result = benchmark.run(cfg, steps=args.steps, prepared=(trainer, compiled, time.perf_counter() - start))
+        arms[arm.value] = {key: result[key] for key in ("step_time_s_median", "tokens_per_sec", "tflops_per_device",
+                                                        "mfu", "compile_s")}
+        arms[arm.value].update(options=setting.options, optimization_level=setting.optimization_level)
+        timed.append(arm.value)
+        log(f"xla flag arm {arm.value}: step {result['step_time_s_median'] * 1e3:.1f} ms, compile "
+            f"{result['compile_s']:.1f} s")
+        del compiled
+    log(f"xla flag arms, 1B remat={bf16['remat']} batch {bf16['batch_size']} ({jax.devices()[0].device_kind}):")
+    log(f"  {'arm':<8} {'step ms':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'compile s':>9}")
+    for name in timed:
+        row = arms[name]
+        mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        log(f"  {name:<8} {row['step_time_s_median'] * 1e3:>9.1f} {row['tokens_per_sec']:>10,.0f} "
+            f"{row['tflops_per_device']:>8.1f} {mfu:>6} {row['compile_s']:>9.1f}")
+    fastest = min(timed, key=lambda name: arms[name]["step_time_s_median"])
+    ratio = {name: arms[name]["step_time_s_median"] / arms[timed[0]]["step_time_s_median"] for name in timed}
+    log(f"xla flag arms: fastest {fastest}; step time against {timed[0]}: "
+        + ", ".join(f"{name} {value:.3f}" for name, value in ratio.items()))
+    return {"arms": arms, "fastest": fastest, "step_time_ratio": ratio, "remat": bf16["remat"],
+            "batch_size": bf16["batch_size"]}
+
+
 def fp8_check(load_config, benchmark, args, bf16: dict) -> dict:
     """Step 2b: the 1B model in fp8 against the throughput phase's bf16 step, then the tiny
     config's fp8 loss against bf16's after ``--fp8-steps`` steps on the device."""
@@ -637,18 +698,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from meshtrain import xla_flags
     from meshtrain.cli import use_host_devices
+    from meshtrain.config import load_config
 
     if args.dry_run:
         use_host_devices(1)
         args.steps = min(args.steps, 2)
         args.fp8_steps = min(args.fp8_steps, 10)
-    else:
-        added = xla_flags.apply_recommended()
+    else:  # the set of the 1B model's one-device layout (the layout builds no backend)
+        one = {"data": 1, "fsdp": 1, "tensor": 1, "stage": 1}
+        layout = load_config("configs/llama_1b.yaml", [f"mesh.{axis}=1" for axis in one]).layout(one)
+        added = xla_flags.apply_recommended(layout)
         log(f"XLA_FLAGS += {' '.join(added) or '(nothing: not a CUDA run, or already set)'}")
     import jax
 
     from meshtrain import benchmark
-    from meshtrain.config import load_config
 
     device = jax.devices()[0]
     log(f"jax {jax.__version__}, {len(jax.devices())} x {device.device_kind} ({device.platform})"
@@ -677,6 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     phases = [
         ("loss_check", 60, None, lambda: loss_check(load_config, benchmark, 3, args.loss_tol, args.dry_run)),
         ("throughput", 150, None, run_throughput),
+        ("xla_flag_arms", ARMS_CAP, "throughput",
+         lambda: xla_flag_arms(load_config, benchmark, args, report["throughput"], ARMS_CAP)),
         ("fp8", 90, "throughput", lambda: fp8_check(load_config, benchmark, args, report["throughput"])),
         ("checkpoint", 20, None, lambda: checkpoint_check(load_config, benchmark)),
         ("packing", 20, None, lambda: packing_check(load_config, args.packing_tol)),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU check for meshtrain: loss of the tiny model on the GPU vs the CPU reference, then
-# TFLOP/s and MFU of a ~1B Llama (bf16, seq 2048, cuDNN attention, recommended XLA flags), the same
-# model in FP8 (step time against bf16's) and the tiny model's 200-step FP8 loss against bf16's, then
+# TFLOP/s and MFU of a ~1B Llama (bf16, seq 2048, cuDNN attention, recommended XLA flags), that step
+# timed under each XLA flag arm (the flags before issue 37, the derived set, O1), the same model in
+# FP8 (step time against bf16's) and the tiny model's 200-step FP8 loss against bf16's, then
 # optimizer + activation offload with memory_analysis, a checkpoint round trip, document-packed
 # logits vs each document alone, MoE logits and the experts timed under each dispatch (one-hot,
 # capacity, sorted with the blocked and the ragged_dot kernel) with whether ragged_dot is a grouped

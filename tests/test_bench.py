@@ -236,10 +236,11 @@ def test_gpu_check_starts_no_phase_its_budget_cannot_hold():
                           capture_output=True, text=True, timeout=300, check=False)
     report = _json_line(proc)
     assert proc.returncode == 0, proc.stderr
-    phases = ("loss_check", "throughput", "fp8", "checkpoint", "packing", "moe", "deepseek", "attention_kernels",
-              "pipeline", "offload", "overhead")
+    phases = ("loss_check", "throughput", "xla_flag_arms", "fp8", "checkpoint", "packing", "moe", "deepseek",
+              "attention_kernels", "pipeline", "offload", "overhead")
     assert all("skipped" in report[name] for name in phases)
-    assert report["fp8"]["skipped"] == report["offload"]["skipped"] == "needs throughput"
+    assert report["fp8"]["skipped"] == report["offload"]["skipped"] == report["xla_flag_arms"]["skipped"] \
+        == "needs throughput"
     assert report["loss_check"]["skipped"].startswith("budget: ")
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split() == ["phase", "seconds", "cap", "result"])
@@ -259,6 +260,10 @@ def test_gpu_check_dry_run():
     assert planned["xla_temp_bytes"] > 0 and not planned["reasons"]
     # The planner's estimate against the compiled step's own temp bytes.
     assert abs(planned["estimate_temp_bytes"] / planned["xla_temp_bytes"] - 1) < PLANNER_TOLERANCE, planned
+    arms = report["xla_flag_arms"]  # the 1B shape's step under each flag set of meshtrain/xla_flags.py
+    assert set(arms["arms"]) == {"fixed", "derived", "o1"} and arms["fastest"] in arms["arms"]
+    assert all(arm["step_time_s_median"] > 0 and arm["compile_s"] > 0 for arm in arms["arms"].values())
+    assert arms["arms"]["o1"]["optimization_level"] == "O1" and "xla flag arms: fastest" in proc.stdout
     fp8 = report["fp8"]  # the 1B shape's fp8 step beside bf16's; 10 tiny steps fp8 vs bf16
     assert fp8["passed"] and fp8["speedup"] > 0 and set(fp8["final_loss"]) == {"bf16", "fp8"}
     assert "host_temp_bytes" in report["offload"]["memory_per_device"]
