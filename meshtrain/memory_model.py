@@ -41,7 +41,7 @@ from meshtrain.parallel.pipeline import Schedule
 from meshtrain.errors import ConfigError
 from meshtrain.loss import chunk_length
 from meshtrain.parallel.ring_attention import sub_block_length
-from meshtrain.parallel.rules import mesh_axes_of
+from meshtrain.parallel.rules import Preset, mesh_axes_of
 from meshtrain.parallel.schedules import SENDS_GRADIENT, ScheduleTable, Work
 from meshtrain.parallel.sharding import ring_axis
 from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
@@ -72,8 +72,8 @@ LOGITS_FP32_COPIES = 3
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One candidate: mesh sizes, ZeRO stage, remat policy, pipeline microbatches, offload, gradient
-    accumulation steps, and (with a pipeline) the schedule and its virtual stages (None: the
-    config's)."""
+    accumulation steps, (with a pipeline) the schedule and its virtual stages (None: the config's),
+    and the sharding preset (None: the config's; ``sharding.rules`` overrides apply to either)."""
 
     data: int
     fsdp: int
@@ -86,6 +86,7 @@ class Candidate:
     grad_accum: int = 1
     schedule: Schedule | None = None
     virtual_stages: int = 1
+    preset: Preset | None = None
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -104,6 +105,8 @@ class Candidate:
             out.append(f"pipeline.microbatches={self.microbatches}")
             if self.schedule is not None:
                 out += [f"pipeline.schedule={self.schedule.value}", f"pipeline.virtual_stages={self.virtual_stages}"]
+        if self.preset is not None:
+            out.append(f"sharding.preset={self.preset.value}")
         return out
 
     @property

@@ -4,7 +4,8 @@
         [--configs configs/llama_8b.yaml ...]
 
 Runs ``make_plan`` in this process (no compilation: the analytic estimates only) for every config
-and device count, and prints the wall time, the layouts enumerated and how many fit, in one table.
+and device count, over the sharding presets the CLI searches by default (``search_presets``), and
+prints the wall time, the layouts enumerated and how many fit, in one table.
 Issue 34's bound is 10 s per answer on a 2-core machine.
 """
 
@@ -15,7 +16,7 @@ import json
 import time
 
 from meshtrain.config import load_config
-from meshtrain.plan import make_plan, parse_bytes
+from meshtrain.plan import make_plan, parse_bytes, search_presets
 
 CONFIGS = ("configs/llama_8b.yaml", "configs/llama_70b.yaml", "configs/mixtral_8x7b.yaml",
            "configs/qwen3_moe_30b_a3b.yaml", "configs/deepseek_v3_671b.yaml")
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(path)
         for devices in args.devices:
             started = time.perf_counter()
-            plan = make_plan(cfg, devices, memory)
+            plan = make_plan(cfg, devices, memory, presets=search_presets(cfg))
             seconds = time.perf_counter() - started
             fit = sum(1 for est in plan.estimates if plan.fits(est))
             rows.append({"config": path, "devices": devices, "seconds": seconds,
