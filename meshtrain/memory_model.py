@@ -224,16 +224,18 @@ def spec_tables(layout: Layout) -> SpecTables:
 class ParamTerms:
     """Per-device element counts of one layout's parameters, by role (``_param_terms``).
 
-    ``stored``/``grads``/``moments``: as the ZeRO stage stores them; ``compute``: in the compute layout
-    (the rules' split less the ZeRO axis). Of the stacked layers: ``layer_copy``, the elements the
-    compute copy casts where they rest (the ZeRO shard of a gathered weight, else the compute layout);
-    ``layer_loop_grads``, their gradients as the layers' backward writes them (reduce-scattered in the
-    loop under ZeRO-2/3, else in the compute layout); ``layer_gathered``, one layer's ZeRO-gathered
-    weights; ``fp8_gathered``, of the ZeRO-gathered weights those whose matmuls run in FP8 (under
-    ``train.precision: fp8``, the recipe's groups), gathered as E4M3. Of the ``vocab`` parameters: ``lookup`` (tables indexed by token id, ``[vocab, ...]``: a
-    gathered copy and a gradient where they rest), ``projection`` (matmuls onto the vocabulary:
-    ``[..., vocab]``, or a tied table) in the compute layout, ``projection_reduced`` when its gradient
-    is summed over the batch's devices, ``lookup_grads`` their stored gradients."""
+    ``stored``/``grads``/``moments``: as the ZeRO stage stores them. Of the stacked layers:
+    ``layer_copy``, the elements the compute copy casts where they rest (the ZeRO shard of a gathered
+    weight, else the compute layout: the rules' split less the ZeRO axis); ``layer_loop_grads``,
+    their gradients as the layers' backward writes them (reduce-scattered in the loop under
+    ZeRO-2/3, else in the compute layout); ``layer_gathered``, one layer's ZeRO-gathered weights;
+    ``fp8_gathered``, of all ZeRO-gathered weights those whose matmuls run in FP8 (``train.precision:
+    fp8``, the recipe's groups), gathered as E4M3. Of the ``vocab`` parameters, in the compute
+    layout: ``lookup``, tables indexed by token id (``[vocab, ...]``), with ``lookup_grads`` their
+    stored gradients; ``projection``, matmuls onto the vocabulary (``[..., vocab]``, or a tied
+    table), ``projection_reduced`` when its gradient is summed over the batch's devices.
+    ``gathering``: ZeRO-3 gathers weights (fsdp > 1). The rest: the elements the ZeRO axis shards
+    (gathered and as stored) and the gradient elements reduced over fsdp and over data."""
 
     stored: float
     grads: float
