@@ -12,15 +12,15 @@ cannot disagree on what runs or how it is split (see docs/memory.md for the deri
   optimizer state, except from the experts, which stay on their ranks): the specs of
   ``Layout.state_specs``. ``offload.optimizer`` moves the optimizer bytes to host memory.
   The batch ``{inputs, targets, mask}`` adds 12 B per local token.
-* **Temporaries** (XLA's temp bytes): fp32 gradients in their ZeRO layout, the compute-dtype
-  copy of the local parameters (bf16/fp16 only), the ZeRO-sharded weights of two layers gathered
-  (experts are computed where they rest, never gathered), the activations the backward pass keeps
-  (by ``model.remat``), one layer's working set, and the working set of one chunk of the logits
-  (``train.loss_chunk`` positions per row, ``meshtrain.loss``). The update follows, after the
-  activations are dead; it writes the new parameters and moments in place, so it adds
-  nothing unless the optimizer state is offloaded: then the step brings the moments to the device,
-  8 B per local optimizer element (``Estimate.update``), and the temp bytes are the larger of the
-  two phases.
+* **Temporaries** (XLA's temp bytes), modelled on XLA:CPU's buffer assignment at 8B-class widths
+  (``scripts/plan_accuracy.py``): the largest of three phases on top of what the step holds from
+  the forward through the backward (the stash, in fp32 on XLA:CPU; below fp32 the layers' compute
+  copy, fp32 on XLA:CPU; the layers' gradients as the backward writes them; the lookup table's
+  gradient; the accumulator): the **loss phase** (the vocabulary weights in the compute dtype, the
+  projection's fp32 gradient and its all-reduced sum, one chunk of logits), the **layer phase** (one
+  layer's gathered weights and its working set, or tensor parallelism's fp32 reduction buffers) and
+  the **update phase** (the fp32 gradients and one fp32 step per optimizer element; with an offloaded
+  optimizer state, both moments brought to the device).
 
 Activation bytes per token and layer are the model family's (``ModelFamily.activation_bytes``),
 scaled by coefficients fitted to XLA:CPU's ``memory_analysis`` (fp32) of the real train step
@@ -46,15 +46,16 @@ from meshtrain.parallel.schedules import SENDS_GRADIENT, ScheduleTable, Work
 from meshtrain.parallel.sharding import ring_axis
 from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
 from models.attention import AttentionKernel
-from models.common import RematPolicy
+from meshtrain.precision import Precision
+from models.common import MATMUL_GROUP, RematPolicy, logical_axes_of
 FP32 = 4
 BATCH_BYTES_PER_TOKEN = 3 * 4  # inputs, targets (int32) and mask (f32)
 STATE_SCALAR_BYTES = 64  # step, skipped_steps, loss scale, Adam/schedule counts (rounded up)
 
 # Why a pipeline layout's verdict is marked (docs/memory.md tables the measured errors).
-UNRELIABLE = ("pipeline temp memory is estimated within -29%..+9% of XLA:CPU's memory analysis on small "
-              "layouts and 38-62% below it on 10B layouts (interleaved, ZB-H1, 8 stages); ranked after the "
-              "layouts that fit for certain; confirm with --verify, whose verdict overrules this one")
+UNRELIABLE = ("pipeline temp memory is estimated within 2% of XLA:CPU's memory analysis with GPipe at 8B, but "
+              "14-15% below it with 1F1B and interleaved 1F1B and 71% below with ZB-H1 (scripts/plan_accuracy.py); "
+              "ranked after the layouts that fit for certain; confirm with --verify, whose verdict overrules this one")
 # Multiplier of one layer's structural working set (``per_layer_bytes``), fitted (minimax)
 # to XLA:CPU's temp bytes of the real fp32 train step on mesh (1, 8, 1, 1), ZeRO-3, over 13 model
 # shapes per policy (docs/memory.md): XLA reuses some buffers within the layer's backward.
@@ -67,6 +68,12 @@ ACTIVATION_COEFFICIENTS: dict[RematPolicy, float] = {
 # in the compute dtype and three fp32 [chunk tokens, vocab] buffers (fp32 logits, softmax, their
 # gradient); it is live before the layers' backward, so the peak takes the larger of the two phases.
 LOGITS_FP32_COPIES = 3
+# Residual-stream-wide fp32 buffers per token that a layer's backward holds for tensor parallelism's
+# reductions, fitted on 8B-class layouts (1, 1, 8, 1) and (1, 2, 4, 1) with sequence parallelism
+# (docs/memory.md): 12.8 and 13.8 of them.
+TENSOR_REDUCTION_BUFFERS = 13
+# XLA:CPU widens bf16 values the step keeps (stash, compute copies of the layers) to fp32.
+HELD = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +173,9 @@ class Estimate:
 
     @property
     def backward_bytes(self) -> int:
-        """The backward phase's temp bytes: gradients, kept activations and temporaries."""
-        return self.grads + self.activations + self.temporaries
+        """The backward phase's temp bytes: kept activations and temporaries (the gradients as the
+        backward writes them among them)."""
+        return self.activations + self.temporaries
 
     @property
     def temp_bytes(self) -> int:
@@ -215,33 +223,85 @@ def spec_tables(layout: Layout) -> SpecTables:
                  for tree in (layout.param_specs(), state.params, state.grads, state.optimizer, compute))
 
 
-def _param_terms(layout: Layout, flat: SpecTables) -> tuple[float, ...]:
-    """Per-device parameter element counts of ``layout`` from its spec tables: (params, grads,
-    optimizer moments as stored; one layer's ZeRO-sharded weights as gathered for compute; of all
-    parameters, those the ZeRO axis shards, gathered and as stored; gradient elements reduced over
-    fsdp, and over data). They depend on the mesh, the rules and the ZeRO stage only."""
+@dataclasses.dataclass(frozen=True)
+class ParamTerms:
+    """Per-device element counts of one layout's parameters, by role (``_param_terms``).
+
+    ``stored``/``grads``/``moments``: as the ZeRO stage stores them. Of the stacked layers:
+    ``layer_copy``, the elements the compute copy casts where they rest (the ZeRO shard of a gathered
+    weight, else the compute layout: the rules' split less the ZeRO axis); ``layer_loop_grads``,
+    their gradients as the layers' backward writes them (reduce-scattered in the loop under
+    ZeRO-2/3, else in the compute layout); ``layer_gathered``, one layer's ZeRO-gathered weights;
+    ``fp8_gathered``, of all ZeRO-gathered weights those whose matmuls run in FP8 (``train.precision:
+    fp8``, the recipe's groups), gathered as E4M3. Of the ``vocab`` parameters, in the compute
+    layout: ``lookup``, tables indexed by token id (``[vocab, ...]``), with ``lookup_grads`` their
+    stored gradients; ``projection``, matmuls onto the vocabulary (``[..., vocab]``, or a tied
+    table), ``projection_reduced`` when its gradient is summed over the batch's devices.
+    ``gathering``: ZeRO-3 gathers weights (fsdp > 1). The rest: the elements the ZeRO axis shards
+    (gathered and as stored) and the gradient elements reduced over fsdp and over data."""
+
+    stored: float
+    grads: float
+    moments: float
+    layer_copy: float
+    layer_loop_grads: float
+    layer_gathered: float
+    lookup: float
+    lookup_grads: float
+    projection: float
+    projection_reduced: bool
+    gathering: bool
+    zero_sharded_total: float
+    zero_sharded_local: float
+    fp8_gathered: float
+    fsdp_reduced: float
+    data_reduced: float
+
+
+def _param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
+    """``ParamTerms`` of ``layout`` from its spec tables; they depend on the mesh, the rules and the
+    ZeRO stage only."""
     stages = layout.stages
-    p_local = g_local = o_local = 0.0
-    layer_full = 0.0  # one layer's ZeRO-sharded weights as gathered for compute
-    zero_sharded_total = 0.0  # of which the parameters the ZeRO axis shards (gathered, reduce-scattered)
-    zero_sharded_local = 0.0  # the same parameters' elements as stored on the device (their shards)
-    fsdp_reduced = data_reduced = 0.0  # gradient elements per device reduced over fsdp / over data
-    # The state's specs (the ZeRO stage applied; experts keep their expert-parallel split) and the
-    # compute layout of every parameter: the rules' split less the ZeRO axis (what ZeRO-0 stores).
+    sums = dict(stored=0.0, grads=0.0, moments=0.0, layer_copy=0.0, layer_loop_grads=0.0, layer_gathered=0.0,
+                lookup=0.0, lookup_grads=0.0, projection=0.0, zero_sharded_total=0.0, zero_sharded_local=0.0,
+                fp8_gathered=0.0, fsdp_reduced=0.0, data_reduced=0.0)
+    fp8_groups = layout.train.fp8.matmuls if layout.train.precision is Precision.FP8 else ()
+    gathering = layout.zero.stage >= ZeroStage.PARAMETERS and layout.mesh_shape[ZERO_AXIS] > 1
+    projection_reduced, tables = False, []
     for path, variable in nnx.to_flat_state(layout.abstract_params):
         size = math.prod(variable.shape)
         sharded, p, g, o, c = (size / math.prod(layout.ways(table[path])) for table in flat)
         compute_axes = {axis for entry in flat[-1][path] for axis in mesh_axes_of(entry)}
-        p_local, g_local, o_local = p_local + p, g_local + g, o_local + o
-        fsdp_reduced += c if ZERO_AXIS not in compute_axes else 0.0
-        data_reduced += g if "data" not in compute_axes else 0.0
-        if sharded < c:
-            zero_sharded_total += c
-            zero_sharded_local += p
-            if path[0] == "layers":
-                layer_full += c / (variable.shape[0] / (stages if stages > 1 else 1))
-    return (p_local, g_local, o_local, layer_full, zero_sharded_total, zero_sharded_local, fsdp_reduced,
-            data_reduced)
+        sums["stored"] += p
+        sums["grads"] += g
+        sums["moments"] += o
+        sums["fsdp_reduced"] += c if ZERO_AXIS not in compute_axes else 0.0
+        sums["data_reduced"] += g if "data" not in compute_axes else 0.0
+        zero_split = sharded < c
+        if zero_split:
+            sums["zero_sharded_total"] += c
+            sums["zero_sharded_local"] += p
+            group = variable.get_metadata().get(MATMUL_GROUP)
+            if group is not None and (fp8_groups is None or group in fp8_groups):
+                sums["fp8_gathered"] += c
+        axes = logical_axes_of(variable)
+        if path[0] == "layers":
+            sums["layer_copy"] += p if gathering and zero_split else c
+            sums["layer_loop_grads"] += g if layout.zero.stage >= ZeroStage.GRADIENTS and zero_split else c
+            if gathering and zero_split:
+                sums["layer_gathered"] += c / (variable.shape[0] / (stages if stages > 1 else 1))
+        elif "vocab" in axes and axes[0] == "vocab":
+            sums["lookup"] += c
+            sums["lookup_grads"] += g
+            tables.append(c)
+        elif "vocab" in axes:
+            sums["projection"] += c
+            projection_reduced |= any(layout.mesh_shape[a] > 1 and a not in compute_axes for a in ("data", ZERO_AXIS))
+    if not sums["projection"] and tables:  # tied: the table is the projection too
+        sums["projection"] = sum(tables)
+        projection_reduced = True
+        projection_reduced = any(layout.mesh_shape[a] > 1 for a in ("data", ZERO_AXIS))
+    return ParamTerms(**sums, projection_reduced=projection_reduced, gathering=gathering)
 
 
 def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Hardware,
@@ -278,18 +338,19 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
         terms = _param_terms(layout, flat)
         if memo is not None:
             memo[key] = terms
-    (p_local, g_local, o_local, layer_full, zero_sharded_total, zero_sharded_local, fsdp_reduced,
-     data_reduced) = terms
+    p_local, g_local, o_local = terms.stored, terms.grads, terms.moments
+    zero_sharded_total, fsdp_reduced, data_reduced = terms.zero_sharded_total, terms.fsdp_reduced, terms.data_reduced
     est.params = round(FP32 * p_local)
     est.grads = round(FP32 * g_local)
     if candidate.offload:
         est.optimizer_host = round(2 * FP32 * o_local)
     else:
         est.optimizer = round(2 * FP32 * o_local)
-    # The update writes params and moments in place (``Trainer.step``); an offloaded optimizer
-    # state is brought to the device for it, both moments of every leaf at once (XLA:CPU: the
-    # offloaded 7B's temp is 8 B per parameter to within 2 kB).
-    est.update = round(2 * FP32 * o_local) if candidate.offload else 0
+    # The update phase: an offloaded optimizer state is brought to the device, both moments of every
+    # leaf at once (XLA:CPU: the offloaded 7B's temp is 8 B per parameter to within 2 kB); else the
+    # fp32 gradients (cast from the compute dtype) and one fp32 temporary per optimizer element (the
+    # step every leaf takes, formed before any is applied: 8B models, ZeRO-0 and ZeRO-3).
+    est.update = round(2 * FP32 * o_local if candidate.offload else FP32 * (g_local + o_local))
 
     # Activations. Tokens per device per accumulation microbatch: context parallelism splits the
     # positions ``cp`` ways; sequence parallelism splits the residual stream ``sp`` ways more.
@@ -318,7 +379,10 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     expert_mesh_axes = [a for axis in layout.expert_axes
                         for a in mesh_axes_of(layout.rules.activation_spec((axis,))[0]) if mesh[a] > 1]
     experts = math.prod(mesh[a] for a in expert_mesh_axes)
-    saved, working = family.activation_bytes(model, mesh["tensor"], candidate.remat, compute_bytes, sp, keys, experts)
+    # XLA:CPU holds what the backward keeps, and the layers' compute copies, in fp32 whatever the
+    # compute dtype (it widens bf16 arithmetic and all-gathers), so they count at HELD bytes.
+    saved, _ = family.activation_bytes(model, mesh["tensor"], candidate.remat, HELD, sp, keys, experts)
+    _, working = family.activation_bytes(model, mesh["tensor"], candidate.remat, compute_bytes, sp, keys, experts)
     est.activations = round(layers_here * tokens * saved)
     table = None if est.reasons else _schedule_table(layout)  # a layout that cannot be built has none
     if table is not None:
@@ -327,27 +391,41 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
         _, buffers = table.buffers()
         est.activations = round(est.activations * table.peak_in_flight / table.chunks / micro)
         est.activations += round((buffers.inputs + buffers.gradients + 2) * tokens / micro * model.embed_dim * FP32)
+        if table.splits_backward:
+            # ZB-H1: each cut slot holds what a microbatch's input-gradient half hands its weight-gradient
+            # half, every activation of the stage's layers (the loop carries two copies); the split
+            # backward keeps them all for the microbatch it runs, in fp32 (XLA:CPU, 8B).
+            everything = [family.activation_bytes(model, mesh["tensor"], RematPolicy.NONE, nbytes, sp, keys,
+                                                  experts)[0] for nbytes in (compute_bytes, HELD)]
+            est.activations += round(layers_here * tokens / micro * (2 * buffers.cut * everything[0] + everything[1]))
     est.batch = BATCH_BYTES_PER_TOKEN * rows * grad_accum * model.seq_len  # token arrays: whole rows
     working_tokens = tokens / micro
-    # Below fp32 compute, parameters used where they are stored get a compute-dtype copy; parameters
-    # ZeRO-3 gathers are gathered in fp32 and cast after the gather (XLA:CPU runs bf16 all-gathers in
-    # f32), so two layers' gathered weights are held in fp32 and in the compute dtype.
+    # Held from the forward through the backward besides the stash: below fp32 the compute copy of the
+    # layers' weights (where they rest: the ZeRO shard of a gathered weight), the layers' gradients as
+    # the backward writes them (compute dtype, in the loop's layout), the lookup tables' fp32
+    # gradients, and with accumulation the fp32 accumulator.
     low_precision = compute_bytes != FP32
-    gathering = zero >= 3 and mesh["fsdp"] > 1
-    copy = compute_bytes * (p_local - (zero_sharded_local if gathering else 0.0)) if low_precision else 0.0
-    gathered = 2 * layer_full * (FP32 + (compute_bytes if low_precision else 0)) if gathering else 0.0
-    layer_phase = a_working * working_tokens * working
-    # The head runs on a stage's share of the positions (all of them without a pipeline), one chunk
-    # of them at a time.
+    held = (HELD * terms.layer_copy if low_precision else 0.0) + compute_bytes * terms.layer_loop_grads
+    held += FP32 * terms.lookup_grads + (FP32 * g_local if grad_accum > 1 else 0.0)
+    # The loss phase (the head's forward and backward, one chunk of positions at a time): the
+    # vocabulary weights in the compute dtype (the projection twice when ZeRO-3 gathers it) and the
+    # projection's fp32 gradient (and its sum over the batch's devices, an all-reduce on XLA:CPU), one
+    # chunk's logits and their fp32 softmax pieces.
     head_length = model.seq_len // stages
     head_chunk = chunk_length(head_length, layout.train.loss_chunk, cp)
     loss_tokens = rows / micro * head_chunk / cp
-    loss_phase = loss_tokens * vocab_local * (compute_bytes + LOGITS_FP32_COPIES * FP32)
-    est.temporaries = round(copy + gathered + max(layer_phase, loss_phase)
-                            + working_tokens * model.embed_dim * FP32)
-    if grad_accum > 1:
-        # The scan carries the fp32 accumulator, in the gradients' candidate.
-        est.temporaries += round(FP32 * g_local)
+    vocab_copies = (terms.lookup + terms.projection * (2 if terms.gathering else 1)) * (
+        compute_bytes if low_precision else (FP32 if terms.gathering else 0))
+    loss_phase = (vocab_copies + FP32 * terms.projection * (2 if terms.projection_reduced else 1)
+                  + loss_tokens * vocab_local * (compute_bytes + LOGITS_FP32_COPIES * FP32))
+    # The layers' backward: one layer's ZeRO-gathered weights (fp32) and one layer's working set.
+    gathered = terms.layer_gathered * FP32
+    layer_phase = gathered + a_working * working_tokens * working
+    if mesh["tensor"] > 1 and low_precision:
+        # Tensor parallelism's partial sums of the residual stream: XLA:CPU promotes the bf16
+        # all-reduces of one layer's backward to fp32, operands and results beside the bf16 ones.
+        layer_phase += TENSOR_REDUCTION_BUFFERS * working_tokens * model.embed_dim / sp * FP32
+    est.temporaries = round(held + max(layer_phase, loss_phase) + working_tokens * model.embed_dim * FP32)
 
     # Roofline step time.
     global_tokens = batch_size * model.seq_len
@@ -371,7 +449,8 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
         f = mesh["fsdp"]
         nbytes = 0.0
         if zero >= 3:
-            nbytes += 2 * grad_accum * ring(f) * zero_sharded_total * FP32  # gathers (fp32, see above), fwd and bwd
+            # Gathers, forward and backward: fp32 (see above), FP8 weights as E4M3 (1 B).
+            nbytes += 2 * grad_accum * ring(f) * ((zero_sharded_total - terms.fp8_gathered) * FP32 + terms.fp8_gathered)
         nbytes += grad_accum * (1 if zero >= 2 else 2) * ring(f) * fsdp_reduced * FP32  # RS or AR
         if 1 <= zero <= 2:
             nbytes += ring(f) * zero_sharded_total * FP32  # all-gather of the updated parameters

@@ -462,10 +462,11 @@ def format_plan(plan: Plan, top: int, show_infeasible: int) -> str:
              "activations a stage holds) from the pipeline schedule's table",
              f"layouts: {len(plan.estimates)} enumerated, {len(fit)} fit, {len(big)} need too much memory, "
              f"{len(broken)} cannot be built",
-             "per device, GB (temps = compute copy, gathered weights, one layer's working set, logits, batch;"
-             " update = an offloaded optimizer state's moments on the device during the update, after the"
-             " activations are dead (the update is in place otherwise); optim = resting on the device,"
-             " host GB = offloaded):",
+             "per device, GB, as XLA:CPU holds them (activ = what the backward keeps, in fp32; temps = the"
+             " compute copy and the gradients the backward writes, then the larger of the loss phase and one"
+             " layer's backward, and the batch; update = the fp32 gradients and one fp32 step per optimizer"
+             " element, or an offloaded optimizer state's moments brought to the device; temp bytes = the"
+             " larger of activ + temps and update; optim = resting on the device, host GB = offloaded):",
              ""]
     rows = [HEADER] + [_row(plan.cfg, str(i + 1), e, "fits" if e.reliable else "fits?")
                        for i, e in enumerate(fit[:top])]

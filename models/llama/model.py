@@ -155,7 +155,9 @@ def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_
     # The backward of the MLP holds the gradients of gate, up, silu and hidden besides them.
     working = (8 * d + 3 * q + 3 * k + 8 * f) * c + working_scores
     saved = {RematPolicy.NONE: everything,
-             RematPolicy.DOTS: (d + (q + 2 * k) + 2 * d + 2 * f) * c,  # input, q/k/v, out/down, gate/up
+             # the input, q/k/v, the attention's output projection, gate/up (the down projection's output
+             # is the next layer's input, kept as that)
+             RematPolicy.DOTS: (2 * d + q + 2 * k + 2 * f) * c,
              RematPolicy.FULL: d * c}.get(remat, everything)
     return saved, working
 
