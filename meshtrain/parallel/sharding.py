@@ -138,8 +138,9 @@ class MeshActivationSharding:
         local = q.shape[1] // math.prod(self.mesh.shape[a] for a in axes)
 
         def body(q, k, v, q_segments, k_segments):
-            # Every device's keys vary with its queries' share of their gradient (summed on the way out).
-            k, v = (jax.lax.pcast(x, axes, to="varying") for x in (k, v))
+            # Every device's keys vary with its queries' share of their gradient, summed on the way out
+            # in fp32 (a bf16 psum inside a partially manual shard_map aborts XLA:CPU's compiler).
+            k, v = (jax.lax.pcast(x.astype(jnp.float32), axes, to="varying").astype(x.dtype) for x in (k, v))
             rank = 0
             for axis in axes:  # the row-major index over the axes splitting the positions
                 rank = rank * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
