@@ -70,8 +70,8 @@ ACTIVATION_COEFFICIENTS: dict[RematPolicy, float] = {
 LOGITS_FP32_COPIES = 3
 # Residual-stream-wide fp32 buffers per token that a layer's backward holds for tensor parallelism's
 # reductions, fitted on 8B-class layouts (1, 1, 8, 1) and (1, 2, 4, 1) with sequence parallelism
-# (docs/memory.md): 12.8 and 13.8 of them.
-TENSOR_REDUCTION_BUFFERS = 13
+# (docs/memory.md): 12.8 and 13.8 of them, 11 keeping the other TP layouts of the matrix within 10%.
+TENSOR_REDUCTION_BUFFERS = 11
 # XLA:CPU widens bf16 values the step keeps (stash, compute copies of the layers) to fp32.
 HELD = 4
 
@@ -359,6 +359,8 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     tokens = rows * model.seq_len / cp
     layers_here = model.num_layers // stages if model.num_layers % stages == 0 else model.num_layers
     vocab_local = model.vocab_size / mesh["tensor"]
+    kv_width = (family.key_value_width(model, mesh["tensor"]) if family.key_value_width is not None
+                else 2 * model.embed_dim)
     a_working = ACTIVATION_COEFFICIENTS.get(candidate.remat, 1.0)
     # The blockwise kernels hold one [query block, key block] tile of scores at a time: per query of
     # the device's seq_len / CP, q_block x k_block / (seq_len / CP) keys. Ring attention's tiles are
@@ -425,6 +427,10 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
         # Tensor parallelism's partial sums of the residual stream: XLA:CPU promotes the bf16
         # all-reduces of one layer's backward to fp32, operands and results beside the bf16 ones.
         layer_phase += TENSOR_REDUCTION_BUFFERS * working_tokens * model.embed_dim / sp * FP32
+    if cp > 1 and ring_size == 1:
+        # Context parallelism's all-gather scheme: the whole rows' keys and values and their
+        # gradients, in fp32 on XLA:CPU.
+        layer_phase += 2 * rows / micro * model.seq_len * kv_width * FP32
     est.temporaries = round(held + max(layer_phase, loss_phase) + working_tokens * model.embed_dim * FP32)
 
     # Roofline step time.
@@ -458,12 +464,11 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     if cp > 1:
         # Context parallelism: keys and values gathered (all-gather scheme) or passed round the ring
         # (ring scheme: the same (CP-1)/CP of them per device) per layer forward and again to
-        # recompute, their gradients reduced backward; counted at embed wide each, the bound GQA
-        # stays under.
-        count = 2 + 2 + (2 if candidate.remat is RematPolicy.FULL else 0)
+        # recompute, their gradients reduced backward (``kv_width`` wide, together).
+        count = 1 + 1 + (1 if candidate.remat is RematPolicy.FULL else 0)
         for axis in mesh_axes_of(layout.rules.activation_spec(("length",))[0]):
             comm[axis] = comm.get(axis, 0.0) + (model.num_layers / stages * count * ring(cp) * rows * grad_accum
-                                                * model.seq_len * model.embed_dim * compute_bytes)
+                                                * model.seq_len * kv_width * compute_bytes)
     if mesh["data"] > 1:
         comm["data"] = grad_accum * 2 * ring(mesh["data"]) * data_reduced * FP32
     if experts > 1 and family.exchange_bytes is not None:

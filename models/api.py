@@ -282,6 +282,9 @@ class ModelFamily:
       exchange_bytes: ``(cfg, experts, compute_bytes) -> bytes`` per token and layer that one
         exchange of expert parallelism sends from a device (the token rows bound for the experts),
         ``experts`` being the EP size; None for a family without experts.
+      key_value_width: ``(cfg, tensor) -> elements`` per token of the keys and values one layer's
+        attention hands the kernel on one device of a ``tensor``-way split (what context
+        parallelism's all-gather scheme gathers); None: the planner bounds them by ``2 * embed_dim``.
       alerts: statistics of ``run_layers`` that should stay 0, each with what to do when one does
         not (the run warns once, in one line, at the first logged step where it is positive).
     """
@@ -295,6 +298,7 @@ class ModelFamily:
     activation_bytes: Callable[[Any, int, RematPolicy, int, int, float | None, int], tuple[float, float]]
     hf: HFAdapter | None = None
     exchange_bytes: Callable[[Any, int, int], float] | None = None
+    key_value_width: Callable[[Any, int], float] | None = None
     alerts: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):

@@ -20,15 +20,15 @@ LAYERS: list[tuple[str, ...]] = [
     # Leaves: errors, devices and mesh, precision, the typed sections no other section depends on,
     # and what every command line shares.
     ("meshtrain.errors", "meshtrain.precision", "meshtrain.mesh", "meshtrain.train_config", "meshtrain.optim",
-     "meshtrain.flops", "meshtrain.metrics", "meshtrain.xla_flags", "meshtrain.run_lock", "meshtrain.distributed",
+     "meshtrain.flops", "meshtrain.metrics", "meshtrain.run_lock", "meshtrain.distributed",
      "meshtrain.cli", "meshtrain.hlo", "meshtrain.jsonio", "meshtrain.trackers", "meshtrain.fp8"),
     # One file per parallelism concern; the data pipeline; the objective and the chunked head's loss
     # (the pipeline's head runs it).
     ("meshtrain.parallel", "meshtrain.data", "meshtrain.loss"),
     # What is built from a layout: the step, checkpoints, HF files, evaluation, the memory model,
-    # sampling with the KV cache.
+    # sampling with the KV cache, the XLA flags (combine thresholds from a layout's layer bytes).
     ("meshtrain.trainer", "meshtrain.checkpoint", "meshtrain.hf", "meshtrain.evaluation", "meshtrain.memory_model",
-     "meshtrain.sampling"),
+     "meshtrain.sampling", "meshtrain.xla_flags"),
     # The config of every section.
     ("meshtrain.config",),
     # What a run and the tools are made of.

@@ -6,6 +6,7 @@ become ``NamedSharding``s here; activations are constrained through ``ShardingRu
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -53,6 +54,25 @@ def ring_axis(rules: ShardingRules) -> str | None:
     keys = mesh_axes_of(rules.activation_spec(("kv_length",))[0])
     return queries[0] if len(queries) == 1 and keys == queries else None
 
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def varying_summed_in_fp32(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``x`` (invariant over the manual ``axes`` of a ``shard_map``) marked as varying over them; its
+    cotangent is summed over ``axes`` in fp32 and cast back (XLA:CPU's compiler aborts on a bf16
+    psum inside a partially manual shard_map; the values themselves stay in their dtype)."""
+    return jax.lax.pcast(x, axes, to="varying")
+
+
+def _varying_forward(x, axes):
+    return varying_summed_in_fp32(x, axes), None
+
+
+def _varying_backward(axes, _, cotangent):
+    return (jax.lax.psum(cotangent.astype(jnp.float32), axes).astype(cotangent.dtype),)
+
+
+varying_summed_in_fp32.defvjp(_varying_forward, _varying_backward)
 
 class MeshActivationSharding:
     """What a model applies to its activations on ``mesh`` under ``rules`` (``ActivationSharding``):
@@ -138,9 +158,8 @@ class MeshActivationSharding:
         local = q.shape[1] // math.prod(self.mesh.shape[a] for a in axes)
 
         def body(q, k, v, q_segments, k_segments):
-            # Every device's keys vary with its queries' share of their gradient, summed on the way out
-            # in fp32 (a bf16 psum inside a partially manual shard_map aborts XLA:CPU's compiler).
-            k, v = (jax.lax.pcast(x.astype(jnp.float32), axes, to="varying").astype(x.dtype) for x in (k, v))
+            # Every device's keys vary with its queries' share of their gradient (summed on the way out).
+            k, v = (varying_summed_in_fp32(x, axes) for x in (k, v))
             rank = 0
             for axis in axes:  # the row-major index over the axes splitting the positions
                 rank = rank * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)

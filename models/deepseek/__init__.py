@@ -4,7 +4,7 @@ prediction): the model, its Hugging Face adapter, its registry entry."""
 from models.api import AxisRole, ModelFamily, register
 from models.deepseek.hf import DeepSeekHF
 from models.deepseek.model import (CHECKPOINT_NAMES, DENSE_LAYERS, MTP_LAYERS, DeepSeek, DeepSeekConfig,
-                                   activation_bytes, flops_per_token, recompute_flops_per_token)
+                                   activation_bytes, flops_per_token, key_value_width, recompute_flops_per_token)
 from models.moe import FAMILY as MOE
 from models.moe.model import exchange_bytes
 
@@ -18,6 +18,7 @@ FAMILY = register(ModelFamily(
                 DENSE_LAYERS: AxisRole.STACKED, MTP_LAYERS: AxisRole.STACKED,
                 "mtp_inputs": AxisRole.REPLICATED, "mtp_embed": AxisRole.REPLICATED},
     flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops_per_token,
-    activation_bytes=activation_bytes, hf=DeepSeekHF(), exchange_bytes=exchange_bytes, alerts=MOE.alerts))
+    activation_bytes=activation_bytes, hf=DeepSeekHF(), exchange_bytes=exchange_bytes, alerts=MOE.alerts,
+    key_value_width=key_value_width))
 
 __all__ = ["CHECKPOINT_NAMES", "FAMILY", "DeepSeek", "DeepSeekConfig"]

@@ -242,6 +242,13 @@ def recompute_flops_per_token(cfg: DeepSeekConfig, remat: RematPolicy) -> float:
             RematPolicy.FULL: 2 * layer_matmul + attention_forward}.get(remat, 0.0)
 
 
+def key_value_width(cfg: DeepSeekConfig, tensor: int) -> float:
+    """Elements per token of one layer's keys and values on one device (``ModelFamily.key_value_width``):
+    MLA hands the kernel per-head keys (``qk_head_dim``) and values (``v_head_dim``) expanded from the
+    latent, the heads split ``tensor`` ways."""
+    return cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) / tensor
+
+
 def activation_bytes(cfg: DeepSeekConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
                      sequence: int = 1, keys: float | None = None, experts: int = 1) -> tuple[float, float]:
     """(saved, working) activation bytes per token and stacked (mixture-of-experts) layer on one

@@ -3,13 +3,13 @@
 from models.api import AxisRole, ModelFamily, register
 from models.llama.hf import LlamaHF
 from models.llama.model import (CHECKPOINT_NAMES, Llama, LlamaConfig, activation_bytes, flops_per_token,
-                                recompute_flops_per_token)
+                                key_value_width, recompute_flops_per_token)
 
 FAMILY = register(ModelFamily(
     name="llama", config_class=LlamaConfig, model_class=Llama,
     axis_roles={"heads": AxisRole.TENSOR, "kv_heads": AxisRole.TENSOR, "head_dim": AxisRole.REPLICATED,
                 "mlp": AxisRole.TENSOR},
     flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops_per_token,
-    activation_bytes=activation_bytes, hf=LlamaHF()))
+    activation_bytes=activation_bytes, hf=LlamaHF(), key_value_width=key_value_width))
 
 __all__ = ["CHECKPOINT_NAMES", "FAMILY", "Llama", "LlamaConfig"]

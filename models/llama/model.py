@@ -163,6 +163,12 @@ def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_
 
 
 
+def key_value_width(cfg: LlamaConfig, tensor: int) -> float:
+    """Elements per token of one layer's keys and values on one device (``ModelFamily.key_value_width``):
+    ``kv_heads * head_dim`` each, the heads split ``tensor`` ways."""
+    return 2 * cfg.num_kv_heads * cfg.head_dim / tensor
+
+
 class DecoderLayer(PreNormLayer):
     """Pre-norm residual layer: x + attention(norm(x)) (queries and keys normed per head when
     ``qk_norm``), then + mlp(norm(x))."""

@@ -1,6 +1,7 @@
 """The mixture-of-experts family (Mixtral, Qwen3-MoE): the model, its Hugging Face adapter, its registry entry."""
 
 from models.api import AxisRole, ModelFamily, register
+from models.llama.model import key_value_width
 from models.moe.hf import MoEHF
 from models.moe.model import (CHECKPOINT_NAMES, Dispatch, MoE, MoEConfig, activation_bytes, exchange_bytes,
                               flops_per_token, recompute_flops_per_token)
@@ -12,7 +13,7 @@ FAMILY = register(ModelFamily(
                 "expert_mlp": AxisRole.TENSOR, "expert_logits": AxisRole.REPLICATED,
                 "expert_rows": AxisRole.EXPERT_ROWS},
     flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops_per_token,
-    activation_bytes=activation_bytes, hf=MoEHF(), exchange_bytes=exchange_bytes,
+    activation_bytes=activation_bytes, hf=MoEHF(), exchange_bytes=exchange_bytes, key_value_width=key_value_width,
     alerts={"moe_exchange_overflow": "token choices were dropped by a full expert-exchange buffer; raise "
                                      "model.exchange_buffer_factor (0: buffers for the worst case, never dropping)"}))
 
