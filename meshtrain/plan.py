@@ -32,8 +32,8 @@ import yaml
 from meshtrain.cli import ArgumentParser, run
 from meshtrain.config import Config, load_config, to_dict
 from meshtrain.errors import ConfigError
-from meshtrain.memory_model import (ACTIVATION_COEFFICIENTS, UNRELIABLE, Candidate, Estimate, Hardware, SpecTables,
-                                    estimate, spec_tables)
+from meshtrain.memory_model import (ACTIVATION_COEFFICIENTS, TEMP_MARGIN, UNRELIABLE, Candidate, Estimate, Hardware,
+                                    SpecTables, estimate, spec_tables)
 from meshtrain.mesh import MESH_AXES
 from meshtrain.metrics import peak_bf16_tflops
 from meshtrain.parallel.layout import Layout, abstract_model
@@ -122,12 +122,20 @@ class Plan:
             out.append(f"host needs {est.optimizer_host / GB:.1f} GB > {self.host_memory / GB:.4g} GB")
         return out
 
+    def certain(self, est: Estimate) -> bool:
+        """Whether the estimate vouches for ``est`` fitting: its temp bytes are checked at scale
+        (``Estimate.reliable``: no pipeline) and fit ``TEMP_MARGIN`` larger too (verdict ``fits``;
+        otherwise ``fits?``)."""
+        return est.reliable and est.total + TEMP_MARGIN * est.temp_bytes <= self.device_memory
+
     def ranked(self) -> tuple[list[Estimate], list[Estimate], list[Estimate]]:
-        """(fit: the layouts whose estimate is checked (``Estimate.reliable``) first, each group by
-        step time; too big, by memory needed; cannot be built). A pipelined layout's temporaries are
-        not checked at scale, so it never ranks above one that is: the first row (which
-        ``--write-config`` writes) is one the estimate can vouch for whenever there is one."""
-        fit = sorted((e for e in self.estimates if self.fits(e)), key=lambda e: (not e.reliable, e.step_s, e.total))
+        """(fit: the layouts the estimate vouches for (``certain``) first, each group by step time;
+        too big, by memory needed; cannot be built). A layout whose fit is not certain (a pipeline's
+        temporaries are not checked at scale; or it fits only within the model's measured error)
+        never ranks above one that is: the first row (which ``--write-config`` writes) is one the
+        estimate can vouch for whenever there is one."""
+        fit = sorted((e for e in self.estimates if self.fits(e)),
+                     key=lambda e: (not self.certain(e), e.step_s, e.total))
         big = sorted((e for e in self.estimates if not e.reasons and not self.fits(e)), key=lambda e: e.total)
         broken = [e for e in self.estimates if e.reasons]
         return fit, big, broken
@@ -468,13 +476,17 @@ def format_plan(plan: Plan, top: int, show_infeasible: int) -> str:
              " element, or an offloaded optimizer state's moments brought to the device; temp bytes = the"
              " larger of activ + temps and update; optim = resting on the device, host GB = offloaded):",
              ""]
-    rows = [HEADER] + [_row(plan.cfg, str(i + 1), e, "fits" if e.reliable else "fits?")
+    rows = [HEADER] + [_row(plan.cfg, str(i + 1), e, "fits" if plan.certain(e) else "fits?")
                        for i, e in enumerate(fit[:top])]
     rows += [_row(plan.cfg, "-", e, "; ".join(plan.problems(e))) for e in big[:show_infeasible]]
     if len(rows) > 1:
         lines.append(_table(rows))
     if any(not e.reliable for e in fit[:top]):
         lines.append(f"fits? = {UNRELIABLE}")
+    if any(e.reliable and not plan.certain(e) for e in fit[:top]):
+        lines.append(f"fits? (no pipeline) = fits only without the {TEMP_MARGIN:.0%} margin on temp bytes that the "
+                     "estimate's largest measured error needs (XLA:CPU, scripts/plan_accuracy.py); confirm with "
+                     "--verify")
     if broken and show_infeasible:
         seen: dict[str, str] = {}
         for est in broken:
