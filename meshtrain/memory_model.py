@@ -53,10 +53,10 @@ BATCH_BYTES_PER_TOKEN = 3 * 4  # inputs, targets (int32) and mask (f32)
 STATE_SCALAR_BYTES = 64  # step, skipped_steps, loss scale, Adam/schedule counts (rounded up)
 
 # Why a pipeline layout's verdict is marked (docs/memory.md tables the measured errors).
-UNRELIABLE = ("pipeline temp memory is estimated within 2% of XLA:CPU's memory analysis with GPipe and 7% with "
-              "ZB-H1 at 8B, but 14-15% below it with 1F1B and interleaved 1F1B (heap fragmentation; "
-              "scripts/plan_accuracy.py); ranked after the layouts that fit for certain; confirm with --verify, whose "
-              "verdict overrules this one")
+UNRELIABLE = ("pipeline temp memory is estimated within 7% of XLA:CPU's memory analysis with ZB-H1, but up to "
+              "26% below it with GPipe and 14-43% below with 1F1B and interleaved 1F1B (8B and 10B layouts, "
+              "scripts/plan_accuracy.py); ranked after the layouts that fit for certain; confirm with --verify, "
+              "whose verdict overrules this one")
 # The temp bytes XLA:CPU needed beyond the estimate, at most, on the accuracy matrix's layouts without a
 # pipeline (scripts/plan_accuracy.py): -10.5% of XLA's (8B, remat none: heap fragmentation), so 12% of
 # the estimate. A layout that fits only without this margin is not vouched for.

@@ -35,6 +35,7 @@ from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, na
                                          ring_axis)
 from meshtrain.parallel.zero import StateLayout
 from meshtrain.precision import LossScale, Precision, initial_loss_scale
+from meshtrain.xla_flags import step_compiler_options
 from models.api import AUX_LOSS, MTP_LOSS, DecoderModel, PredictsAhead
 
 Metrics = dict[str, jax.Array]
@@ -98,7 +99,8 @@ class Trainer:
         self.metrics_sharding = replicated
         self.train_step = jax.jit(
             self.step, in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+            out_shardings=(self.state_shardings, replicated), donate_argnums=0,
+            compiler_options=step_compiler_options(layout))
         self.eval_step = jax.jit(self.evaluate, in_shardings=(self.param_shardings, self.batch_sharding),
                                  out_shardings=replicated)
 

@@ -279,6 +279,26 @@ def compile_arm(lower: Callable[[], Any], setting: ArmSetting):
     return lower().compile(compiler_options=compile_options(setting))
 
 
+# The recommended flags whose values depend on the layout.
+LAYOUT_FLAGS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, WINDOWED_EINSUM, MULTI_STREAMED_EINSUM)
+
+
+def step_compiler_options(layout) -> dict[str, str | bool]:
+    """The recommended flags that depend on ``layout`` (``LAYOUT_FLAGS``: the combine thresholds of
+    its layers' bytes, collective matmul when ``tensor > 1``) as ``compiler_options`` for its step's
+    compile. ``XLA_FLAGS`` are read when the backend starts, before a run has built its layout, so
+    ``apply_recommended`` can only set the layout-free defaults there; this refines them per compile.
+    A flag ``XLA_FLAGS`` sets to anything but that default is the user's and is left alone; nothing
+    under ``MESHTRAIN_XLA_FLAGS=0``. XLA:CPU ignores these (GPU) options."""
+    if os.environ.get(DISABLE_ENV, "1").lower() in ("0", "false", "no", "off"):
+        return {}
+    defaults = {name: value for name, value, _ in recommended_set(None)}
+    given = dict(re.findall(r"--([\w.]+)=(\S*)", os.environ.get("XLA_FLAGS", "")))
+    boolean = {"true": True, "false": False}
+    return {name: boolean.get(value, value) for name, value, _ in recommended_set(layout)
+            if name in LAYOUT_FLAGS and given.get(name, defaults.get(name)) == defaults.get(name)}
+
+
 def merge_flags(existing: str, flags: list[str]) -> str:
     """``existing`` XLA_FLAGS plus each of ``flags`` whose name it does not already set."""
     present = {part.lstrip("-").split("=", 1)[0] for part in existing.split()}

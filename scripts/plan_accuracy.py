@@ -27,6 +27,9 @@ L8B, L10B = "configs/llama_8b.yaml", "configs/llama_10b.yaml"
 S2K = ["model.seq_len=2048", "train.batch_size=8"]
 PIPE = ["mesh.fsdp=4", "mesh.stage=2", "zero.stage=3", "model.seq_len=2048", "train.batch_size=16",
         "pipeline.microbatches=4"]
+PIPE4 = ["mesh.fsdp=2", "mesh.stage=4", "zero.stage=3", "model.seq_len=2048", "train.batch_size=16",
+         "pipeline.microbatches=8"]
+PIPE_TP = ["mesh.fsdp=2", "mesh.tensor=2", "mesh.stage=2", "pipeline.microbatches=8"]
 # name -> (config, overrides): layouts of 8 devices (d, f, t, s), bf16 compute (FP8: its layer matmuls).
 CASES: dict[str, tuple[str, list[str]]] = {
     "8B (1,8,1,1) ZeRO-3 full, seq 2048": (L8B, ["mesh.fsdp=8", "zero.stage=3", *S2K]),
@@ -74,6 +77,12 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "8B (1,4,1,2) ZeRO-3 full, interleaved V=2 M=4": (L8B, [*PIPE, "pipeline.schedule=interleaved",
                                                            "pipeline.virtual_stages=2"]),
     "8B (1,4,1,2) ZeRO-3 full, ZB-H1 M=4": (L8B, [*PIPE, "pipeline.schedule=zb_h1"]),
+    "8B (1,2,1,4) ZeRO-3 full, 1F1B M=8": (L8B, [*PIPE4, "pipeline.schedule=1f1b"]),
+    "8B (1,2,1,4) ZeRO-3 full, ZB-H1 M=8": (L8B, [*PIPE4, "pipeline.schedule=zb_h1"]),
+    "10B (1,2,2,2) ZeRO-3 full, GPipe M=8": (L10B, [*PIPE_TP, "pipeline.schedule=gpipe"]),
+    "10B (1,2,2,2) ZeRO-3 full, 1F1B M=8": (L10B, [*PIPE_TP, "pipeline.schedule=1f1b"]),
+    "10B (1,2,2,2) ZeRO-3 full, interleaved V=2 M=8": (L10B, [*PIPE_TP, "pipeline.schedule=interleaved",
+                                                             "pipeline.virtual_stages=2"]),
 }
 BEGIN, END = "<!-- plan-accuracy: begin -->", "<!-- plan-accuracy: end -->"
 

@@ -177,3 +177,23 @@ def test_xla_default_command_buffers_are_this_jaxlibs(tmp_path):
     assert sorted(_values(options_text, xla_flags.COMMAND_BUFFER)) == sorted(
         xla_flags.XLA_DEFAULT_COMMAND_BUFFERS.split(","))
     assert _values(options_text, xla_flags.WINDOWED_EINSUM) == [str(xla_flags.XLA_DEFAULT_WINDOWED_EINSUM_MIB)]
+
+
+def test_the_step_compiles_with_its_layouts_flags(monkeypatch):
+    """XLA_FLAGS are read before a run has its layout, so the layout's flags reach the train step's
+    compile as ``compiler_options``: 8B at (1,4,2,1) gets its derived thresholds and collective
+    matmul (booleans as XLA's options parse them); a threshold the user set in XLA_FLAGS is kept (not
+    passed); the layout-free default ``apply_recommended`` puts there is refined; nothing under
+    MESHTRAIN_XLA_FLAGS=0."""
+    layout = _layout("configs/llama_8b.yaml", 1, 4, 2)
+    thresholds = xla_flags.combine_thresholds(layout)
+    monkeypatch.setenv("XLA_FLAGS", f"--{xla_flags.ALL_REDUCE}={xla_flags.FIXED_COMBINE_BYTES} "
+                                    f"--{xla_flags.REDUCE_SCATTER}=12345")
+    monkeypatch.delenv(xla_flags.DISABLE_ENV, raising=False)
+    assert xla_flags.step_compiler_options(layout) == {
+        xla_flags.ALL_GATHER: str(thresholds.all_gather), xla_flags.ALL_REDUCE: str(thresholds.all_reduce),
+        xla_flags.WINDOWED_EINSUM: "0", xla_flags.MULTI_STREAMED_EINSUM: True}
+    assert thresholds.all_gather > xla_flags.FIXED_COMBINE_BYTES
+    assert xla_flags.WINDOWED_EINSUM not in xla_flags.step_compiler_options(_layout("configs/llama_8b.yaml", 1, 8))
+    monkeypatch.setenv(xla_flags.DISABLE_ENV, "0")
+    assert xla_flags.step_compiler_options(layout) == {}
