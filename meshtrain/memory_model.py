@@ -53,10 +53,10 @@ BATCH_BYTES_PER_TOKEN = 3 * 4  # inputs, targets (int32) and mask (f32)
 STATE_SCALAR_BYTES = 64  # step, skipped_steps, loss scale, Adam/schedule counts (rounded up)
 
 # Why a pipeline layout's verdict is marked (docs/memory.md tables the measured errors).
-UNRELIABLE = ("pipeline temp memory is estimated within 7% of XLA:CPU's memory analysis with ZB-H1, but up to "
-              "26% below it with GPipe and 14-43% below with 1F1B and interleaved 1F1B (8B and 10B layouts, "
-              "scripts/plan_accuracy.py); ranked after the layouts that fit for certain; confirm with --verify, "
-              "whose verdict overrules this one")
+UNRELIABLE = ("pipeline temp memory is estimated within 2% of XLA:CPU's memory analysis with GPipe and 7% with "
+              "ZB-H1, but 14-18% below it with 1F1B (8B and 10B layouts; interleaved 1F1B 0-15%: XLA's heap "
+              "fragmentation, scripts/plan_accuracy.py); ranked after the layouts that fit for certain; confirm "
+              "with --verify, whose verdict overrules this one")
 # The temp bytes XLA:CPU needed beyond the estimate, at most, on the accuracy matrix's layouts without a
 # pipeline (scripts/plan_accuracy.py): -10.5% of XLA's (8B, remat none: heap fragmentation), so 12% of
 # the estimate. A layout that fits only without this margin is not vouched for.
@@ -414,6 +414,15 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     low_precision = compute_bytes != FP32
     held = (HELD * terms.layer_copy if low_precision else 0.0) + compute_bytes * terms.layer_loop_grads
     held += FP32 * terms.lookup_grads + (FP32 * g_local if grad_accum > 1 else 0.0)
+    # A pipeline's stage sums its layers' gradients over the microbatches in fp32, and holds its
+    # layers' compute copy in the compute dtype for the whole table, the fp32 one only while its
+    # layers run (XLA:CPU's buffers, 8B and 10B).
+    layer_copy_fp32 = 0.0
+    if table is not None:
+        held += (FP32 - compute_bytes) * terms.layer_loop_grads
+        if low_precision:
+            held += (compute_bytes - HELD) * terms.layer_copy
+            layer_copy_fp32 = HELD * terms.layer_copy
     # The loss phase (the head's forward and backward, one chunk of positions at a time): the
     # vocabulary weights in the compute dtype (the projection twice when ZeRO-3 gathers it) and the
     # projection's fp32 gradient (and its sum over the batch's devices, an all-reduce on XLA:CPU), one
@@ -427,7 +436,7 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
                   + loss_tokens * vocab_local * (compute_bytes + LOGITS_FP32_COPIES * FP32))
     # The layers' backward: one layer's ZeRO-gathered weights (fp32) and one layer's working set.
     gathered = terms.layer_gathered * FP32
-    layer_phase = gathered + a_working * working_tokens * working
+    layer_phase = gathered + layer_copy_fp32 + a_working * working_tokens * working
     if mesh["tensor"] > 1 and low_precision:
         # Tensor parallelism's partial sums of the residual stream: XLA:CPU promotes the bf16
         # all-reduces of one layer's backward to fp32, operands and results beside the bf16 ones.
