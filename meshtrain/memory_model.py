@@ -57,9 +57,10 @@ UNRELIABLE = ("pipeline temp memory is estimated within 2% of XLA:CPU's memory a
               "ZB-H1, but 14-18% below it with 1F1B (8B and 10B layouts; interleaved 1F1B 0-15%: XLA's heap "
               "fragmentation, scripts/plan_accuracy.py); ranked after the layouts that fit for certain; confirm "
               "with --verify, whose verdict overrules this one")
-# The temp bytes XLA:CPU needed beyond the estimate, at most, on the accuracy matrix's layouts without a
-# pipeline (scripts/plan_accuracy.py): -10.5% of XLA's (8B, remat none: heap fragmentation), so 12% of
-# the estimate. A layout that fits only without this margin is not vouched for.
+# The temp bytes XLA:CPU needed beyond the estimate, at most, on the accuracy matrix's dense and
+# capacity-dispatch layouts without a pipeline (scripts/plan_accuracy.py): -10.5% of XLA's (8B, remat
+# none: heap fragmentation), so 12% of the estimate. A layout that fits only without this margin is
+# not vouched for. (Dropless experts at layer-phase-bound shapes are further off: docs/memory.md.)
 TEMP_MARGIN = 0.12
 # Multiplier of one layer's structural working set (``per_layer_bytes``), fitted (minimax)
 # to XLA:CPU's temp bytes of the real fp32 train step on mesh (1, 8, 1, 1), ZeRO-3, over 13 model

@@ -70,6 +70,17 @@ CASES: dict[str, tuple[str, list[str]]] = {
                                                    "model.remat=dots"]),
     "Mixtral-8x7B (1,8,1,1) EP8 ZeRO-3 full, seq 2048": (
         "configs/mixtral_8x7b.yaml", ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", "zero.stage=3", *S2K]),
+    "Qwen3-30B-A3B, 8 layers, (1,8,1,1) EP8 ZeRO-3 full, dropless, seq 4096": (
+        "configs/qwen3_moe_30b_a3b.yaml", ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", "zero.stage=3",
+                                           "train.batch_size=8", "model.seq_len=4096", "model.num_layers=8",
+                                           "model.dispatch=dropless", "model.exchange_buffer_factor=2.0"]),
+    "DeepSeek-V3, 8 layers, (1,8,1,1) EP8 ZeRO-3 full, seq 4096": (
+        "configs/deepseek_v3_671b.yaml", ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", "zero.stage=3",
+                                          "train.batch_size=8", "model.seq_len=4096", "model.num_layers=8"]),
+    "DeepSeek-V3, 8 layers, (1,8,1,1) EP8 ZeRO-3 dots, seq 4096": (
+        "configs/deepseek_v3_671b.yaml", ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", "zero.stage=3",
+                                          "train.batch_size=8", "model.seq_len=4096", "model.num_layers=8",
+                                          "model.remat=dots"]),
     "Qwen3-30B-A3B (1,8,1,1) EP8 ZeRO-3 full, seq 2048": (
         "configs/qwen3_moe_30b_a3b.yaml", ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", "zero.stage=3", *S2K]),
     "8B (1,4,1,2) ZeRO-3 full, GPipe M=4": (L8B, [*PIPE, "pipeline.schedule=gpipe"]),

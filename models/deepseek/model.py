@@ -263,7 +263,7 @@ def activation_bytes(cfg: DeepSeekConfig, tensor: int, remat: RematPolicy, compu
     q = cfg.num_heads * width / tensor
     latent = cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim
     g = cfg.shared_mlp_dim / tensor
-    none, dots, held, router = expert_terms(cfg, tensor, experts)
+    none, dots, held, router = expert_terms(cfg, tensor, experts, compute_bytes)
     saved_scores, working_scores = score_bytes(cfg, tensor, keys)
     c = compute_bytes
     attention = (6 * d + 3 * q + 6 * q + 2 * latent) * c

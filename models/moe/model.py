@@ -254,7 +254,7 @@ def activation_bytes(cfg: MoEConfig, tensor: int, remat: RematPolicy, compute_by
     q = cfg.num_heads * cfg.head_dim / tensor
     k = cfg.num_kv_heads * cfg.head_dim / tensor
     g = cfg.shared_mlp_dim / tensor
-    none, dots, held, router = expert_terms(cfg, tensor, experts)
+    none, dots, held, router = expert_terms(cfg, tensor, experts, compute_bytes)
     saved_scores, working_scores = score_bytes(cfg, tensor, keys)
     c = compute_bytes
     attention = (6 * d + 3 * q + 3 * k) * c
@@ -280,11 +280,13 @@ def exchange_bytes(cfg: MoEConfig, experts: int, compute_bytes: int) -> float:
     return rows * cfg.embed_dim * compute_bytes
 
 
-def expert_terms(cfg, tensor: int, experts: int) -> tuple[float, float, float, float]:
+def expert_terms(cfg, tensor: int, experts: int, compute_bytes: int) -> tuple[float, float, float, float]:
     """The experts' (kept under ``none``, kept under ``dots``, held by one layer's backward) vectors
     per token and the router's fp32 bytes per token, for ``cfg``'s dispatch (``_sorted_terms`` or
     ``_one_hot_terms``); ``cfg`` any config with the MoE fields (this family's, DeepSeek-V3's)."""
-    return _sorted_terms(cfg, tensor, experts) if cfg.dispatch is Dispatch.DROPLESS else _one_hot_terms(cfg, tensor)
+    if cfg.dispatch is Dispatch.DROPLESS:
+        return _sorted_terms(cfg, tensor, experts, wide=max(1.0, 4 / compute_bytes))
+    return _one_hot_terms(cfg, tensor)
 
 
 def _one_hot_terms(cfg: MoEConfig, tensor: int) -> tuple[float, float, float, float]:
@@ -307,7 +309,7 @@ def _one_hot_terms(cfg: MoEConfig, tensor: int) -> tuple[float, float, float, fl
             (cfg.top_k + 3) * cfg.num_experts * 4)
 
 
-def _sorted_terms(cfg: MoEConfig, tensor: int, experts: int) -> tuple[float, float, float, float]:
+def _sorted_terms(cfg: MoEConfig, tensor: int, experts: int, wide: float = 1.0) -> tuple[float, float, float, float]:
     """As ``_one_hot_terms``, for the sorted dispatch. Units: ``k*d`` (the token's ``top_k`` choice
     rows, and their outputs), ``R*d`` with ``R = top_k * X`` rows on the experts' side (``X`` the
     exchange's buffers per even share: 1 without expert parallelism, ``experts``, the EP size, with
@@ -317,11 +319,13 @@ def _sorted_terms(cfg: MoEConfig, tensor: int, experts: int) -> tuple[float, flo
     and the buffers around them) and 2 R*f; one layer's backward holds 3 k*d, 10 R*d (the buffers
     and their gradients) and 5 R*f. Counted from the buffers ``grouped_swiglu`` and
     ``meshtrain/parallel/experts.py`` make, the R*d counts then set against XLA:CPU's temp bytes of
-    configs/moe_tiny.yaml's step (9 layouts; docs/memory.md has the errors)."""
+    configs/moe_tiny.yaml's step (9 layouts; docs/memory.md has the errors). ``wide``: how many
+    compute-dtype vectors one held row buffer takes: XLA:CPU scatters and gathers the rows of a bf16
+    step as 4-byte words (Qwen3-30B-A3B's 8 layers at EP 8: ``4 / c``)."""
     rows = cfg.top_k * (1 if experts == 1 else (cfg.exchange_buffer_factor or experts))
     choice_d, rows_d, rows_f = cfg.top_k * cfg.embed_dim, rows * cfg.embed_dim, rows * cfg.expert_mlp_dim / tensor
     return (3 * choice_d + 3.5 * rows_d + 3 * rows_f, 2.5 * rows_d + 2 * rows_f,
-            3 * choice_d + 10 * rows_d + 5 * rows_f, (cfg.top_k + 2) * cfg.num_experts * 4)
+            3 * choice_d + wide * 10 * rows_d + 5 * rows_f, (cfg.top_k + 2) * cfg.num_experts * 4)
 
 
 @jax.tree_util.register_dataclass
