@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     # The config of every section.
     ("meshtrain.config",),
     # What a run and the tools are made of.
-    ("meshtrain.loading", "meshtrain.resume", "meshtrain.policies", "meshtrain.benchmark"),
+    ("meshtrain.loading", "meshtrain.resume", "meshtrain.policies", "meshtrain.benchmark", "meshtrain.plan_search"),
     ("meshtrain.loop",),
     # Command-line modules (``python -m ...``): nothing imports them.
     ("meshtrain.train", "meshtrain.plan", "meshtrain.convert", "meshtrain.export", "meshtrain.logits",

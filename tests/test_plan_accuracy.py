@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from meshtrain import plan as planner
+from meshtrain import plan_search
 from meshtrain.config import load_config
 from meshtrain.memory_model import Hardware
 from models.common import RematPolicy
@@ -58,7 +59,7 @@ def test_fp8_weights_are_gathered_in_one_byte():
         (estimates[precision],) = plan.estimates
     # The layers' matmul weights: every stacked weight of rank > 2 ([layers, in..., out...]); the
     # norms' scales ([layers, embed]) stay wide.
-    abstract = planner.abstract_model(cfg.model)[1]
+    abstract = plan_search.abstract_model(cfg.model)[1]
     fp8_elements = sum(v.get_value().size for path, v in nnx.to_flat_state(abstract)
                        if path[0] == "layers" and v.get_value().ndim > 2)
     saved_bytes = 2 * (8 - 1) / 8 * fp8_elements * 3
