@@ -159,8 +159,12 @@ def test_planner_and_trainer_agree_on_feasibility_of_every_layout(config):
     path = str(REPO / "configs" / config)
     plan = planner.make_plan(load_config(path), 8, 1e15)
     assert len(plan.estimates) > 100
+    # The remat policy changes no layout's feasibility: one trainer per layout of the other fields.
+    layouts = {dataclasses.replace(est.candidate, remat=RematPolicy.FULL): est for est in plan.estimates}
+    assert all(bool(e.reasons) == bool(layouts[dataclasses.replace(e.candidate, remat=RematPolicy.FULL)].reasons)
+               for e in plan.estimates)
     disagree = []
-    for est in plan.estimates:
+    for est in layouts.values():
         verdict = _trainer_verdict(path, [], est)
         if (verdict is None) != (not est.reasons):
             disagree.append((est.candidate.label(), est.reasons, verdict))
