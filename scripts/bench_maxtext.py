@@ -1,18 +1,23 @@
-"""Time MaxText's train step on a Llama shape, offline on simulated CPU devices, in MaxText's own venv.
+"""Time MaxText's train step on a Llama or Mixtral shape, offline on simulated CPU devices, in MaxText's own venv.
 
-    python scripts/bench_maxtext.py [--shape issue|large|tiny] [--steps 20] [--warmup 3] [--log FILE] [--json FILE]
+    python scripts/bench_maxtext.py [--shape issue|large|tiny|moe|moe_tiny] [--steps 20] [--warmup 3] [--log FILE]
+        [--json FILE]
 
 MaxText (0.2.5, Python >= 3.12, jax 0.11.2) lives in ``.maxtext-venv`` (``scripts/install_maxtext.sh``;
 ``MAXTEXT_VENV`` points elsewhere). :func:`run_maxtext` runs ``maxtext.trainers.pre_train.train`` with that
 venv's python in a subprocess, with ``DECOUPLE_GCLOUD=TRUE``, synthetic data, no packing, ``dot_product``
 attention, no checkpointing and no TensorBoard, on fsdp x tensor simulated CPU devices
-(``--xla_force_host_platform_device_count``) in mesh fsdp x tensor. MaxText logs ``completed step: N,
-seconds: S`` for every step: S is the host time between two step dispatches, which with one step in flight
-is the device's step time (its step is compiled before step 0); a step that finds the one before it
-already done can log a few ms and its neighbour twice the time, so the mean is reported beside the
-median. The first ``warmup`` steps (step 0 returns at dispatch, step 1 waits for it) are dropped and the
-median of the next ``steps`` is reported. Without the venv it prints one line, ``maxtext: not installed (run
-scripts/install_maxtext.sh)``, and returns None (exit status 0). Nothing here imports meshtrain.
+(``--xla_force_host_platform_device_count``) in mesh fsdp x tensor. A shape with ``experts`` is a Mixtral
+(``decoder_block=mixtral``: every layer's MLP ``experts`` SwiGLU experts of ``mlp``, ``top_k`` per token)
+run dropless by MaxText's sparse path: ``sparse_matmul=true megablox=false capacity_factor=-1``, i.e.
+the tokens sorted by expert and ``jax.lax.ragged_dot`` (the Pallas megablox kernel is TPU's).
+MaxText logs ``completed step: N, seconds: S`` for every step: S is the host time between two step
+dispatches, which with one step in flight is the device's step time (its step is compiled before step
+0); a step that finds the one before it already done can log a few ms and its neighbour twice the time,
+so the mean is reported beside the median. The first ``warmup`` steps (step 0 returns at dispatch, step
+1 waits for it) are dropped and the median of the next ``steps`` is reported. Without the venv it prints
+one line, ``maxtext: not installed (run scripts/install_maxtext.sh)``, and returns None (exit status 0).
+Nothing here imports meshtrain.
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ REMAT = {"full": "full", "dots": "minimal"}
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """A Llama shape, batch, mesh and precision, as both frameworks take them."""
+    """A Llama (or, with ``experts``, a Mixtral) shape, batch, mesh and precision, as both frameworks take them.
+
+    With ``experts`` every layer's feed-forward block is ``experts`` SwiGLU experts of hidden size ``mlp``,
+    ``top_k`` of them per token (softmax over the top-k router logits), dropless, no shared expert."""
 
     embed: int
     layers: int
@@ -55,6 +63,15 @@ class Shape:
     tensor: int = 2
     dtype: str = "bfloat16"  # compute dtype; master weights stay float32 in both
     remat: str = "full"
+    experts: int = 0  # routed experts per layer (0: a dense Llama)
+    top_k: int = 0  # experts per token (with experts)
+    load_balancing: float = 0.0  # weight of the load-balancing loss (with experts)
+
+    def __post_init__(self):
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k {self.top_k} must be between 1 and experts={self.experts}")
+        if not self.experts and (self.top_k or self.load_balancing):
+            raise ValueError("top_k and load_balancing need experts")
 
     @property
     def devices(self) -> int:
@@ -65,12 +82,17 @@ class Shape:
         return self.kv_heads or self.heads
 
 
-# The shapes of issue #13: its 20.6M-parameter Llama and a larger one; and a smoke-test shape that
-# compiles and runs in seconds on CPU devices (the test suite's, against a stand-in MaxText).
+# The shapes of issue #13: its 20.6M-parameter Llama and a larger one; issue #32's Mixtral-like MoE (8
+# experts, top-2, GQA); and smoke-test shapes that compile and run in seconds on CPU devices (the test
+# suite's, against a stand-in MaxText).
 SHAPES = {
     "issue": Shape(embed=256, layers=4, mlp=1024, heads=4, head_dim=64),
     "large": Shape(embed=512, layers=8, mlp=2048, heads=8, head_dim=64),
     "tiny": Shape(embed=32, layers=1, mlp=64, heads=2, head_dim=16, vocab=256, seq=32),
+    "moe": Shape(embed=256, layers=4, mlp=512, heads=4, kv_heads=2, head_dim=64, seq=256, batch=16,
+                 experts=8, top_k=2, load_balancing=0.01),
+    "moe_tiny": Shape(embed=32, layers=1, mlp=64, heads=2, head_dim=16, vocab=256, seq=32, experts=4, top_k=2,
+                      load_balancing=0.01),
 }
 
 
@@ -98,8 +120,18 @@ def maxtext_args(shape: Shape, total_steps: int, out_dir: str) -> list[str]:
         f"base_num_query_heads={shape.heads}", f"base_num_kv_heads={shape.num_kv_heads}",
         f"head_dim={shape.head_dim}", f"vocab_size={shape.vocab}", f"max_target_length={shape.seq}",
         f"per_device_batch_size={shape.batch // shape.devices}", f"dtype={shape.dtype}", "weight_dtype=float32",
-        f"remat_policy={REMAT[shape.remat]}", f"steps={total_steps}",
+        f"remat_policy={REMAT[shape.remat]}", f"steps={total_steps}", *moe_args(shape),
     ]
+
+
+def moe_args(shape: Shape) -> list[str]:
+    """MaxText's Mixtral decoder, dropless through its sparse path with ``jax.lax.ragged_dot`` (no megablox:
+    a Pallas TPU kernel); none for a dense shape."""
+    if not shape.experts:
+        return []
+    return ["decoder_block=mixtral", f"num_experts={shape.experts}", f"num_experts_per_tok={shape.top_k}",
+            f"base_moe_mlp_dim={shape.mlp}", "sparse_matmul=true", "megablox=false", "use_tokamax_gmm=false",
+            "capacity_factor=-1", f"load_balance_loss_weight={shape.load_balancing}"]
 
 
 def subprocess_env(devices: int) -> dict[str, str]:

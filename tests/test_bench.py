@@ -1,11 +1,15 @@
 """The benchmark scripts, the GPU check's CPU dry run and the recommended XLA flags keep working.
 
 The scripts run as docs/benchmarks.md shows them (one subprocess each; the tests import nothing from
-``scripts/``). No timing assertions: the fields are printed, timings are positive, and every other
-number is checked against something measured apart from it: the compiled programs' collectives,
-XLA's memory analysis, the model's own parameter arrays, a stand-in MaxText's known step times.
+``scripts/`` but the MaxText shapes' override tables, checked without compiling). No timing
+assertions: the fields are printed, timings are positive, and every other number is checked against
+something measured apart from it: the compiled programs' collectives, XLA's memory analysis, the
+model's own parameter arrays, a stand-in MaxText's known step times.
 """
 
+import dataclasses
+import enum
+import importlib
 import json
 import os
 import pathlib
@@ -379,6 +383,78 @@ def test_bench_maxtext_reads_a_maxtext_log(tmp_path):
     (call,) = (venv / "calls").read_text().splitlines()
     assert {"base_emb_dim=256", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "per_device_batch_size=1",
             "remat_policy=full", "steps=5", "attention=dot_product", "dtype=bfloat16"} <= set(call.split())
+
+
+# Each field of bench_maxtext.Shape -> (meshtrain's config field it sets, MaxText's override key). A Shape
+# field missing here fails the test below; a mapped field whose override is missing fails it too.
+SHAPE_FIELDS = {
+    "embed": ("model.embed_dim", "base_emb_dim"), "layers": ("model.num_layers", "base_num_decoder_layers"),
+    "mlp": ("model.expert_mlp_dim", "base_moe_mlp_dim"), "heads": ("model.num_heads", "base_num_query_heads"),
+    "head_dim": ("model.head_dim", "head_dim"), "vocab": ("model.vocab_size", "vocab_size"),
+    "seq": ("model.seq_len", "max_target_length"), "batch": ("train.batch_size", "per_device_batch_size"),
+    "kv_heads": ("model.num_kv_heads", "base_num_kv_heads"), "fsdp": ("mesh.fsdp", "ici_fsdp_parallelism"),
+    "tensor": ("mesh.tensor", "ici_tensor_parallelism"), "dtype": ("train.precision", "dtype"),
+    "remat": ("model.remat", "remat_policy"), "experts": ("model.num_experts", "num_experts"),
+    "top_k": ("model.top_k", "num_experts_per_tok"),
+    "load_balancing": ("model.load_balancing_coef", "load_balance_loss_weight"),
+}
+
+
+def _field(cfg, path: str):
+    value = cfg
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def test_moe_shape_maps_every_field_to_both_frameworks(monkeypatch):
+    """The MoE shape of ``bench_vs_maxtext.py --shape moe`` (and a variant whose every field differs from
+    configs/moe_tiny.yaml's) becomes the same model, batch, mesh, precision and remat on both sides:
+    every Shape field reaches meshtrain's config and MaxText's overrides, meshtrain's MoE is the sorted
+    dropless dispatch with worst-case exchange buffers, MaxText's its dropless sparse path on ragged_dot.
+    Compile-free: the config is only loaded."""
+    from meshtrain.config import load_config
+    from models.api import family_of
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    bench_maxtext, vs = importlib.import_module("bench_maxtext"), importlib.import_module("bench_vs_maxtext")
+    assert set(SHAPE_FIELDS) == {field.name for field in dataclasses.fields(bench_maxtext.Shape)}
+    shape = bench_maxtext.SHAPES["moe"]
+    assert (shape.experts, shape.top_k, shape.fsdp, shape.tensor, shape.dtype, shape.remat) == (
+        8, 2, 4, 2, "bfloat16", "full")
+    variant = dataclasses.replace(shape, embed=192, layers=3, mlp=384, heads=8, kv_heads=4, head_dim=24,
+                                  vocab=1000, seq=128, batch=24, fsdp=8, tensor=1, experts=6, top_k=3,
+                                  load_balancing=0.02)
+    config = vs.default_config(shape)
+    assert config == "configs/moe_tiny.yaml"
+    base = load_config(str(ROOT / config), [])
+    precision = {"bfloat16": "bf16", "float32": "fp32"}
+    for case in (shape, variant):
+        cfg = load_config(str(ROOT / config), vs.maxtext_overrides(case))
+        theirs = dict(arg.split("=", 1) for arg in bench_maxtext.maxtext_args(case, 7, "/out"))
+        for name, (ours, key) in SHAPE_FIELDS.items():
+            value = getattr(case, name) if name != "kv_heads" else case.num_kv_heads
+            mine = precision[value] if name == "dtype" else value
+            assert _field(cfg, ours) == mine, (name, ours)
+            if case is variant:  # a field left unmapped would keep the config's value and fail above
+                assert _field(base, ours) != mine, (name, ours)
+            if name == "batch":
+                value //= case.devices  # MaxText takes sequences per device
+            elif name == "remat":
+                value = bench_maxtext.REMAT[value]
+            assert theirs[key] == str(value), (name, key)
+        assert (family_of(cfg.model).name, cfg.mesh.data, cfg.mesh.stage) == ("moe", 1, 1)
+        assert (_field(cfg, "model.dispatch"), cfg.model.exchange_buffer_factor, cfg.model.group_size,
+                cfg.model.norm_topk_prob, cfg.model.shared_mlp_dim, cfg.model.bias_update_rate,
+                cfg.model.z_loss_coef) == ("dropless", 0, 0, True, 0, 0, 0)
+        assert {"decoder_block": "mixtral", "base_mlp_dim": str(case.mlp), "sparse_matmul": "true",
+                "megablox": "false", "use_tokamax_gmm": "false", "capacity_factor": "-1",
+                "ici_data_parallelism": "1"}.items() <= theirs.items()
+    # A dense shape stays a Llama on both sides.
+    dense = bench_maxtext.SHAPES["issue"]
+    assert vs.default_config(dense) == "configs/tiny.yaml"
+    assert not {"decoder_block", "num_experts"} & set(dict(a.split("=", 1) for a in bench_maxtext.maxtext_args(
+        dense, 7, "/out")))
 
 
 @pytest.mark.slow
