@@ -27,7 +27,7 @@ from meshtrain.parallel.layout import Layout, abstract_model
 from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.pipeline import Schedule
 from meshtrain.parallel.rules import Preset, ShardingRules, mesh_axes_of
-from meshtrain.parallel.sharding import data_parallel_size, ring_axis
+from meshtrain.parallel.sharding import data_parallel_size
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
 from models.api import family_of
 from models.common import RematPolicy
@@ -155,9 +155,8 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
     ``search_accumulation``, a candidate too big for the device memory is tried again in more
     gradient-accumulation steps (doubled; the global batch kept) until it fits or the batch no longer
     divides (``_Search.accumulate``). A mesh refused whatever else is chosen (a tensor axis wider
-    than ``hardware.node_size`` devices, ring attention inside pipeline stages) gets one row that
-    says why, nothing estimated. ``progress`` is called with the number of layouts estimated so far
-    after each one."""
+    than ``hardware.node_size`` devices) gets one row that says why, nothing estimated.
+    ``progress`` is called with the number of layouts estimated so far after each one."""
     if not 1 <= devices <= MAX_DEVICES:
         raise ConfigError("--devices", f"must be an integer in [1, {MAX_DEVICES:,}], got {devices:,}")
     for remat in remats:
@@ -240,11 +239,10 @@ class _Search:
         cfg = self.cfg
         data, fsdp, tensor, stage = mesh
         zeros = sorted(set(self.zero_stages)) if fsdp > 1 else [min(self.zero_stages)]  # no fsdp: stages equal
-        ring = ring_axis(rules)
-        if tensor > self.hardware.node_size or (stage > 1 and ring is not None and mesh[MESH_AXES.index(ring)] > 1):
+        if tensor > self.hardware.node_size:
             # Refused whatever the other choices: tensor parallelism's all-reduces run every layer,
-            # so it is placed inside a node; ring attention does not run inside pipeline stages
-            # (``Layout.problems``). One row says why (with the layout's other problems); nothing is estimated.
+            # so it is placed inside a node. One row says why (with the layout's other problems);
+            # nothing is estimated.
             candidate = Candidate(data, fsdp, tensor, stage, zeros[0], self.remats[0], preset=preset)
             layout = candidate_layout(cfg, candidate, rules, self.abstract_params)
             node = [f"tensor={tensor} spans more than a node of {self.hardware.node_size} (--node-size)"]

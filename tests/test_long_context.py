@@ -164,30 +164,97 @@ def test_positions_that_do_not_divide_are_one_line_errors():
     _trainer((1, 4, 1, 1), RING_IN_ORDER, dataclasses.replace(LONG, seq_len=36))  # without it: fine
 
 
-@pytest.mark.slow
-def test_context_parallel_inside_pipeline_stages(reference):
-    """CP over fsdp and TP inside each stage of a 2-stage 1F1B pipeline (4 layers)."""
-    four = dataclasses.replace(LONG, num_layers=4)
-    ref_loss, ref_grads = loss_and_grads(_trainer((1, 1, 1, 1), Preset.FSDP_TP, four))
-    trainer = _trainer((1, 2, 2, 2), Preset.FSDP_TP_CP, four, pipeline=PipelineConfig(2, Schedule.ONE_F_ONE_B))
+# Two stages of two layers each.
+FOUR_LAYERS = dataclasses.replace(LONG, num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def four_layers_reference():
+    return loss_and_grads(_trainer((1, 1, 1, 1), Preset.FSDP_TP, FOUR_LAYERS))
+
+
+def _assert_equal_one_device(reference, trainer):
+    ref_loss, ref_grads = reference
     loss, grads = loss_and_grads(trainer)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
-        assert np.linalg.norm(grad - ref_grads[name]) / np.linalg.norm(ref_grads[name]) <= 1e-5, name
+        assert relative_l2(grad, ref_grads[name]) <= 1e-5, (name, relative_l2(grad, ref_grads[name]))
 
 
 @pytest.mark.slow
-def test_ring_layout_passes_keys_round_the_ring_and_refuses_pipeline_stages():
-    from meshtrain.errors import ConfigError
+def test_context_parallel_inside_pipeline_stages(four_layers_reference):
+    """CP over fsdp and TP inside each stage of a 2-stage 1F1B pipeline (4 layers)."""
+    _assert_equal_one_device(four_layers_reference, _trainer((1, 2, 2, 2), Preset.FSDP_TP_CP, FOUR_LAYERS,
+                                                             pipeline=PipelineConfig(2, Schedule.ONE_F_ONE_B)))
+
+
+RING_PIPELINES = {"1f1b": PipelineConfig(4, Schedule.ONE_F_ONE_B), "zb_h1": PipelineConfig(4, Schedule.ZB_H1),
+                  "gpipe": PipelineConfig(4, Schedule.GPIPE),
+                  "interleaved": PipelineConfig(4, Schedule.INTERLEAVED, virtual_stages=2)}
+
+
+@pytest.mark.parametrize("schedule", [s if s == "1f1b" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in RING_PIPELINES])
+def test_ring_inside_pipeline_stages_equals_one_device(four_layers_reference, schedule):
+    """Balanced ring CP 2 over fsdp inside each of 2 pipeline stages (mesh (1, 2, 1, 2), 2 layers per
+    stage, 4 microbatches), fp32: loss rel 1e-5, gradients rel L2 1e-5 per parameter (measured:
+    loss 9.4e-8, gradients at most 1.6e-6, every schedule). 1F1B in the fast tier."""
+    _assert_equal_one_device(four_layers_reference, _trainer((1, 2, 1, 2), Preset.FSDP_CP_RING, FOUR_LAYERS,
+                                                             pipeline=RING_PIPELINES[schedule]))
+
+
+# The calls naming other computations in optimized HLO.
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation)="
+                     r"(\{[^}]*\}|%[\w.\-]+)")
+
+
+def _collectives_in_branches(hlo_text: str) -> dict[str, int]:
+    """The collectives of the computations a ``conditional`` of the program runs (its branches and
+    what they call): the ones that only the devices taking a branch reach."""
+    bodies, name = {}, None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = line.split()[line.startswith("ENTRY")].lstrip("%")
+            bodies[name] = []
+        elif name is not None:
+            bodies[name].append(line)
+    calls = {name: set(re.findall(r"%([\w.\-]+)", " ".join(_CALLED.findall("\n".join(lines)))))
+             for name, lines in bodies.items()}
+    todo = [branch for lines in bodies.values() for line in lines if " conditional(" in line
+            for branch in re.findall(r"%([\w.\-]+)", " ".join(_CALLED.findall(line)))]
+    reached = set()
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo += calls.get(name, ())
+    return {op: count for op, count in collective_counts(
+        "\n".join(line for name in reached for line in bodies.get(name, []))).items() if count}
+
+
+@pytest.mark.slow
+def test_ring_inside_pipeline_stages_runs_every_slot_on_every_stage():
+    """XLA:CPU's collective-permute waits for the devices of every stage (a stage skipping it
+    deadlocks the others: seen with the slots under ``lax.cond``), so under ring attention no
+    collective of the pipeline's program lies in a branch; under the all-gather scheme the slots
+    stay conditional and their collectives (all-gathers of the keys) lie in branches."""
+    def gradients_hlo(preset):  # the gradients alone: the optimizer's update has conditionals of its own
+        trainer = _trainer((1, 2, 1, 2), preset, FOUR_LAYERS, pipeline=RING_PIPELINES["1f1b"])
+        return jax.jit(trainer.gradients).lower(trainer.abstract_state(), trainer.abstract_batch()).compile().as_text()
+
+    ring = gradients_hlo(Preset.FSDP_CP_RING)
+    assert collective_counts(ring)["collective-permute"] > 4 and not _collectives_in_branches(ring)
+    assert _collectives_in_branches(gradients_hlo(Preset.FSDP_TP_CP)).get("all-gather", 0) > 0
+
+
+@pytest.mark.slow
+def test_ring_layout_passes_keys_round_the_ring():
     compiled = _compiled(_trainer((1, 4, 1, 1), Preset.FSDP_CP_RING))
     # Each ring loop's body appears once in the HLO. The forward moves the keys, the values and their
     # positions and segments (int32, for the mask: the balanced order makes both explicit): 4; the
     # backward's ring moves those four again with the keys' and values' gradients: 6. 10 in all.
     assert collective_counts(compiled.as_text())["collective-permute"] == 10
-    with pytest.raises(ConfigError) as info:
-        _trainer((1, 2, 1, 2), Preset.FSDP_CP_RING, dataclasses.replace(LONG, num_layers=4),
-                 pipeline=PipelineConfig(2, Schedule.ONE_F_ONE_B))
-    assert info.value.field == "sharding.rules.kv_length" and "pipeline" in info.value.message
 
 
 def _tiny_temp_bytes(overrides: list[str], devices: int = 1, packed: bool = False) -> int:

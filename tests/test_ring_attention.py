@@ -2,15 +2,17 @@
 backward against ``jax.nn.dot_product_attention`` on the whole sequence (fp32, abs 2e-5 / grads rel
 L2 1e-5), with grouped-query heads and document segments, on rings of 2, 4 and 8 devices, in sequence
 order and in the balanced order (undone before comparing), and with each ring step's keys visited in
-sub-blocks of queries and keys (``block``)."""
+sub-blocks of queries and keys (``block``); and the ring written for XLA's partitioner inside a
+pipeline stage (``ring_attention_in_stage``) on rings of 2 and 4."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
-from meshtrain.parallel.ring_attention import balanced_order, ring_attention, sub_block_length
+from meshtrain.parallel.ring_attention import balanced_order, ring_attention, ring_attention_in_stage, sub_block_length
 
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM = 2, 32, 4, 2, 8
 
@@ -62,6 +64,10 @@ def test_ring_attention_equals_full_attention(ring, with_segments, balanced, blo
                                   block=block)
         return permuted[:, undo]
 
+    _assert_equals_full_attention(ring_fn, q, k, v, segments)
+
+
+def _assert_equals_full_attention(ring_fn, q, k, v, segments):
     ring_fn = jax.jit(ring_fn)
     full_fn = jax.jit(lambda q, k, v: _reference(q, k, v, segments))
     np.testing.assert_allclose(np.asarray(ring_fn(q, k, v)), np.asarray(full_fn(q, k, v)), atol=2e-5, rtol=0)
@@ -73,6 +79,27 @@ def test_ring_attention_equals_full_attention(ring, with_segments, balanced, blo
     for name, mine, theirs in zip("qkv", ring_grads, full_grads):
         error = float(jnp.linalg.norm(mine - theirs) / jnp.linalg.norm(theirs))
         assert error <= 1e-5, (name, error)
+
+
+@pytest.mark.parametrize("ring", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_ring_attention_inside_a_pipeline_stage_equals_full_attention(ring):
+    """``ring_attention_in_stage`` inside a ``shard_map`` manual over ``stage`` (2 stages, each with
+    its own ring over ``fsdp``), balanced order, documents, sub-blocks of 4."""
+    mesh = Mesh(np.array(jax.devices()[:2 * ring]).reshape(ring, 2), ("fsdp", "stage"),
+                axis_types=(AxisType.Auto,) * 2)
+    q, k, v = _inputs()
+    segments = _segments()
+    order = balanced_order(LENGTH, ring)
+    positions = jnp.asarray(order, jnp.int32)[None]
+
+    def ring_fn(q, k, v):
+        in_stage = lambda q, k, v: ring_attention_in_stage(q, k, v, positions, segments[:, order], axis="fsdp",
+                                                           ranks=ring, block=4)
+        permuted = jax.shard_map(in_stage, mesh=mesh, in_specs=P(), out_specs=P(), axis_names={"stage"})(
+            q[:, order], k[:, order], v[:, order])
+        return permuted[:, np.argsort(order)]
+
+    _assert_equals_full_attention(ring_fn, q, k, v, segments)
 
 
 def test_sub_block_length_is_the_largest_divisor_not_above_the_request():

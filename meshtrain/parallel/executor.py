@@ -6,8 +6,19 @@ it a ``TableExecutor`` holds one stage's trace (its cast parameters, microbatche
 traced forward and backward) and runs a ``lax.scan`` per run of ticks with the same slot kinds: in
 each tick every device reads its own row of the table's typed ``Columns`` and runs its task of each
 slot (``forward_slot``, ``head_step``, ``backward_slot``, ``input_grad_slot``, ``weight_slot``, each
-under ``lax.cond``: an idle stage computes nothing), then activations move one stage forward and
-gradients one stage back (``lax.ppermute``). What the ticks carry is a ``Carry``.
+under ``lax.cond``: an idle stage computes nothing, unless in lock step, below), then activations
+move one stage forward and gradients one stage back (``lax.ppermute``). What the ticks carry is a
+``Carry``.
+
+Lock step (``MeshActivationSharding.lockstep_stages``: ring attention inside the stages): XLA:CPU's
+collective-permute, which moves the ring's blocks, waits for the devices of every stage, so a
+stage that skips its slot deadlocks the others (seen with the slots under ``lax.cond``). There
+every stage runs every slot of each tick and an idle stage's result is dropped by a select
+(``_if``): nothing it computed reaches a buffer, the loss or a gradient, and it needs the same
+memory as a real task. A tick then takes the time of all its slots on every stage, which is what
+the table's lock-step time already counts (``ScheduleTable.time``, of which the bubble is the idle
+share): the bubble computes discarded results instead of waiting. Under ``lax.cond`` a tick whose
+stages run different slots can take less.
 
 Values that cross stages stay fp32 (``CROSSING_DTYPE``) and are cast to the compute dtype inside
 the stage (XLA:CPU aborts on a bf16 psum inside a partially manual shard_map).
@@ -73,13 +84,21 @@ def _without_layers(params: nnx.State) -> tuple[Any, nnx.State]:
     return params["layers"], with_layers(params, None)
 
 
-def _if(active: jax.Array, compute: Callable[[], Any]) -> Any:
-    """``compute()`` where ``active`` (this stage has the task), zeros elsewhere: a ``lax.cond``, so
-    an idle stage does none of the work."""
-    shapes = jax.eval_shape(compute)
+def _select(which: jax.Array, if_true: Callable[[], Any], if_false: Callable[[], Any], lockstep: bool) -> Any:
+    """``if_true()`` where ``which``, else ``if_false()``: a ``lax.cond``, so a stage computes one of
+    them; in ``lockstep`` both, then a select (every device enters the collectives of both)."""
     varying = lambda tree: jax.tree.map(_stage_varying, tree)
-    return jax.lax.cond(active, lambda: varying(compute()),
-                        lambda: varying(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)))
+    if lockstep:
+        return jax.tree.map(lambda a, b: jnp.where(which, a, b), varying(if_true()), varying(if_false()))
+    return jax.lax.cond(which, lambda: varying(if_true()), lambda: varying(if_false()))
+
+
+def _if(active: jax.Array, compute: Callable[[], Any], lockstep: bool) -> Any:
+    """``compute()`` where ``active`` (this stage has the task), zeros elsewhere: a ``lax.cond``, so
+    an idle stage does none of the work; in ``lockstep`` every stage computes and an idle stage's
+    result is dropped (a select, so nothing it computed reaches a buffer or a gradient)."""
+    shapes = jax.eval_shape(compute)
+    return _select(active, compute, lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), lockstep)
 
 
 def _add_aux(total: LayerAux, aux: LayerAux) -> LayerAux:
@@ -221,6 +240,7 @@ class TableExecutor:
                  compute_dtype, train: bool, params: nnx.State, microbatches: Batch):
         self.table, self.sizes, self.model_of, self.objective = table, sizes, model_of, objective
         self.shard, self.compute_dtype, self.train, self.microbatches = shard, compute_dtype, train, microbatches
+        self.lockstep = shard.lockstep_stages
         self.stage = jax.lax.axis_index(STAGE)
         params = jax.tree.map(_stage_varying, params)
         self.layers, self.rest = _without_layers(cast_floating(params, compute_dtype))
@@ -304,8 +324,8 @@ class TableExecutor:
         def add(rest_grads):
             _, embed_vjp = jax.vjp(lambda rest: self.embed(rest, m), self.rest)
             return add_gradients(rest_grads, embed_vjp(dx)[0])
-        return carry.replace(rest_grads=jax.lax.cond(first, add, lambda g: jax.tree.map(_stage_varying, g),
-                                                     carry.rest_grads))
+        return carry.replace(rest_grads=_select(first, lambda: add(carry.rest_grads), lambda: carry.rest_grads,
+                                                self.lockstep))
 
     # ----- the slots -----
     def forward_slot(self, carry: Carry, task: ForwardTasks) -> tuple[Carry, jax.Array]:
@@ -315,11 +335,11 @@ class TableExecutor:
 
         def compute():
             # Both branches in the residual stream's sharding (a conditional needs one).
-            x = jax.lax.cond(first, lambda: _stage_varying(self.shard(self.embed(self.rest, m), RESIDUAL_AXES)),
-                             lambda: _stage_varying(self.shard(_read(carry.inputs, task.input), RESIDUAL_AXES)))
+            x = _select(first, lambda: self.shard(self.embed(self.rest, m), RESIDUAL_AXES),
+                        lambda: self.shard(_read(carry.inputs, task.input), RESIDUAL_AXES), self.lockstep)
             return self.program.run_forward(self.chunk_layers(v), self.rest, x, documents_of(self.microbatch(m)))
 
-        (y, aux_loss), aux, stash = _if(task.stash >= 0, compute)
+        (y, aux_loss), aux, stash = _if(task.stash >= 0, compute, self.lockstep)
         carry = carry.replace(stash=[_write(b, task.stash, s) for b, s in zip(carry.stash, stash)],
                               loss=carry.loss + aux_loss, aux=_add_aux(carry.aux, aux))
         return carry, y
@@ -337,10 +357,10 @@ class TableExecutor:
         the other stages)."""
         last = self.stage == self.table.stages - 1
         if not self.train:
-            loss, aux = _if(last, lambda: self.ahead_loss(self.rest, y, m))
+            loss, aux = _if(last, lambda: self.ahead_loss(self.rest, y, m), self.lockstep)
             return carry.replace(loss=carry.loss + loss, aux=_add_aux(carry.aux, aux)), jnp.zeros_like(y)
         (loss, aux), (d_rest, d_y) = _if(last, lambda: jax.value_and_grad(self.ahead_loss, argnums=(0, 1),
-                                                                          has_aux=True)(self.rest, y, m))
+                                                                          has_aux=True)(self.rest, y, m), self.lockstep)
         return carry.replace(loss=carry.loss + loss, aux=_add_aux(carry.aux, aux),
                              rest_grads=add_gradients(carry.rest_grads, d_rest)), d_y
 
@@ -367,7 +387,7 @@ class TableExecutor:
             stash, cotangent = self._stashed(carry, task)
             return self.backward((stash, self.chunk_layers(task.chunk), self.rest), cotangent)
 
-        d_layers, dx = _if(task.stash >= 0, compute)
+        d_layers, dx = _if(task.stash >= 0, compute, self.lockstep)
         return self._send_gradient(self.add_layer_grads(carry, task.chunk, d_layers), task, dx)
 
     def input_grad_slot(self, carry: Carry, task: InputGradTasks) -> tuple[Carry, jax.Array]:
@@ -378,7 +398,7 @@ class TableExecutor:
             dx, cut = self.split.input_grad((stash, self.chunk_layers(task.chunk), self.rest), cotangent)
             return dx, list(cut)
 
-        dx, cut = _if(task.stash >= 0, compute)
+        dx, cut = _if(task.stash >= 0, compute, self.lockstep)
         carry = carry.replace(cut=[_write(b, task.cut, c) for b, c in zip(carry.cut, cut)])
         return self._send_gradient(carry, task, dx)
 
@@ -389,7 +409,7 @@ class TableExecutor:
             cut = [_read(b, task.cut) for b in carry.cut]
             return self.split.weight_grad((stash, self.chunk_layers(task.chunk), self.rest), cut)
 
-        return self.add_layer_grads(carry, task.chunk, _if(task.stash >= 0, compute))
+        return self.add_layer_grads(carry, task.chunk, _if(task.stash >= 0, compute, self.lockstep))
 
     def _stashed(self, carry: Carry, task: BackwardTasks) -> tuple[list[jax.Array], tuple[jax.Array, jax.Array]]:
         """A backward's stash and its cotangent (d output, d aux loss)."""

@@ -163,10 +163,6 @@ class Layout:
                                     f"{ring_size} (the balanced order cuts it into {2 * ring_size} chunks); use a "
                                     "multiple, or sharding.balance_ring=false",
                                     f"seq {self.model.seq_len} not divisible by 2x{ring}={2 * ring_size}"))
-        if ring_size > 1 and self.stages > 1:
-            found.append(Infeasible("sharding.rules.kv_length", f"ring attention (kv_length split over {ring}) "
-                                    "does not run inside pipeline stages yet; gather the keys (kv_length: null, "
-                                    "e.g. preset fsdp_tp_cp) or set mesh.stage=1", "ring attention with stage > 1"))
         found += self._expert_problems(rules)
         if self.stages > 1:
             found += self.pipeline.problems(self.stages, self.model.num_layers, self.rows_per_shard,

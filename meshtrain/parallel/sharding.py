@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.parallel import experts
 from meshtrain.parallel.rules import ShardingRules, drop_axes, mesh_axes_of
-from meshtrain.parallel.ring_attention import ring_attention
+from meshtrain.parallel.ring_attention import ring_attention, ring_attention_in_stage
 from meshtrain.errors import ConfigError
 from models.attention import AttentionKernel, AttentionSpec, attend, blockwise_attention
 from models.common import ActivationSharding, ExpertCompute, LogicalAxes, logical_axes_of
@@ -86,6 +86,15 @@ class MeshActivationSharding:
         self.query_axes = () if self.ring else tuple(
             a for a in mesh_axes_of(rules.activation_spec(("length",))[0]) if mesh.shape[a] > 1)
 
+    @property
+    def lockstep_stages(self) -> bool:
+        """Whether the layers run collectives that every device of the mesh must enter at once, so
+        that a pipeline runs every slot on every stage each tick (``meshtrain.parallel.executor``):
+        ring attention inside a stage moves its blocks by XLA's collective-permute, whose
+        rendezvous on XLA:CPU spans the devices of every stage (a stage skipping it deadlocks the
+        others)."""
+        return self.ring is not None
+
     def __call__(self, x: jax.Array, axes: LogicalAxes) -> jax.Array:
         # Inside a shard_map (a pipeline stage) the traced mesh has ``stage`` manual: use it.
         traced_mesh = jax.sharding.get_abstract_mesh()
@@ -127,8 +136,11 @@ class MeshActivationSharding:
             if spec.kernel not in (AttentionKernel.AUTO, AttentionKernel.BLOCKWISE):
                 raise ConfigError("model.attention", f"{spec.kernel.value} cannot run ring attention's steps "
                                   f"(kv_length split over {self.ring}: each step is blockwise); use auto or blockwise")
+            stages = self.mesh.shape.get("stage", 1)
+            in_stages = (f"; inside the {stages} pipeline stages every sub-block pair is computed, and every stage "
+                         "runs every slot of each tick (an idle one's result dropped)" if stages > 1 else "")
             return (f"attention: ring over {self.ring} ({self.mesh.shape[self.ring]} steps, blockwise sub-blocks of "
-                    f"at most {self.rules.ring_block or 'all'} positions{window})")
+                    f"at most {self.rules.ring_block or 'all'} positions{window}){in_stages}")
         try:
             kernel = spec.kernel.resolve(self.mesh.devices.flat[0].platform, packed)
         except ValueError as error:
@@ -146,6 +158,10 @@ class MeshActivationSharding:
             return self._attend_local_queries(q, k, v, segments, spec)
         if self.ring is None:
             return attend(q, k, v, segments, spec)
+        if in_stage:
+            return ring_attention_in_stage(q, k, v, positions, segments, axis=self.ring,
+                                           ranks=self.mesh.shape[self.ring], block=self.rules.ring_block,
+                                           window=spec.window)
         return ring_attention(q, k, v, positions, segments, mesh=self.mesh, axis=self.ring,
                               block=self.rules.ring_block, window=spec.window)
 
