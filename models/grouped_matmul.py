@@ -12,8 +12,11 @@ Two kernels (``GroupedKernel``):
   whole number of blocks (``BlockLayout``), then one ``[block, in] x [in, out]`` matmul per block
   with its group's weights, in a scan (``blocked_matmul``, whose backward is written out so that
   the weight gradient accumulates in place instead of as one weight-sized cotangent per block).
-  The work is ``blocks * block`` rows, at most ``m + groups * (block - 1)``; memory is the padded
-  rows only.
+  The scan has a static length, ``(m + groups * (block - 1)) // block`` blocks, but skips the
+  blocks past the used ones at run time (``lax.cond``): the work is the rows of a group rounded up
+  to whole blocks, for the rows that belong to a group (under expert parallelism most rows of a
+  worst-case exchange buffer are padding of no group and cost no matmul); memory is the padded
+  buffer. The FLOP counter (``meshtrain/flops.py``) counts every block, an upper bound.
 
 ``GroupedKernel.AUTO`` is ``ragged`` on TPUs and ``blocked`` elsewhere (on GPUs XLA's ragged_dot is
 reported to expand like XLA:CPU's; scripts/gpu_check.sh times both there).
@@ -28,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +73,15 @@ def auto_block(rows: int, groups: int) -> int:
 
 
 def _dot(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
-    """``einsum(equation)`` summed in fp32, in ``x``'s dtype."""
-    return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    """``einsum(equation)`` summed and returned in fp32."""
+    return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
+
+
+def _stacked(blocks: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """A scan's stacked fp32 block results [blocks, block, width] in ``dtype``. The scans stack in
+    fp32 and cast once: XLA:CPU upcasts a bf16 ``dynamic-update-slice`` to fp32, so a bf16 stack
+    would be converted whole, both ways, in every iteration (blocks x the buffer's traffic)."""
+    return blocks.astype(dtype)
 
 
 def _varying_as(value: jax.Array, *references: jax.Array) -> jax.Array:
@@ -85,11 +97,27 @@ def _summed_as(value: jax.Array, reference: jax.Array) -> jax.Array:
     return jax.lax.psum(value, extra) if extra else value
 
 
+def _if_used(group: jax.Array, compute: Callable[[], Any], skipped: Callable[[], Any]) -> Any:
+    """``compute()`` for a block of a group (``group`` >= 0), ``skipped()`` for a block past the used
+    ones: a ``lax.cond``, so that a skipped block costs no matmul at run time (the scan's length is
+    static, the rows that arrive are not: under expert parallelism most of a worst-case exchange
+    buffer is padding)."""
+    return jax.lax.cond(group >= 0, compute, skipped)
+
+
 @jax.custom_vjp
 def blocked_matmul(x: jax.Array, w: jax.Array, block_group: jax.Array) -> jax.Array:
     """x [blocks, block, in], w [groups, in, out], int ``block_group`` [blocks] -> [blocks, block,
-    out]: each block times its group's weights, summed in fp32, in x's dtype."""
-    return jax.lax.scan(lambda _, xs: (None, _dot(xs[0], w[xs[1]], "bi,io->bo")), None, (x, block_group))[1]
+    out]: each block times its group's weights, summed in fp32, in x's dtype; zero for a block of
+    group -1 (skipped, ``BlockLayout``). The scan stacks its blocks in fp32 and casts once after
+    (``_stacked``)."""
+
+    def step(_, xs):
+        xb, group = xs
+        zeros = lambda: _varying_as(jnp.zeros((xb.shape[0], w.shape[-1]), jnp.float32), xb, w)
+        return None, _if_used(group, lambda: _dot(xb, w[group], "bi,io->bo"), zeros)
+
+    return _stacked(jax.lax.scan(step, None, (x, block_group))[1], x.dtype)
 
 
 def _blocked_forward(x, w, block_group):
@@ -101,12 +129,12 @@ def _blocked_backward(residuals, dy):
 
     def step(dw, xs):
         xb, dyb, group = xs
-        dw = dw.at[group].add(jnp.einsum("bi,bo->io", xb, dyb, preferred_element_type=jnp.float32))
-        return dw, _dot(dyb, w[group], "bo,io->bi")
+        used = lambda: (dw.at[group].add(_dot(xb, dyb, "bi,bo->io")), _dot(dyb, w[group], "bo,io->bi"))
+        return _if_used(group, used, lambda: (dw, _varying_as(jnp.zeros(xb.shape, jnp.float32), dyb, w)))
 
     dw, dx = jax.lax.scan(step, _varying_as(jnp.zeros(w.shape, jnp.float32), x, dy, w), (x, dy, block_group))
     # Inside a shard_map each cotangent is summed over the axes its primal is the same on.
-    return _summed_as(dx, x), _summed_as(dw, w).astype(w.dtype), None
+    return _summed_as(_stacked(dx, x.dtype), x), _summed_as(dw, w).astype(w.dtype), None
 
 
 blocked_matmul.defvjp(_blocked_forward, _blocked_backward)
@@ -128,9 +156,11 @@ def _fp8_blocked(margin, axes, x_dtype, w_dtype, x, w, block_group, observed, hi
 def _fp8_blocked_forward(margin, axes, x_dtype, w_dtype, x, w, block_group, observed, history):
     del w_dtype, observed
     q = quantize_operands(x, w, history, margin, axes)
-    product = lambda xb, group: (jnp.einsum("bi,io->bo", xb, q.q_w[group], preferred_element_type=jnp.float32)
-                                 * (q.scale_x * q.scale_w)).astype(x_dtype)
-    y = jax.lax.scan(lambda _, xs: (None, product(*xs)), None, (q.q_x, block_group))[1]
+    product = lambda xb, group: _dot(xb, q.q_w[group], "bi,io->bo") * (q.scale_x * q.scale_w)
+    zeros = lambda xb: _varying_as(jnp.zeros((xb.shape[0], q.q_w.shape[-1]), jnp.float32), xb, q.q_w, q.scale_x,
+                                   q.scale_w)
+    y = _stacked(jax.lax.scan(lambda _, xs: (None, _if_used(xs[1], lambda: product(*xs), lambda: zeros(xs[0]))),
+                              None, (q.q_x, block_group))[1], x_dtype)
     return y, (q, block_group, history)
 
 
@@ -140,14 +170,16 @@ def _fp8_blocked_backward(margin, axes, x_dtype, w_dtype, residuals, dy):
 
     def step(dw, xs):
         xb, gb, group = xs
-        dw = dw.at[group].add(jnp.einsum("bi,bo->io", xb, gb, preferred_element_type=jnp.float32))
-        dx = jnp.einsum("bo,io->bi", gb, q.q_w[group], preferred_element_type=jnp.float32) * (scale_g * q.scale_w)
-        return dw, dx.astype(x_dtype)
+
+        used = lambda: (dw.at[group].add(_dot(xb, gb, "bi,bo->io")),
+                        _dot(gb, q.q_w[group], "bo,io->bi") * (scale_g * q.scale_w))
+        zeros = lambda: _varying_as(jnp.zeros(xb.shape, jnp.float32), gb, q.q_w, scale_g, q.scale_w)
+        return _if_used(group, used, lambda: (dw, zeros()))
 
     dw, dx = jax.lax.scan(step, _varying_as(jnp.zeros(q.q_w.shape, jnp.float32), q.q_x, q_g, q.q_w),
                           (q.q_x, q_g, block_group))
     dw = _summed_as(dw * (q.scale_x * scale_g), q.q_w).astype(w_dtype)
-    return (_summed_as(dx, q.q_x), dw, None, *observed_cotangents(q, amax_g, history))
+    return (_summed_as(_stacked(dx, x_dtype), q.q_x), dw, None, *observed_cotangents(q, amax_g, history))
 
 
 _fp8_blocked.defvjp(_fp8_blocked_forward, _fp8_blocked_backward)
@@ -163,9 +195,9 @@ def grouped_product(x: jax.Array, w: jax.Array | Fp8Weight, block_group: jax.Arr
 class BlockLayout:
     """Where each of m rows sits in a ``[blocks, block, width]`` buffer sorted by group.
 
-    slot: int [m], the row's index in the flattened buffer (``blocks * block`` for a row of no
-    group: an id >= groups). block_group: int [blocks], the group of each block (blocks past the
-    used ones hold zero rows and name the last group).
+    slot: int [m], the row's index in the flattened buffer (at least ``blocks * block``, distinct,
+    for a row of no group: an id >= groups). block_group: int [blocks], the group of each block; -1 for the blocks
+    past the used ones (zero rows, skipped by the kernels at run time).
     """
 
     slot: jax.Array
@@ -185,11 +217,14 @@ class BlockLayout:
         ordered = ids[order]
         group = jnp.minimum(ordered, groups - 1)
         rank = jnp.arange(m) - first_row[group]
-        slot_sorted = jnp.where(ordered < groups, first_block[group] * block + rank, blocks * block)
+        # A row of no group gets a slot of its own past the buffer: every slot is distinct, so the
+        # scatter into the buffer is unique (its transpose a plain gather).
+        slot_sorted = jnp.where(ordered < groups, first_block[group] * block + rank, blocks * block + jnp.arange(m))
         slot = jnp.zeros(m, jnp.int32).at[order].set(slot_sorted.astype(jnp.int32), unique_indices=True)
         # The last group starting at or before each block (groups of no blocks start where the next does).
         starts = jnp.zeros(blocks, jnp.int32).at[first_block].add(1, mode="drop")
-        block_group = jnp.clip(jnp.cumsum(starts) - 1, 0, groups - 1).astype(jnp.int32)
+        block_group = jnp.clip(jnp.cumsum(starts) - 1, 0, groups - 1)
+        block_group = jnp.where(jnp.arange(blocks) < jnp.sum(per_group), block_group, -1).astype(jnp.int32)
         return cls(slot=slot, block_group=block_group, block=block)
 
     @property
@@ -199,7 +234,7 @@ class BlockLayout:
     def gather(self, rows: jax.Array) -> jax.Array:
         """rows [m, width] -> the buffer [blocks, block, width] (padding rows zero)."""
         buffer = jnp.zeros((self.blocks * self.block, rows.shape[-1]), rows.dtype)
-        return buffer.at[self.slot].set(rows, mode="drop").reshape(self.blocks, self.block, -1)
+        return buffer.at[self.slot].set(rows, mode="drop", unique_indices=True).reshape(self.blocks, self.block, -1)
 
     def scatter(self, buffer: jax.Array) -> jax.Array:
         """The buffer [blocks, block, width] -> rows [m, width] (zero for a row of no group)."""

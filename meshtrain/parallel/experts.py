@@ -8,9 +8,10 @@ On every device (its tokens ``[b, s]`` of the batch, its ``E / EP`` experts):
    into a fixed buffer ``[EP, C, embed]``, ``C`` rows per peer;
 2. one ``all_to_all`` over the expert axes: each device receives the rows bound for its experts;
 3. the model's ``ExpertCompute`` runs its experts over exactly those rows (padding rows carry an
-   id past the local experts and cost nothing in the grouped matmuls), its result summed over the
-   mesh axes splitting the experts' hidden dimension (tensor parallelism);
-4. the reverse ``all_to_all``, and each choice reads its row back.
+   id past the local experts and cost nothing in the grouped matmuls);
+4. the reverse ``all_to_all``, each choice reads its row back, and the rows are summed over the
+   mesh axes splitting the experts' hidden dimension (tensor parallelism): ``m`` rows, not the
+   ``EP x C`` of the buffers.
 
 ``C`` is ``ceil(buffer_factor * b * s * top_k / EP)`` (at most ``b * s * top_k``); ``buffer_factor
 = 0`` gives the worst case, ``b * s * top_k``, with which no choice is ever dropped: every device
@@ -38,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
+from models.attention import varying_axes
 from models.common import ExpertCompute, Fp8Weight, LogicalAxes, choice_rows
 
 TOKEN_AXES: LogicalAxes = ("batch", "length")
@@ -97,6 +99,11 @@ def run_experts(compute: ExpertCompute, x: jax.Array, choices: jax.Array, params
 
     def body(x: jax.Array, choices: jax.Array, *params: jax.Array) -> tuple[jax.Array, jax.Array]:
         rows, ids = choice_rows(x, top_k), choices.reshape(-1)
+        # The rows marked as differing over the hidden split: the backward then sums their
+        # gradient over it once, here over these m rows (this cast's transpose), not inside
+        # each grouped matmul over its padded buffer.
+        missing = tuple(a for a in hidden if a not in varying_axes(rows))
+        rows = jax.lax.pcast(rows, missing, to="varying") if missing else rows
         dropped = jnp.zeros((), jnp.int32)
         if peers == 1:
             out = compute(rows, ids, *params)
@@ -127,11 +134,14 @@ def _pack(rows: jax.Array, ids: jax.Array, local: int, peers: int, capacity: int
     order = jnp.argsort(peer, stable=True)
     counts = jnp.bincount(peer, length=peers)
     starts = jnp.cumsum(counts) - counts
-    position = jnp.zeros(m, jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32) - starts[peer[order]])
+    position = jnp.zeros(m, jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32) - starts[peer[order]],
+                                                     unique_indices=True)
     kept = position < capacity
-    slot = jnp.where(kept, peer * capacity + position, peers * capacity)  # past the buffer: dropped
-    send = jnp.zeros((peers * capacity, width), rows.dtype).at[slot].set(rows, mode="drop")
-    send_ids = jnp.full((peers * capacity,), local, ids.dtype).at[slot].set(local_ids, mode="drop")
+    # A dropped row's slot is past the buffer and its own: the scatters are unique (their transpose a gather).
+    slot = jnp.where(kept, peer * capacity + position, peers * capacity + jnp.arange(m, dtype=jnp.int32))
+    unique = dict(mode="drop", unique_indices=True)
+    send = jnp.zeros((peers * capacity, width), rows.dtype).at[slot].set(rows, **unique)
+    send_ids = jnp.full((peers * capacity,), local, ids.dtype).at[slot].set(local_ids, **unique)
     return send.reshape(peers, capacity, width), send_ids.reshape(peers, capacity), slot, kept
 
 
@@ -150,9 +160,10 @@ def _exchange(compute: ExpertCompute, rows: jax.Array, ids: jax.Array, params: t
     send, send_ids, slot, kept = _pack(rows, ids, _weight(params[0]).shape[0], peers, capacity)
     exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0)
     out = compute(exchange(send).reshape(-1, rows.shape[1]), exchange(send_ids).reshape(-1), *params)
-    if hidden:
-        out = jax.lax.psum(out, hidden)
-    return _unpack(exchange(out.reshape(send.shape)), slot, kept), jnp.sum(~kept).astype(jnp.int32)
+    # The partial sums over the experts' split hidden dimension are added after the rows are home:
+    # over this device's m rows, not the peers x capacity rows of the buffer (mostly padding).
+    out = _unpack(exchange(out.reshape(send.shape)), slot, kept)
+    return (jax.lax.psum(out, hidden) if hidden else out), jnp.sum(~kept).astype(jnp.int32)
 
 
 def _run_in_stage(compute: ExpertCompute, x: jax.Array, choices: jax.Array, params: tuple[jax.Array, ...],
