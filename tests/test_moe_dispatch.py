@@ -26,7 +26,7 @@ from meshtrain.parallel.sharding import activation_sharding
 from meshtrain.train import main
 from models.attention import AttentionKernel
 from models.common import unconstrained
-from models.grouped_matmul import GroupedKernel
+from models.grouped_matmul import BlockLayout, GroupedKernel, blocked_matmul
 from models.moe import FAMILY, Dispatch, MoEConfig
 from models.moe.model import SparseMoE, grouped_swiglu
 from test_moe import MOE, MOE_YAML, _assert_matches, _trainer
@@ -112,6 +112,36 @@ def test_the_run_says_which_exchange_runs_and_warns_of_an_overflow(tmp_path, cap
     assert "experts: split 4 ways over ['data', 'fsdp']; a sorted dispatch's rows travel by all-to-all" in err
     warnings = [line for line in err.splitlines() if line.startswith("warning: moe_exchange_overflow")]
     assert len(warnings) == 1 and "raise model.exchange_buffer_factor" in warnings[0], err
+
+
+# --- the blocked kernel ------------------------------------------------------------------------------------
+
+def test_the_blocked_kernel_skips_the_blocks_past_the_used_ones():
+    """Rows of no group (an exchange buffer's padding) fill no block: the layout names the blocks past
+    the used ones group -1, and the kernel neither computes them nor reads them (junk put there
+    reaches no output and no gradient), forward and both gradients equal to a per-block reference."""
+    groups, block = 3, 2
+    ids = jnp.array([1, 0, 1, 7, 7, 7, 7, 7, 2, 7])  # sizes 1, 2, 1: one block each; 6 blocks in all
+    layout = BlockLayout.of(ids, groups, block)
+    np.testing.assert_array_equal(np.asarray(layout.block_group), [0, 1, 2, -1, -1, -1])
+    rows = jax.random.normal(jax.random.key(0), (ids.shape[0], 4))
+    w = jax.random.normal(jax.random.key(1), (groups, 4, 5))
+    x = layout.gather(rows).at[3:].set(100.0)  # junk in the skipped blocks
+    cotangent = jax.random.normal(jax.random.key(2), (layout.blocks, block, 5))
+
+    def loss(x, w, product):
+        return jnp.sum(product(x, w) * cotangent)
+
+    def reference(x, w):  # the used blocks only, each with its group's weights
+        used = jnp.stack([x[b] @ w[g] for b, g in enumerate([0, 1, 2])])
+        return jnp.concatenate([used, jnp.zeros((3, block, 5))])
+
+    kernel = lambda x, w: blocked_matmul(x, w, layout.block_group)
+    np.testing.assert_allclose(kernel(x, w), reference(x, w), rtol=1e-6, atol=1e-6)
+    (dx, dw), (dx_ref, dw_ref) = (jax.grad(loss, argnums=(0, 1))(x, w, f) for f in (kernel, reference))
+    assert not np.any(np.asarray(dx[3:]))
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-6, atol=1e-5)
 
 
 # --- work and memory at fine-grained shapes --------------------------------------------------------------
