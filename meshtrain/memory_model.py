@@ -20,7 +20,10 @@ cannot disagree on what runs or how it is split (see docs/memory.md for the deri
   projection's fp32 gradient and its all-reduced sum, one chunk of logits), the **layer phase** (one
   layer's gathered weights and its working set, or tensor parallelism's fp32 reduction buffers) and
   the **update phase** (the fp32 gradients and one fp32 step per optimizer element; with an offloaded
-  optimizer state, both moments brought to the device).
+  optimizer state, both moments brought to the device). A pipeline's backward is instead what the
+  executor's carry holds through the table (stash, fp32 gradient sums, the layers' compute copy)
+  plus, per XLA while loop of its ticks, the head's gathered weights, a second copy of a buffer the
+  loop both writes and reads, and the loop's largest slot (forward, backward, ZB-H1's halves, head).
 
 Activation bytes per token and layer are the model family's (``ModelFamily.activation_bytes``),
 scaled by coefficients fitted to XLA:CPU's ``memory_analysis`` (fp32) of the real train step
@@ -36,6 +39,7 @@ from collections.abc import Mapping
 from flax import nnx
 
 from meshtrain.mesh import LAYOUT_ORDER, MESH_AXES
+from meshtrain.parallel.executor import _phases
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.pipeline import Schedule
 from meshtrain.errors import ConfigError
@@ -53,14 +57,14 @@ BATCH_BYTES_PER_TOKEN = 3 * 4  # inputs, targets (int32) and mask (f32)
 STATE_SCALAR_BYTES = 64  # step, skipped_steps, loss scale, Adam/schedule counts (rounded up)
 
 # Why a pipeline layout's verdict is marked (docs/memory.md tables the measured errors).
-UNRELIABLE = ("pipeline temp memory is estimated within 2% of XLA:CPU's memory analysis with GPipe and 7% with "
-              "ZB-H1, but 14-18% below it with 1F1B (8B and 10B layouts; interleaved 1F1B 0-15%: XLA's heap "
-              "fragmentation, scripts/plan_accuracy.py); ranked after the layouts that fit for certain; confirm "
-              "with --verify, whose verdict overrules this one")
+UNRELIABLE = ("pipeline temp memory is estimated within 5% of XLA:CPU's memory analysis with every schedule (12 "
+              "layouts at 8B and 10B widths, scripts/plan_accuracy.py), but pipelines stay ranked after the layouts "
+              "that fit for certain; confirm with --verify, whose verdict overrules this one")
 # The temp bytes XLA:CPU needed beyond the estimate, at most, on the accuracy matrix's dense and
 # capacity-dispatch layouts without a pipeline (scripts/plan_accuracy.py): -10.5% of XLA's (8B, remat
-# none: heap fragmentation), so 12% of the estimate. A layout that fits only without this margin is
-# not vouched for. (Dropless experts at layer-phase-bound shapes are further off: docs/memory.md.)
+# none: a stash larger than ``none``'s count, docs/memory.md), so 12% of the estimate. A layout that
+# fits only without this margin is not vouched for. (Dropless experts at layer-phase-bound shapes are
+# further off: docs/memory.md.)
 TEMP_MARGIN = 0.12
 # Multiplier of one layer's structural working set (``per_layer_bytes``), fitted (minimax)
 # to XLA:CPU's temp bytes of the real fp32 train step on mesh (1, 8, 1, 1), ZeRO-3, over 13 model
@@ -216,6 +220,19 @@ def _schedule_table(layout: Layout) -> ScheduleTable | None:
     return None if table.problems() else table
 
 
+Signature = tuple[tuple[Work, ...], bool]
+_LOOPS: dict[int, tuple[ScheduleTable, list[Signature]]] = {}
+
+
+def tick_loops(table: ScheduleTable) -> list[Signature]:
+    """The executor's loops over ``table``'s ticks, in order, as (slot kinds, runs the head): one XLA
+    while loop per run of ticks with one signature (``meshtrain.parallel.executor._phases``; a
+    repeated block's runs are one loop each). Kept per table (the builders return one per shape)."""
+    if id(table) not in _LOOPS:
+        _LOOPS[id(table)] = (table, [signature for _, block in _phases(table) for signature, _ in block])
+    return _LOOPS[id(table)][1]
+
+
 SpecTables = tuple[dict, ...]
 
 
@@ -240,9 +257,10 @@ class ParamTerms:
     ZeRO-2/3, else in the compute layout); ``layer_gathered``, one layer's ZeRO-gathered weights;
     ``fp8_gathered``, of all ZeRO-gathered weights those whose matmuls run in FP8 (``train.precision:
     fp8``, the recipe's groups), gathered as E4M3. Of the ``vocab`` parameters, in the compute
-    layout: ``lookup``, tables indexed by token id (``[vocab, ...]``), with ``lookup_grads`` their
-    stored gradients; ``projection``, matmuls onto the vocabulary (``[..., vocab]``, or a tied
-    table), ``projection_reduced`` when its gradient is summed over the batch's devices.
+    layout: ``lookup``, tables indexed by token id (``[vocab, ...]``), with ``lookup_stored`` and
+    ``lookup_grads`` the elements and gradients as stored; ``projection``, matmuls onto the
+    vocabulary (``[..., vocab]``, or a tied table), with ``projection_grads`` its stored gradients
+    (0 when tied) and ``projection_reduced`` when its gradient is summed over the batch's devices.
     ``gathering``: ZeRO-3 gathers weights (fsdp > 1). The rest: the elements the ZeRO axis shards
     (gathered and as stored) and the gradient elements reduced over fsdp and over data."""
 
@@ -253,8 +271,10 @@ class ParamTerms:
     layer_loop_grads: float
     layer_gathered: float
     lookup: float
+    lookup_stored: float
     lookup_grads: float
     projection: float
+    projection_grads: float
     projection_reduced: bool
     gathering: bool
     zero_sharded_total: float
@@ -269,7 +289,8 @@ def _param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
     ZeRO stage only."""
     stages = layout.stages
     sums = dict(stored=0.0, grads=0.0, moments=0.0, layer_copy=0.0, layer_loop_grads=0.0, layer_gathered=0.0,
-                lookup=0.0, lookup_grads=0.0, projection=0.0, zero_sharded_total=0.0, zero_sharded_local=0.0,
+                lookup=0.0, lookup_stored=0.0, lookup_grads=0.0, projection=0.0, projection_grads=0.0,
+                zero_sharded_total=0.0, zero_sharded_local=0.0,
                 fp8_gathered=0.0, fsdp_reduced=0.0, data_reduced=0.0)
     fp8_groups = layout.train.fp8.matmuls if layout.train.precision is Precision.FP8 else ()
     gathering = layout.zero.stage >= ZeroStage.PARAMETERS and layout.mesh_shape[ZERO_AXIS] > 1
@@ -298,10 +319,12 @@ def _param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
                 sums["layer_gathered"] += c / (variable.shape[0] / (stages if stages > 1 else 1))
         elif "vocab" in axes and axes[0] == "vocab":
             sums["lookup"] += c
+            sums["lookup_stored"] += p
             sums["lookup_grads"] += g
             tables.append(c)
         elif "vocab" in axes:
             sums["projection"] += c
+            sums["projection_grads"] += g
             projection_reduced |= any(layout.mesh_shape[a] > 1 and a not in compute_axes for a in ("data", ZERO_AXIS))
     if not sums["projection"] and tables:  # tied: the table is the projection too
         sums["projection"] = sum(tables)
@@ -388,42 +411,39 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
                         for a in mesh_axes_of(layout.rules.activation_spec((axis,))[0]) if mesh[a] > 1]
     experts = math.prod(mesh[a] for a in expert_mesh_axes)
     # XLA:CPU holds what the backward keeps, and the layers' compute copies, in fp32 whatever the
-    # compute dtype (it widens bf16 arithmetic and all-gathers), so they count at HELD bytes.
+    # compute dtype (it widens bf16 arithmetic and all-gathers), so they count at HELD bytes; a
+    # pipeline's stash keeps the compute dtype (``kept``: the executor's buffers) and is widened one
+    # microbatch at a time, for its backward.
     saved, _ = family.activation_bytes(model, mesh["tensor"], candidate.remat, HELD, sp, keys, experts)
-    _, working = family.activation_bytes(model, mesh["tensor"], candidate.remat, compute_bytes, sp, keys, experts)
+    kept, working = family.activation_bytes(model, mesh["tensor"], candidate.remat, compute_bytes, sp, keys, experts)
     est.activations = round(layers_here * tokens * saved)
     table = None if est.reasons else _schedule_table(layout)  # a layout that cannot be built has none
-    if table is not None:
-        # The stash holds the table's peak in-flight chunk activations (1/V of a stage's each), and
-        # the executor's fp32 buffers of received activations and gradients one microbatch each.
-        _, buffers = table.buffers()
-        est.activations = round(est.activations * table.peak_in_flight / table.chunks / micro)
-        est.activations += round((buffers.inputs + buffers.gradients + 2) * tokens / micro * model.embed_dim * FP32)
-        if table.splits_backward:
-            # ZB-H1: each cut slot holds what a microbatch's input-gradient half hands its weight-gradient
-            # half, every activation of the stage's layers (the loop carries two copies); the split
-            # backward keeps them all for the microbatch it runs, in fp32 (XLA:CPU, 8B).
-            everything = [family.activation_bytes(model, mesh["tensor"], RematPolicy.NONE, nbytes, sp, keys,
-                                                  experts)[0] for nbytes in (compute_bytes, HELD)]
-            est.activations += round(layers_here * tokens / micro * (2 * buffers.cut * everything[0] + everything[1]))
-    est.batch = BATCH_BYTES_PER_TOKEN * rows * grad_accum * model.seq_len  # token arrays: whole rows
     working_tokens = tokens / micro
+    loops: list[Signature] = []
+    if table is not None:
+        # The stash: its slots of one chunk's residuals (1/V of a stage's layers, one microbatch) in
+        # the compute dtype, as the forward makes them; ZB-H1's cut: its slots of what a microbatch's
+        # input-gradient half hands its weight-gradient half, every activation of the chunk's layers
+        # (``none``'s). And the executor's fp32 buffers of received activations and gradients, one
+        # microbatch each.
+        _, buffers = table.buffers()
+        loops = tick_loops(table)
+        chunk_tokens = layers_here / table.chunks * working_tokens  # one chunk's layers x one microbatch's tokens
+        everything = [family.activation_bytes(model, mesh["tensor"], RematPolicy.NONE, nbytes, sp, keys,
+                                              experts)[0] for nbytes in (compute_bytes, HELD)]
+        stash = buffers.stash * chunk_tokens * kept
+        cut = buffers.cut * chunk_tokens * everything[0] if table.splits_backward else 0.0
+        est.activations = round(stash + cut + (buffers.inputs + buffers.gradients + 2) * working_tokens
+                                * model.embed_dim * FP32)
+    est.batch = BATCH_BYTES_PER_TOKEN * rows * grad_accum * model.seq_len  # token arrays: whole rows
     # Held from the forward through the backward besides the stash: below fp32 the compute copy of the
     # layers' weights (where they rest: the ZeRO shard of a gathered weight), the layers' gradients as
     # the backward writes them (compute dtype, in the loop's layout), the lookup tables' fp32
     # gradients, and with accumulation the fp32 accumulator.
     low_precision = compute_bytes != FP32
+    accumulator = FP32 * g_local if grad_accum > 1 else 0.0
     held = (HELD * terms.layer_copy if low_precision else 0.0) + compute_bytes * terms.layer_loop_grads
-    held += FP32 * terms.lookup_grads + (FP32 * g_local if grad_accum > 1 else 0.0)
-    # A pipeline's stage sums its layers' gradients over the microbatches in fp32, and holds its
-    # layers' compute copy in the compute dtype for the whole table, the fp32 one only while its
-    # layers run (XLA:CPU's buffers, 8B and 10B).
-    layer_copy_fp32 = 0.0
-    if table is not None:
-        held += (FP32 - compute_bytes) * terms.layer_loop_grads
-        if low_precision:
-            held += (compute_bytes - HELD) * terms.layer_copy
-            layer_copy_fp32 = HELD * terms.layer_copy
+    held += FP32 * terms.lookup_grads + accumulator
     # The loss phase (the head's forward and backward, one chunk of positions at a time): the
     # vocabulary weights in the compute dtype (the projection twice when ZeRO-3 gathers it) and the
     # projection's fp32 gradient (and its sum over the batch's devices, an all-reduce on XLA:CPU), one
@@ -431,22 +451,67 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     head_length = model.seq_len // stages
     head_chunk = chunk_length(head_length, layout.train.loss_chunk, cp)
     loss_tokens = rows / micro * head_chunk / cp
-    vocab_copies = (terms.lookup + terms.projection * (2 if terms.gathering else 1)) * (
-        compute_bytes if low_precision else (FP32 if terms.gathering else 0))
-    loss_phase = (vocab_copies + FP32 * terms.projection * (2 if terms.projection_reduced else 1)
-                  + loss_tokens * vocab_local * (compute_bytes + LOGITS_FP32_COPIES * FP32))
+    vocab_bytes = compute_bytes if low_precision else (FP32 if terms.gathering else 0)
+    vocab_copies = (terms.lookup + terms.projection * (2 if terms.gathering else 1)) * vocab_bytes
+    head_work = (FP32 * terms.projection * (2 if terms.projection_reduced else 1)
+                 + loss_tokens * vocab_local * (compute_bytes + LOGITS_FP32_COPIES * FP32))
+    loss_phase = vocab_copies + head_work
     # The layers' backward: one layer's ZeRO-gathered weights (fp32) and one layer's working set.
     gathered = terms.layer_gathered * FP32
-    layer_phase = gathered + layer_copy_fp32 + a_working * working_tokens * working
+    layer_work = a_working * working_tokens * working
     if mesh["tensor"] > 1 and low_precision:
         # Tensor parallelism's partial sums of the residual stream: XLA:CPU promotes the bf16
         # all-reduces of one layer's backward to fp32, operands and results beside the bf16 ones.
-        layer_phase += TENSOR_REDUCTION_BUFFERS * working_tokens * model.embed_dim / sp * FP32
+        layer_work += TENSOR_REDUCTION_BUFFERS * working_tokens * model.embed_dim / sp * FP32
     if cp > 1 and ring_size == 1:
         # Context parallelism's all-gather scheme: the whole rows' keys and values and their
         # gradients, in fp32 on XLA:CPU.
-        layer_phase += 2 * rows / micro * model.seq_len * kv_width * FP32
-    est.temporaries = round(held + max(layer_phase, loss_phase) + working_tokens * model.embed_dim * FP32)
+        layer_work += 2 * rows / micro * model.seq_len * kv_width * FP32
+    residual = working_tokens * model.embed_dim * FP32
+    if table is None:
+        est.temporaries = round(held + max(gathered + layer_work, loss_phase) + residual)
+    else:
+        # A pipeline (XLA:CPU's buffers, 8B and 10B, every schedule): through the whole table the
+        # stage holds its layers' compute copy, its layers' and the rest's gradients summed over the
+        # microbatches in fp32 (the executor's carry); the rest is per loop of ticks (``tick_loops``).
+        held = (FP32 * terms.layer_loop_grads + (compute_bytes * terms.layer_copy if low_precision else 0.0)
+                + FP32 * (terms.lookup_grads + terms.projection_grads) + accumulator)
+        # The head's weights in the compute dtype: the lookup table where it rests and the projection,
+        # which ZeRO-3 gathers; each loop that runs the head takes its own two gathered copies (forward
+        # and backward), all made before the first loop and each released when its loop ends.
+        heads_left = [sum(has_head for _, has_head in loops[i:]) for i in range(len(loops))]
+        head_weights = [(compute_bytes * terms.lookup_stored if low_precision else 0.0)
+                        + vocab_bytes * terms.projection * (2 * left if terms.gathering else 1) for left in heads_left]
+        # A chunk's layers widened to fp32 while they run (XLA:CPU computes bf16 matmuls in fp32).
+        chunk_fp32 = (HELD * terms.layer_copy if low_precision else 0.0) / table.chunks
+        # A forward slot: one layer's gathered weights, the microbatch's residuals as its layers make
+        # them, and on the first stage the lookup table gathered for the embedding.
+        forward = (chunk_fp32 + gathered + chunk_tokens * kept
+                   + (terms.lookup - terms.lookup_stored) * vocab_bytes)
+        # A backward slot: the microbatch's stash widened to fp32, the chunk's gradients as its backward
+        # writes them (compute dtype), and per layer its gathered weights with its working set, then
+        # (the larger at 8B-10B widths) its full fp32 gradients with their sum over fsdp (an all-reduce
+        # on XLA:CPU; it reduce-scatters the gradients of a gathered weight).
+        backward = (chunk_fp32 + chunk_tokens * saved + compute_bytes * terms.layer_loop_grads / table.chunks
+                    + gathered + max(layer_work, gathered))
+        # ZB-H1's halves: the input-gradient half as a backward slot without the weights' gradients,
+        # making the cut (every activation of the chunk for its microbatch, compute dtype); the
+        # weight-gradient half, which needs no weights, the cut widened to fp32 and the chunk's
+        # gradients (XLA:CPU, 8B: 53.1 GB of temp against 17.9 GB for 1F1B on the same layout).
+        input_grad = (chunk_fp32 + chunk_tokens * (saved + everything[0]) + gathered + max(layer_work, gathered))
+        weight_grad = chunk_tokens * everything[1] + compute_bytes * terms.layer_loop_grads / table.chunks
+        slot = {Work.FORWARD: forward, Work.BACKWARD: backward, Work.INPUT_GRAD: input_grad,
+                Work.WEIGHT_GRAD: weight_grad}
+        # A loop that both writes and reads the stash (a forward and a backward half) or the cut (the
+        # two halves) holds that buffer twice: XLA:CPU copies the carried buffer there instead of
+        # updating it in place (1F1B's, interleaved's and ZB-H1's steady loops; GPipe's forwards and
+        # backwards are separate loops, and ZB-H1's cut is single until its W slots start).
+        backward_kinds = (Work.BACKWARD, Work.INPUT_GRAD, Work.WEIGHT_GRAD)
+        phases = [weights + max([slot[w] for w in works] + ([head_work] if has_head else []))
+                  + (stash if Work.FORWARD in works and any(w in works for w in backward_kinds) else 0.0)
+                  + (cut if Work.INPUT_GRAD in works and Work.WEIGHT_GRAD in works else 0.0)
+                  for (works, has_head), weights in zip(loops, head_weights)]
+        est.temporaries = round(held + max(phases) + residual)
 
     # Roofline step time.
     global_tokens = batch_size * model.seq_len

@@ -94,6 +94,13 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "10B (1,2,2,2) ZeRO-3 full, 1F1B M=8": (L10B, [*PIPE_TP, "pipeline.schedule=1f1b"]),
     "10B (1,2,2,2) ZeRO-3 full, interleaved V=2 M=8": (L10B, [*PIPE_TP, "pipeline.schedule=interleaved",
                                                              "pipeline.virtual_stages=2"]),
+    # Pipelines beyond ZeRO-3 with full remat: another remat policy, ZeRO-1, and ZeRO-0 beside DP x TP.
+    "8B (1,4,1,2) ZeRO-3 dots, 1F1B M=4": (L8B, [*PIPE, "model.remat=dots", "pipeline.schedule=1f1b"]),
+    "8B (1,4,1,2) ZeRO-1 full, interleaved V=2 M=4": (L8B, [*PIPE, "zero.stage=1", "pipeline.schedule=interleaved",
+                                                           "pipeline.virtual_stages=2"]),
+    "10B (2,1,2,2) ZeRO-0 full, 1F1B M=8": (L10B, ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "mesh.stage=2",
+                                                  "zero.stage=0", "pipeline.microbatches=8",
+                                                  "pipeline.schedule=1f1b"]),
 }
 BEGIN, END = "<!-- plan-accuracy: begin -->", "<!-- plan-accuracy: end -->"
 

@@ -40,6 +40,18 @@ def test_temp_bytes_at_real_widths_within_ten_percent(name):
     assert row["estimate_argument"] == pytest.approx(row["xla_argument"], rel=1e-3)
 
 
+@pytest.mark.slow
+def test_a_1f1b_pipeline_at_real_widths_within_ten_percent():
+    """1F1B runs a forward, the head and a backward in one loop of ticks, so its peak holds the head's
+    gathered weights, a second copy of the stash and a backward slot's buffers at once (the model's
+    per-loop phases, docs/memory.md): 14% low before they were modelled. Still marked ``fits?``."""
+    row = plan_accuracy.measure("8B (1,4,1,2) ZeRO-3 full, 1F1B M=4")
+    print(row["estimate_temp"], row["xla_temp"], f"{row['error']:+.1%}")
+    assert not row["checked"]
+    assert abs(row["error"]) <= plan_accuracy.BOUND, row
+    assert row["estimate_argument"] == pytest.approx(row["xla_argument"], rel=1e-3)
+
+
 def test_every_case_names_a_config_that_exists():
     for config, overrides in plan_accuracy.CASES.values():
         assert (REPO / config).is_file() and all("=" in o for o in overrides)
