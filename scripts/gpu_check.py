@@ -29,7 +29,9 @@
 6. moe: a small mixture-of-experts model's logits on the device equal the host CPU's (fp32, highest
    precision, ``--moe-tol``); then the experts' forward + backward timed two ways on one device at a
    Mixtral-like width: the GShard one-hot dispatch the family uses (dropless and capacity 1.25)
-   against ``jax.lax.ragged_dot`` over the token choices sorted by expert (a grouped GEMM).
+   against ``jax.lax.ragged_dot`` over the token choices sorted by expert (a grouped GEMM); and
+   whether ``jax.lax.ragged_all_to_all`` (the expert exchange off CPU) compiles and moves rows as
+   documented on this backend.
 6b. deepseek: the DeepSeek-V3 family, tiny (latent attention with YaRN, one dense and two MoE
    layers, group routing, one prediction depth): logits on the device against the host CPU's, and
    generation with the compressed latent cache against the uncached forward (``--moe-tol``, greedy
@@ -318,13 +320,39 @@ def moe_check(tol: float, dry_run: bool) -> dict:
         ragged_s[groups] = _time(jax.jit(lambda r, w, n: jax.lax.ragged_dot(r, w, n)), rows_in, weights, sizes)
     scaling = ragged_s[128] / ragged_s[8]
     verdict = "dense over every group" if scaling > 4 else "grouped"
+    ragged_exchange = _ragged_all_to_all_check()
+    log(f"moe exchange: ragged_all_to_all on this backend: {ragged_exchange}")
     log("moe experts fwd+bwd (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in timings.items()))
     log(f"ragged_dot {m}x{width}x{hidden}: 8 groups {ragged_s[8] * 1e3:.2f} ms, 128 groups "
         f"{ragged_s[128] * 1e3:.2f} ms ({scaling:.1f}x): {verdict}")
     return {"max_abs_diff": diff, "tolerance": tol, "passed": ok,
             "experts_ms": {k: v * 1e3 for k, v in timings.items()}, "rows": rows, "length": length,
             "shapes": shapes, "ragged_dot": {"groups_8_ms": ragged_s[8] * 1e3, "groups_128_ms": ragged_s[128] * 1e3,
-                                             "scaling": scaling, "verdict": verdict}}
+                                             "scaling": scaling, "verdict": verdict},
+            "ragged_all_to_all": ragged_exchange}
+
+
+def _ragged_all_to_all_check() -> str:
+    """Whether ``jax.lax.ragged_all_to_all`` (the expert exchange off CPU,
+    meshtrain/parallel/experts.py) compiles here and moves rows as documented: one device sending
+    rows 1-4 of 6 to itself at offset 2. "equal", "WRONG: ...", or "unavailable: <the error>"."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("peers",))
+    layout = [jnp.array([value], jnp.int32) for value in (1, 4, 2, 4)]  # input offset, sizes, output offset
+    move = jax.shard_map(lambda r: jax.lax.ragged_all_to_all(r, jnp.zeros_like(r), *layout, axis_name="peers"),
+                         mesh=mesh, in_specs=PartitionSpec("peers"), out_specs=PartitionSpec("peers"))
+    rows = jnp.arange(24.0).reshape(6, 4)
+    try:
+        got = np.asarray(jax.jit(move)(rows))
+    except jax.errors.JaxRuntimeError as err:  # XLA:CPU: UNIMPLEMENTED
+        return f"unavailable: {str(err).splitlines()[0][:120]}"
+    expected = np.zeros((6, 4))
+    expected[2:6] = np.asarray(rows)[1:5]
+    return "equal" if np.array_equal(got, expected) else f"WRONG: {got.tolist()}"
 
 
 def deepseek_check(tol: float, dry_run: bool) -> dict:

@@ -20,7 +20,7 @@ from flax import nnx
 
 from meshtrain.flops import count_flops
 from meshtrain.mesh import MeshConfig, make_mesh
-from meshtrain.parallel.experts import exchange_rows
+from meshtrain.parallel.experts import Exchange, describe_exchange, exchange_rows
 from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.sharding import activation_sharding
 from meshtrain.train import main
@@ -112,6 +112,90 @@ def test_the_run_says_which_exchange_runs_and_warns_of_an_overflow(tmp_path, cap
     assert "experts: split 4 ways over ['data', 'fsdp']; a sorted dispatch's rows travel by all-to-all" in err
     warnings = [line for line in err.splitlines() if line.startswith("warning: moe_exchange_overflow")]
     assert len(warnings) == 1 and "raise model.exchange_buffer_factor" in warnings[0], err
+
+
+# --- the ragged exchange (GPU, TPU), its layout checked through an emulation ------------------------------
+
+def _ragged_by_buffers(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """``jax.lax.ragged_all_to_all`` (one slice per peer) as its docstring defines it, by an
+    ``all_to_all`` of buffers: XLA:CPU does not implement the primitive, so on CPU the exchange's
+    offsets and sizes are checked against this."""
+    rows = operand.shape[0]
+    j = jnp.arange(rows)
+    wide = lambda mask: mask.reshape(mask.shape + (1,) * (operand.ndim - 1))
+    sending = jnp.where(wide(j < send_sizes[:, None]), operand[jnp.minimum(input_offsets[:, None] + j, rows - 1)], 0)
+    arrived = jax.lax.all_to_all(sending, axis_name, 0, 0)  # [sources, rows, ...]
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each source's rows go here
+    index = jnp.where(j < recv_sizes[:, None], at[:, None] + j, output.shape[0])  # past the end: not written
+    return output.at[index.reshape(-1)].set(arrived.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+@pytest.fixture
+def ragged_exchange(monkeypatch):
+    """The ragged exchange on this CPU: chosen as on a GPU, its primitive emulated."""
+    monkeypatch.setattr(Exchange, "of", classmethod(lambda cls, mesh: Exchange.RAGGED))
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", _ragged_by_buffers)
+
+
+def test_the_exchange_is_chosen_by_platform_and_said():
+    mesh = make_mesh(MeshConfig(1, 4, 2, 1), jax.devices())
+    rules = Preset.FSDP_TP.rules.completed(FAMILY.axis_roles)
+    assert Exchange.of(mesh) is Exchange.BUFFERS  # XLA:CPU: UNIMPLEMENTED ragged-all-to-all
+    assert describe_exchange(rules, mesh, "experts") == (
+        "experts: split 4 ways over ['fsdp']; a sorted dispatch's rows travel by all-to-all of fixed per-peer "
+        "buffers (this backend has no ragged all-to-all)")
+    gpu = type("Device", (), {"platform": "gpu"})()
+    assert Exchange.of(type("Mesh", (), {"devices": np.array([gpu])})()) is Exchange.RAGGED
+
+
+def test_the_ragged_exchange_lowers_and_xla_cpu_refuses_it(monkeypatch):
+    """The train step with the ragged exchange lowers to ragged all-to-alls; XLA:CPU still refuses
+    to compile them (when it stops refusing, CPU should take the ragged exchange too)."""
+    monkeypatch.setattr(Exchange, "of", classmethod(lambda cls, mesh: Exchange.RAGGED))
+    trainer = _trainer((1, 4, 2, 1))
+    lowered = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch())
+    assert "ragged_all_to_all" in lowered.as_text()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="ragged-all-to-all"):
+        lowered.compile()
+
+
+def _expected_ragged_overflow(choices: np.ndarray, peers: int, local: int, factor: float) -> int:
+    """The choices a ragged exchange drops: each receiver fills its ``peers x C`` rows with its
+    sources' rows in source order (each source's rows in token-then-rank order) and cuts the rest."""
+    rows = choices.shape[0]
+    flat = [choices[d * rows // peers:(d + 1) * rows // peers].reshape(-1) for d in range(peers)]
+    receive = peers * exchange_rows(flat[0].size, peers, factor)
+    offered = np.array([[np.sum(f // local == p) for p in range(peers)] for f in flat])  # [source, peer]
+    taken = [np.clip(receive - (np.cumsum(offered[:, p]) - offered[:, p]), 0, offered[:, p]) for p in range(peers)]
+    return int(offered.sum() - sum(t.sum() for t in taken))
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.6])
+def test_the_ragged_exchange_equals_one_device_and_counts_what_it_drops(ragged_exchange, factor):
+    """EP 8 (data parallelism over 8 devices) through the ragged exchange: with the worst-case
+    bound the layer equals one device's; with a bound below it, the overflow is exactly the
+    choices past each receiver's buffer (NumPy, above)."""
+    cfg = dataclasses.replace(MOE, exchange_buffer_factor=factor)
+    layer = SparseMoE(cfg, nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(4), (8, cfg.seq_len, cfg.embed_dim))
+    mesh = make_mesh(MeshConfig(8, 1, 1, 1), jax.devices())
+    shard = activation_sharding(Preset.DP.rules.completed(FAMILY.axis_roles), mesh)
+    y, stats = jax.jit(lambda x: layer(x, shard))(x)
+    logits = jnp.einsum("btd,de->bte", x, layer.router[...])
+    choices = np.asarray(jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.top_k)[1])
+    dropped = _expected_ragged_overflow(choices, 8, cfg.num_experts // 8, factor)
+    np.testing.assert_allclose(float(stats["overflow"]), dropped / (cfg.seq_len * cfg.top_k), rtol=1e-6)
+    if factor == 0:
+        assert dropped == 0
+        np.testing.assert_allclose(np.asarray(y), np.asarray(layer(x, unconstrained)[0]), rtol=0, atol=1e-5)
+    else:
+        assert dropped > 0
+
+
+def test_the_ragged_exchange_trains_as_one_device(ragged_exchange, one_hot_reference):
+    """Loss and every gradient through the ragged exchange (EP 4 x TP 2: the hidden split summed
+    after the return trip) equal the one-device one-hot step's."""
+    _assert_matches(one_hot_reference, loss_grads_and_statistics(_trainer((1, 4, 2, 1))))
 
 
 # --- the blocked kernel ------------------------------------------------------------------------------------

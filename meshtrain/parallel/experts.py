@@ -16,9 +16,19 @@ On every device (its tokens ``[b, s]`` of the batch, its ``E / EP`` experts):
 ``C`` is ``ceil(buffer_factor * b * s * top_k / EP)`` (at most ``b * s * top_k``); ``buffer_factor
 = 0`` gives the worst case, ``b * s * top_k``, with which no choice is ever dropped: every device
 receives ``EP`` buffers of that many rows. A choice past its peer's ``C`` rows is dropped (zero
-output) and counted. ``jax.lax.ragged_all_to_all`` would send each peer only its rows, but XLA:CPU
-does not implement it (``UNIMPLEMENTED: HLO opcode ragged-all-to-all``), so the buffers here are
-fixed.
+output) and counted.
+
+Two exchanges (``Exchange``, chosen from the devices' platform at start-up, said in one line):
+
+* ``buffers`` (XLA:CPU, which does not implement ``ragged-all-to-all``: ``UNIMPLEMENTED``): the
+  fixed ``[EP, C, embed]`` buffers above, one ``all_to_all`` each way: ``EP x C`` rows travel
+  whatever the tokens.
+* ``ragged`` (GPU, TPU): ``jax.lax.ragged_all_to_all`` sends each peer exactly its rows. Each
+  device receives into one buffer of ``EP x C`` rows (the same bound, the same memory): the
+  sources' rows in source order, each source's cut where the buffer is full (the receiver tells
+  each source how many it takes; with ``buffer_factor = 0`` all of them). Two small
+  ``all_to_all``s of per-peer counts and offsets come first; the results return by the reverse
+  ragged exchange.
 
 FP8 experts (``models.fp8.Fp8Weight``, ``train.precision: fp8``) carry the mesh's axes as their
 ``amax_axes``, so that each amax inside the ``shard_map`` is the maximum over every device: the
@@ -31,6 +41,7 @@ jax (docs/long_context.md), so there the same steps are written for XLA's partit
 
 from __future__ import annotations
 
+import enum
 import math
 
 import jax
@@ -50,6 +61,19 @@ def expert_axes(rules: ShardingRules, mesh: Mesh, param_axes: LogicalAxes) -> tu
     return tuple(a for a in mesh_axes_of(rules.activation_spec(param_axes[:1])[0]) if mesh.shape[a] > 1)
 
 
+class Exchange(enum.Enum):
+    """How a sorted dispatch's rows travel to their experts' devices (module docstring)."""
+
+    BUFFERS = "all-to-all of fixed per-peer buffers (this backend has no ragged all-to-all)"
+    RAGGED = "ragged all-to-all (each peer gets exactly its rows)"
+
+    @classmethod
+    def of(cls, mesh: Mesh) -> Exchange:
+        """The exchange on ``mesh``'s devices: ragged where XLA implements it (GPU, TPU)."""
+        platform = mesh.devices.flat[0].platform
+        return cls.BUFFERS if platform == "cpu" else cls.RAGGED
+
+
 def describe_exchange(rules: ShardingRules, mesh: Mesh, expert_axis: str) -> str | None:
     """One line: how a sorted dispatch's rows reach the experts of logical axis ``expert_axis`` on
     this mesh; None when the experts are not split (every device runs its own tokens' choices)."""
@@ -59,8 +83,8 @@ def describe_exchange(rules: ShardingRules, mesh: Mesh, expert_axis: str) -> str
     peers = math.prod(mesh.shape[a] for a in axes)
     stages = (f"; inside the {mesh.shape['stage']} pipeline stages as XLA's all-to-all of a resharding"
               if mesh.shape.get("stage", 1) > 1 else "")
-    return (f"experts: split {peers} ways over {list(axes)}; a sorted dispatch's rows travel by all-to-all of "
-            f"fixed per-peer buffers (no ragged all-to-all){stages}")
+    return (f"experts: split {peers} ways over {list(axes)}; a sorted dispatch's rows travel by "
+            f"{Exchange.of(mesh).value}{stages}")
 
 
 def exchange_rows(choices: int, peers: int, buffer_factor: float) -> int:
@@ -92,6 +116,7 @@ def run_experts(compute: ExpertCompute, x: jax.Array, choices: jax.Array, params
         raise ConfigError(f"sharding.rules.{param_axes[0][0]}", f"the experts split over {experts} must be "
                           f"computed where the tokens are split (over {list(token_axes)})")
     peers = math.prod(mesh.shape[a] for a in experts)
+    exchange = _ragged_exchange if Exchange.of(mesh) is Exchange.RAGGED else _exchange
     # FP8 weights (models.fp8): amaxes are maxima over the mesh, their amaxes and histories whole.
     params = tuple(p.replace(amax_axes=tuple(mesh.axis_names)) if isinstance(p, Fp8Weight) else p for p in params)
     specs = [p.replace(weight=spec, observed=PartitionSpec(), history=None if p.history is None else PartitionSpec())
@@ -110,7 +135,7 @@ def run_experts(compute: ExpertCompute, x: jax.Array, choices: jax.Array, params
             if hidden:
                 out = jax.lax.psum(out, tuple(hidden))
         else:
-            out, dropped = _exchange(compute, rows, ids, params, experts, peers, buffer_factor, tuple(hidden))
+            out, dropped = exchange(compute, rows, ids, params, experts, peers, buffer_factor, tuple(hidden))
         if token_axes:
             dropped = jax.lax.psum(dropped, token_axes)
         return out.reshape(*choices.shape, width), dropped
@@ -164,6 +189,34 @@ def _exchange(compute: ExpertCompute, rows: jax.Array, ids: jax.Array, params: t
     # over this device's m rows, not the peers x capacity rows of the buffer (mostly padding).
     out = _unpack(exchange(out.reshape(send.shape)), slot, kept)
     return (jax.lax.psum(out, hidden) if hidden else out), jnp.sum(~kept).astype(jnp.int32)
+
+
+def _ragged_exchange(compute: ExpertCompute, rows: jax.Array, ids: jax.Array, params: tuple[jax.Array, ...],
+                     axes: tuple[str, ...], peers: int, buffer_factor: float, hidden: tuple[str, ...]
+                     ) -> tuple[jax.Array, jax.Array]:
+    """``_exchange`` by ``jax.lax.ragged_all_to_all`` (module docstring): each peer is sent exactly its
+    rows, into a receive buffer of ``peers x C`` rows."""
+    m, width = rows.shape
+    local = _weight(params[0]).shape[0]
+    receive = peers * exchange_rows(m, peers, buffer_factor)
+    peer, local_ids = ids // local, ids % local
+    order = jnp.argsort(peer, stable=True)
+    swap = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)  # [peers] values, one to each peer
+    wanted = jnp.bincount(peer, length=peers).astype(jnp.int32)  # my rows for each peer
+    first = jnp.cumsum(wanted) - wanted  # where they start in my sorted rows
+    offered = swap(wanted)  # each source's rows for me
+    start = jnp.cumsum(offered) - offered  # where they start in my receive buffer
+    taken = jnp.clip(receive - start, 0, offered)  # what fits
+    sent = swap(taken)  # what each peer takes of mine
+    ragged = lambda operand, output, *layout: jax.lax.ragged_all_to_all(operand, output, *layout, axis_name=axes)
+    there = (first, sent, swap(start), taken)  # my rows -> the peers' buffers
+    recv = ragged(rows[order], jnp.zeros((receive, width), rows.dtype), *there)
+    recv_ids = ragged(local_ids[order], jnp.full((receive,), local, ids.dtype), *there)
+    out = compute(recv, recv_ids, *params)
+    back = ragged(out, jnp.zeros((m, width), out.dtype), start, taken, swap(first), sent)  # and home
+    out = jnp.zeros_like(back).at[order].set(back, unique_indices=True)  # rows not taken: zero
+    dropped = (m - jnp.sum(sent)).astype(jnp.int32)
+    return (jax.lax.psum(out, hidden) if hidden else out), dropped
 
 
 def _run_in_stage(compute: ExpertCompute, x: jax.Array, choices: jax.Array, params: tuple[jax.Array, ...],
