@@ -72,19 +72,24 @@ def _expected_overflow(choices: np.ndarray, peers: int, local: int, factor: floa
     return dropped
 
 
-def test_a_bounded_exchange_drops_exactly_the_choices_past_each_peers_buffer():
-    """EP 8 (data parallelism over 8 devices) with buffers of an even share: the layer's
-    output is one device's with exactly those choices left out, and the overflow says how many."""
-    cfg = dataclasses.replace(MOE, exchange_buffer_factor=1.0)
+def _ep8_layer(factor: float):
+    """A layer under EP 8 (data parallelism over 8 devices) with exchange bound ``factor``, run on
+    8 rows: (cfg, layer, x, shard, y, stats, the renormalised top-k weights, the choices)."""
+    cfg = dataclasses.replace(MOE, exchange_buffer_factor=factor)
     layer = SparseMoE(cfg, nnx.Rngs(3))
     x = jax.random.normal(jax.random.key(4), (8, cfg.seq_len, cfg.embed_dim))
     mesh = make_mesh(MeshConfig(8, 1, 1, 1), jax.devices())
     shard = activation_sharding(Preset.DP.rules.completed(FAMILY.axis_roles), mesh)
     y, stats = jax.jit(lambda x: layer(x, shard))(x)
-
     logits = jnp.einsum("btd,de->bte", x, layer.router[...])
     weights, choices = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.top_k)
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return cfg, layer, x, shard, y, stats, weights / jnp.sum(weights, axis=-1, keepdims=True), choices
+
+
+def test_a_bounded_exchange_drops_exactly_the_choices_past_each_peers_buffer():
+    """EP 8 (data parallelism over 8 devices) with buffers of an even share: the layer's
+    output is one device's with exactly those choices left out, and the overflow says how many."""
+    cfg, layer, x, shard, y, stats, weights, choices = _ep8_layer(1.0)
     dropped = _expected_overflow(np.asarray(choices), 8, cfg.num_experts // 8, 1.0)
     assert 0 < dropped.sum() < dropped.size / 2
     np.testing.assert_allclose(float(stats["overflow"]), dropped.sum() / (cfg.seq_len * cfg.top_k), rtol=1e-6)
@@ -175,15 +180,8 @@ def test_the_ragged_exchange_equals_one_device_and_counts_what_it_drops(ragged_e
     """EP 8 (data parallelism over 8 devices) through the ragged exchange: with the worst-case
     bound the layer equals one device's; with a bound below it, the overflow is exactly the
     choices past each receiver's buffer (NumPy, above)."""
-    cfg = dataclasses.replace(MOE, exchange_buffer_factor=factor)
-    layer = SparseMoE(cfg, nnx.Rngs(3))
-    x = jax.random.normal(jax.random.key(4), (8, cfg.seq_len, cfg.embed_dim))
-    mesh = make_mesh(MeshConfig(8, 1, 1, 1), jax.devices())
-    shard = activation_sharding(Preset.DP.rules.completed(FAMILY.axis_roles), mesh)
-    y, stats = jax.jit(lambda x: layer(x, shard))(x)
-    logits = jnp.einsum("btd,de->bte", x, layer.router[...])
-    choices = np.asarray(jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.top_k)[1])
-    dropped = _expected_ragged_overflow(choices, 8, cfg.num_experts // 8, factor)
+    cfg, layer, x, _, y, stats, _, choices = _ep8_layer(factor)
+    dropped = _expected_ragged_overflow(np.asarray(choices), 8, cfg.num_experts // 8, factor)
     np.testing.assert_allclose(float(stats["overflow"]), dropped / (cfg.seq_len * cfg.top_k), rtol=1e-6)
     if factor == 0:
         assert dropped == 0
