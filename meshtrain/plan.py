@@ -139,7 +139,8 @@ def format_plan(plan: Plan, top: int, show_infeasible: int) -> str:
              "activations a stage holds) from the pipeline schedule's table",
              f"layouts: {len(plan.estimates)} enumerated, {len(fit)} fit, {len(big)} need too much memory, "
              f"{len(broken)} cannot be built",
-             "per device, GB, as XLA:CPU holds them (activ = what the backward keeps, in fp32; temps = the"
+             "per device, GB, as XLA:CPU holds them (activ = what the backward keeps: in fp32, or in a pipeline"
+             " the stash in the compute dtype with its cut and buffers; temps = the"
              " compute copy and the gradients the backward writes, then the larger of the loss phase and one"
              " layer's backward, and the batch; update = the fp32 gradients and one fp32 step per optimizer"
              " element, or an offloaded optimizer state's moments brought to the device; temp bytes = the"
