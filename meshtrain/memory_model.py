@@ -82,6 +82,9 @@ LOGITS_FP32_COPIES = 3
 # reductions, fitted on 8B-class layouts (1, 1, 8, 1) and (1, 2, 4, 1) with sequence parallelism
 # (docs/memory.md): 12.8 and 13.8 of them, 11 keeping the other TP layouts of the matrix within 10%.
 TENSOR_REDUCTION_BUFFERS = 11
+# Residual-stream-wide fp32 vectors per token and layer in ZB-H1's cut besides its compute-dtype
+# values (XLA:CPU's buffers of the 8B ZB-H1 layouts: four, beside their bf16 copies).
+CUT_FP32_RESIDUALS = 4
 # XLA:CPU widens bf16 values the step keeps (stash, compute copies of the layers) to fp32.
 HELD = 4
 
@@ -426,16 +429,23 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     if table is not None:
         # The stash: its slots of one chunk's residuals (1/V of a stage's layers, one microbatch) in
         # the compute dtype, as the forward makes them; ZB-H1's cut: its slots of what a microbatch's
-        # input-gradient half hands its weight-gradient half, every activation of the chunk's layers
-        # (``none``'s). And the executor's fp32 buffers of received activations and gradients, one
-        # microbatch each.
+        # input-gradient half hands its weight-gradient half for the chunk's layers (below). And the
+        # executor's fp32 buffers of received activations and gradients, one microbatch each.
         _, buffers = table.buffers()
         loops = tick_loops(table)
         chunk_tokens = layers_here / table.chunks * working_tokens  # one chunk's layers x one microbatch's tokens
-        everything = [family.activation_bytes(model, mesh["tensor"], RematPolicy.NONE, nbytes, sp, keys,
-                                              experts)[0] for nbytes in (compute_bytes, HELD)]
+        # ZB-H1's cut per token and layer, what the input-gradient half hands the weight-gradient half:
+        # each weight matmul's input and its output's cotangent, counted as twice the outputs ``dots``
+        # keeps (XLA:CPU, 8B: 4d + 2q + 2k + 4f in the compute dtype), and beside them four
+        # residual-width vectors in fp32 (``CUT_FP32_RESIDUALS``); the weight-gradient half widens
+        # all of it to fp32 (``cut_per_token``: compute dtype, fp32).
+        cut_residuals = CUT_FP32_RESIDUALS * model.embed_dim / sp * FP32
+        cut_per_token = [2 * family.activation_bytes(model, mesh["tensor"], RematPolicy.DOTS, nbytes, sp, keys,
+                                                     experts)[0] + cut_residuals for nbytes in (compute_bytes, HELD)]
         stash = buffers.stash * chunk_tokens * kept
-        cut = buffers.cut * chunk_tokens * everything[0] if table.splits_backward else 0.0
+        cut = buffers.cut * chunk_tokens * cut_per_token[0] if table.splits_backward else 0.0
+        # A loop's second copy of the cut is of its compute-dtype values only (the fp32 ones stay single).
+        cut_copy = buffers.cut * chunk_tokens * (cut_per_token[0] - cut_residuals) if table.splits_backward else 0.0
         est.activations = round(stash + cut + (buffers.inputs + buffers.gradients + 2) * working_tokens
                                 * model.embed_dim * FP32)
     est.batch = BATCH_BYTES_PER_TOKEN * rows * grad_accum * model.seq_len  # token arrays: whole rows
@@ -498,11 +508,11 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
         backward = (chunk_fp32 + chunk_tokens * saved + compute_bytes * terms.layer_loop_grads / table.chunks
                     + gathered + max(layer_work, gathered))
         # ZB-H1's halves: the input-gradient half as a backward slot without the weights' gradients,
-        # making the cut (every activation of the chunk for its microbatch, compute dtype); the
+        # making the cut (of the chunk for its microbatch); the
         # weight-gradient half, which needs no weights, the cut widened to fp32 and the chunk's
         # gradients (XLA:CPU, 8B: 53.1 GB of temp against 17.9 GB for 1F1B on the same layout).
-        input_grad = (chunk_fp32 + chunk_tokens * (saved + everything[0]) + gathered + max(layer_work, gathered))
-        weight_grad = chunk_tokens * everything[1] + compute_bytes * terms.layer_loop_grads / table.chunks
+        input_grad = (chunk_fp32 + chunk_tokens * (saved + cut_per_token[0]) + gathered + max(layer_work, gathered))
+        weight_grad = chunk_tokens * cut_per_token[1] + compute_bytes * terms.layer_loop_grads / table.chunks
         slot = {Work.FORWARD: forward, Work.BACKWARD: backward, Work.INPUT_GRAD: input_grad,
                 Work.WEIGHT_GRAD: weight_grad}
         # A loop that both writes and reads the stash (a forward and a backward half) or the cut (the
@@ -512,7 +522,7 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
         backward_kinds = (Work.BACKWARD, Work.INPUT_GRAD, Work.WEIGHT_GRAD)
         phases = [weights + max([slot[w] for w in works] + ([head_work] if has_head else []))
                   + (stash if Work.FORWARD in works and any(w in works for w in backward_kinds) else 0.0)
-                  + (cut if Work.INPUT_GRAD in works and Work.WEIGHT_GRAD in works else 0.0)
+                  + (cut_copy if Work.INPUT_GRAD in works and Work.WEIGHT_GRAD in works else 0.0)
                   for (works, has_head), weights in zip(loops, head_weights)]
         est.temporaries = round(held + max(phases) + residual)
 

@@ -151,7 +151,12 @@ def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_
     f = cfg.mlp_dim / tensor
     saved_scores, working_scores = score_bytes(cfg, tensor, keys)
     c = compute_bytes
-    everything = (8 * d + 3 * q + 3 * k + 4 * f) * c + saved_scores
+    # ``none`` keeps what XLA:CPU's stash of the 8B step holds per token and layer (its buffer
+    # assignment, 32.7 GB): six residual-wide values, three query-wide (two [heads, head_dim] values
+    # and the attention kernel's output), two key-wide (keys, values), and six MLP-wide: gate, up,
+    # sigmoid(gate), its derivative sigmoid(gate)(1 - sigmoid(gate)), silu(gate) and the hidden
+    # silu(gate) * up (autodiff's residuals of SwiGLU).
+    everything = (6 * d + 3 * q + 2 * k + 6 * f) * c + saved_scores
     # The backward of the MLP holds the gradients of gate, up, silu and hidden besides them.
     working = (8 * d + 3 * q + 3 * k + 8 * f) * c + working_scores
     saved = {RematPolicy.NONE: everything,
