@@ -261,6 +261,8 @@ class ParamTerms:
     weight, else the compute layout: the rules' split less the ZeRO axis); ``layer_loop_grads``,
     their gradients as the layers' backward writes them (reduce-scattered in the loop under
     ZeRO-2/3, else in the compute layout); ``layer_gathered``, one layer's ZeRO-gathered weights;
+    ``layer_experts``, one layer's experts (weights with an axis of ``Layout.expert_axes``, which
+    rest and compute where they are, never gathered);
     ``fp8_gathered``, of all ZeRO-gathered weights those whose matmuls run in FP8 (``train.precision:
     fp8``, the recipe's groups), gathered as E4M3. Of the ``vocab`` parameters, in the compute
     layout: ``lookup``, tables indexed by token id (``[vocab, ...]``), with ``lookup_stored`` and
@@ -276,6 +278,7 @@ class ParamTerms:
     layer_copy: float
     layer_loop_grads: float
     layer_gathered: float
+    layer_experts: float
     lookup: float
     lookup_stored: float
     lookup_grads: float
@@ -295,6 +298,7 @@ def _param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
     ZeRO stage only."""
     stages = layout.stages
     sums = dict(stored=0.0, grads=0.0, moments=0.0, layer_copy=0.0, layer_loop_grads=0.0, layer_gathered=0.0,
+                layer_experts=0.0,
                 lookup=0.0, lookup_stored=0.0, lookup_grads=0.0, projection=0.0, projection_grads=0.0,
                 zero_sharded_total=0.0, zero_sharded_local=0.0,
                 fp8_gathered=0.0, fsdp_reduced=0.0, data_reduced=0.0)
@@ -321,8 +325,11 @@ def _param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
         if path[0] == "layers":
             sums["layer_copy"] += p if gathering and zero_split else c
             sums["layer_loop_grads"] += g if layout.zero.stage >= ZeroStage.GRADIENTS and zero_split else c
+            per_layer = c / (variable.shape[0] / (stages if stages > 1 else 1))
             if gathering and zero_split:
-                sums["layer_gathered"] += c / (variable.shape[0] / (stages if stages > 1 else 1))
+                sums["layer_gathered"] += per_layer
+            if any(axis in layout.expert_axes for axis in axes):
+                sums["layer_experts"] += per_layer
         elif "vocab" in axes and axes[0] == "vocab":
             sums["lookup"] += c
             sums["lookup_stored"] += p
@@ -471,6 +478,12 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     loss_phase = vocab_copies + head_work
     # The layers' backward: one layer's ZeRO-gathered weights (fp32) and one layer's working set.
     gathered = terms.layer_gathered * FP32
+    # And one layer's experts, which no gather counts: their weight gradients in fp32 as the backward
+    # sums them (the blocked kernel's accumulators ``dw``, models/grouped_matmul.py; the one-hot
+    # dispatch's einsums likewise sum in fp32), those cast to the compute dtype, and the layer's
+    # expert weights in the compute dtype (XLA:CPU's buffers of DeepSeek-V3's 8-layer dropless step
+    # at EP 8: 5.6 + 2.8 + 2.8 GB).
+    layer_experts = terms.layer_experts * (FP32 + 2 * compute_bytes)
     layer_work = a_working * working_tokens * working
     if mesh["tensor"] > 1 and low_precision:
         # Tensor parallelism's partial sums of the residual stream: XLA:CPU promotes the bf16
@@ -482,7 +495,7 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
         layer_work += 2 * rows / micro * model.seq_len * kv_width * FP32
     residual = working_tokens * model.embed_dim * FP32
     if table is None:
-        est.temporaries = round(held + max(gathered + layer_work, loss_phase) + residual)
+        est.temporaries = round(held + max(gathered + layer_experts + layer_work, loss_phase) + residual)
     else:
         # A pipeline (XLA:CPU's buffers, 8B and 10B, every schedule): through the whole table the
         # stage holds its layers' compute copy, its layers' and the rest's gradients summed over the
@@ -502,16 +515,17 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
         forward = (chunk_fp32 + gathered + chunk_tokens * kept
                    + (terms.lookup - terms.lookup_stored) * vocab_bytes)
         # A backward slot: the microbatch's stash widened to fp32, the chunk's gradients as its backward
-        # writes them (compute dtype), and per layer its gathered weights with its working set, then
-        # (the larger at 8B-10B widths) its full fp32 gradients with their sum over fsdp (an all-reduce
-        # on XLA:CPU; it reduce-scatters the gradients of a gathered weight).
+        # writes them (compute dtype), and per layer its gathered weights and its experts with its
+        # working set, then (the larger at 8B-10B widths) its full fp32 gradients with their sum over
+        # fsdp (an all-reduce on XLA:CPU; it reduce-scatters the gradients of a gathered weight).
         backward = (chunk_fp32 + chunk_tokens * saved + compute_bytes * terms.layer_loop_grads / table.chunks
-                    + gathered + max(layer_work, gathered))
+                    + gathered + layer_experts + max(layer_work, gathered))
         # ZB-H1's halves: the input-gradient half as a backward slot without the weights' gradients,
-        # making the cut (of the chunk for its microbatch); the
-        # weight-gradient half, which needs no weights, the cut widened to fp32 and the chunk's
-        # gradients (XLA:CPU, 8B: 53.1 GB of temp against 17.9 GB for 1F1B on the same layout).
-        input_grad = (chunk_fp32 + chunk_tokens * (saved + cut_per_token[0]) + gathered + max(layer_work, gathered))
+        # making the cut (of the chunk for its microbatch); the weight-gradient half, which needs no
+        # weights, the cut widened to fp32 and the chunk's gradients (XLA:CPU, 8B: 53.1 GB of temp
+        # against 17.9 GB for 1F1B on the same layout).
+        input_grad = (chunk_fp32 + chunk_tokens * (saved + cut_per_token[0]) + gathered + layer_experts
+                      + max(layer_work, gathered))
         weight_grad = chunk_tokens * cut_per_token[1] + compute_bytes * terms.layer_loop_grads / table.chunks
         slot = {Work.FORWARD: forward, Work.BACKWARD: backward, Work.INPUT_GRAD: input_grad,
                 Work.WEIGHT_GRAD: weight_grad}

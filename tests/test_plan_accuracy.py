@@ -22,9 +22,10 @@ plan_accuracy = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(plan_accuracy)
 
 # One per regime of the model: ZeRO-3's loss phase (gathered vocabulary weights and their gradient),
-# tensor parallelism's layer phase (and the same in FP8), ZeRO-1's compute copy, and a mixture of
-# experts' update phase.
-REPRESENTATIVE = ("8B (1,8,1,1) ZeRO-3 full, seq 2048", "8B (1,1,8,1) TP, ZeRO-0 full, seq 2048",
+# remat=none's stash, tensor parallelism's layer phase (and the same in FP8), ZeRO-1's compute copy,
+# and a mixture of experts' update phase.
+REPRESENTATIVE = ("8B (1,8,1,1) ZeRO-3 full, seq 2048", "8B (1,8,1,1) ZeRO-3 none, seq 2048",
+                  "8B (1,1,8,1) TP, ZeRO-0 full, seq 2048",
                   "8B (1,1,8,1) TP, ZeRO-0 full, seq 2048, FP8", "8B (1,8,1,1) ZeRO-1 full, seq 2048",
                   "Mixtral-8x7B (1,8,1,1) EP8 ZeRO-3 full, seq 2048")
 

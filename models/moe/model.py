@@ -309,14 +309,21 @@ def _one_hot_terms(cfg: MoEConfig, tensor: int) -> tuple[float, float, float, fl
             (cfg.top_k + 3) * cfg.num_experts * 4)
 
 
+# Rows a grouped matmul's blocks hold per row routed to it: each expert's rows padded to whole blocks
+# adds at most 1/8 with ``auto_block``'s block size (models/grouped_matmul.py).
+BLOCK_PADDING = 9 / 8
+
+
 def _sorted_terms(cfg: MoEConfig, tensor: int, experts: int, wide: float = 1.0) -> tuple[float, float, float, float]:
     """As ``_one_hot_terms``, for the sorted dispatch. Units: ``k*d`` (the token's ``top_k`` choice
     rows, and their outputs), ``R*d`` with ``R = top_k * X`` rows on the experts' side (``X`` the
     exchange's buffers per even share: 1 without expert parallelism, ``experts``, the EP size, with
     the worst-case buffers, ``exchange_buffer_factor`` otherwise; the exchange's buffers and the
     experts' padded blocks) and ``R*f`` (the experts' hidden units); ``(top_k + 2) * E`` fp32 router
-    values. ``none`` keeps 3 k*d, 3.5 R*d and 3 R*f; ``dots`` 2.5 R*d (the grouped matmuls' outputs
-    and the buffers around them) and 2 R*f; one layer's backward holds 3 k*d, 10 R*d (the buffers
+    values. ``none`` keeps 3 k*d, 3.5 R*d and 3 R*f; ``dots`` the three grouped matmuls' outputs as
+    the blocked kernel stacks them, ``[blocks, block, width]`` in fp32 (down's R*d, gate's and up's
+    R*f each), padded to whole blocks (``BLOCK_PADDING``; XLA:CPU's stash of DeepSeek-V3's 8-layer
+    dots step at EP 8: 1.12 R*d and 2.24 R*f); one layer's backward holds 3 k*d, 10 R*d (the buffers
     and their gradients) and 5 R*f. Counted from the buffers ``grouped_swiglu`` and
     ``meshtrain/parallel/experts.py`` make, the R*d counts then set against XLA:CPU's temp bytes of
     configs/moe_tiny.yaml's step (9 layouts; docs/memory.md has the errors). ``wide``: how many
@@ -324,7 +331,7 @@ def _sorted_terms(cfg: MoEConfig, tensor: int, experts: int, wide: float = 1.0) 
     step as 4-byte words (Qwen3-30B-A3B's 8 layers at EP 8: ``4 / c``)."""
     rows = cfg.top_k * (1 if experts == 1 else (cfg.exchange_buffer_factor or experts))
     choice_d, rows_d, rows_f = cfg.top_k * cfg.embed_dim, rows * cfg.embed_dim, rows * cfg.expert_mlp_dim / tensor
-    return (3 * choice_d + 3.5 * rows_d + 3 * rows_f, 2.5 * rows_d + 2 * rows_f,
+    return (3 * choice_d + 3.5 * rows_d + 3 * rows_f, BLOCK_PADDING * (rows_d + 2 * rows_f),
             3 * choice_d + wide * 10 * rows_d + 5 * rows_f, (cfg.top_k + 2) * cfg.num_experts * 4)
 
 
