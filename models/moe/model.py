@@ -268,12 +268,14 @@ def activation_bytes(cfg: MoEConfig, tensor: int, remat: RematPolicy, compute_by
 
 def exchange_bytes(cfg: MoEConfig, experts: int, compute_bytes: int) -> float:
     """Bytes per token and layer one exchange sends from a device under expert parallelism of
-    ``experts`` (``ModelFamily.exchange_bytes``): the sorted dispatch's ``top_k * X`` rows
-    (``_sorted_terms``), the one-hot dispatches' ``E * C / group`` expert slots, of embed wide each."""
+    ``experts`` (``ModelFamily.exchange_bytes``), on the GPUs the planner's roofline models: the
+    sorted dispatch's ``top_k`` rows (the ragged exchange sends each peer exactly its rows; XLA:CPU's
+    fixed buffers send ``buffer_factor`` or ``EP`` times that), the one-hot dispatches' ``E * C /
+    group`` expert slots, of embed wide each."""
     if experts == 1:
         return 0.0
     if cfg.dispatch is Dispatch.DROPLESS:
-        rows = cfg.top_k * (cfg.exchange_buffer_factor or experts)
+        rows = cfg.top_k
     else:
         group = cfg.group_size or cfg.seq_len
         rows = cfg.num_experts * cfg.slots(group) / group
