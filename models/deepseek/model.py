@@ -258,10 +258,10 @@ def activation_bytes(cfg: DeepSeekConfig, tensor: int, remat: RematPolicy, compu
     the dense layers and the prediction depths, which the planner does not count as layers, are
     spread over the stacked ones (x ``all_layers / num_layers``), each as if it were an MoE layer
     (an estimate: under a pipeline they sit on the first and last stage). A stack of one layer (one
-    prediction depth, one dense layer) keeps ``none``'s values whatever the policy: XLA:CPU removes
-    the scan's loop of one trip, and with the loop gone it merges the checkpoint's recomputation
-    (``prevent_cse=False``, ``RematPolicy.wrap``) into the forward (DeepSeek-V3's 8 layers, ``full``:
-    134.5 GB of temp with one prediction depth, 126.5 GB with two, 104.3 GB with none)."""
+    prediction depth, one dense layer) keeps ``none``'s values whatever the policy, as measured
+    (DeepSeek-V3's 8 layers, ``full``: 134.5 GB of temp with one prediction depth, 126.5 GB with
+    two, 104.3 GB with none); XLA:CPU removes a scan's loop of one trip, and a ``prevent_cse=True``
+    checkpoint there does not change it (docs/memory.md)."""
     d = cfg.embed_dim / sequence
     width = max(cfg.qk_head_dim, cfg.v_head_dim)
     q = cfg.num_heads * width / tensor
