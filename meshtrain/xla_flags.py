@@ -59,9 +59,12 @@ COMBINE_FLOOR_BYTES = 32 * MIB
 # gathers f32 here); a threshold sized for fp32 holds one layer either way, and inside the scanned
 # layer loop there is only that layer's collectives to combine, so the margin costs nothing there.
 WIDEST_BYTES = 4
-# XLA's default command-buffer capture set (read from an XLA dump of jaxlib 0.10.2 and 0.11.2; the
-# FIXED arm restores it; tests/test_xla_flags.py checks it against the installed jaxlib).
-XLA_DEFAULT_COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,DYNAMIC_SLICE_FUSION"
+# XLA's default command-buffer capture set, by jaxlib (read from XLA dumps of jaxlib 0.10.2, 0.11.2
+# and 0.12.0.1; the FIXED arm restores it; tests/test_xla_flags.py checks it against the installed
+# jaxlib): 0.12 adds the collectives' kernels.
+XLA_DEFAULT_COMMAND_BUFFERS = {(0, 10): "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,DYNAMIC_SLICE_FUSION",
+                               (0, 12): "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,DYNAMIC_SLICE_FUSION,"
+                                        "COLLECTIVES_KERNEL"}
 # XLA's effort levels (ExecutionOptions' EFFORT_O0..O3), by jax_optimization_level's names.
 EFFORT_LEVELS = {"O0": 9, "O1": 19, "O2": 29, "O3": 39}
 # XLA's default windowed-einsum threshold (MiB): in effect off.
@@ -75,6 +78,13 @@ WINDOWED_EINSUM = "xla_gpu_threshold_for_windowed_einsum_mib"
 MULTI_STREAMED_EINSUM = "xla_gpu_multi_streamed_windowed_einsum"
 # The flags whose values differ between arms (each arm sets all of them per compile).
 ARM_FLAGS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, COMMAND_BUFFER, WINDOWED_EINSUM)
+
+
+def xla_default_command_buffers() -> str:
+    """The installed jaxlib's default ``xla_gpu_enable_command_buffer`` (``XLA_DEFAULT_COMMAND_BUFFERS``:
+    the entry of the newest version at or below it)."""
+    version = jaxlib_version()[:2]
+    return XLA_DEFAULT_COMMAND_BUFFERS[max(v for v in XLA_DEFAULT_COMMAND_BUFFERS if v <= version)]
 
 
 def jaxlib_version() -> tuple[int, ...]:
@@ -252,7 +262,7 @@ class ArmSetting:
 def arm_setting(arm: Arm, layout=None) -> ArmSetting:
     """The compile options of ``arm`` for ``layout``: every flag of ``ARM_FLAGS``, with XLA's
     default where the arm's set leaves a flag out."""
-    defaults = {COMMAND_BUFFER: XLA_DEFAULT_COMMAND_BUFFERS, WINDOWED_EINSUM: str(XLA_DEFAULT_WINDOWED_EINSUM_MIB)}
+    defaults = {COMMAND_BUFFER: xla_default_command_buffers(), WINDOWED_EINSUM: str(XLA_DEFAULT_WINDOWED_EINSUM_MIB)}
     if arm is Arm.FIXED:
         values = {ALL_GATHER: str(FIXED_COMBINE_BYTES), REDUCE_SCATTER: str(FIXED_COMBINE_BYTES),
                   ALL_REDUCE: str(FIXED_COMBINE_BYTES)}

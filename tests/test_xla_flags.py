@@ -89,7 +89,7 @@ def test_arms():
     fixed, derived, o1 = (xla_flags.arm_setting(arm, layout) for arm in xla_flags.Arm)
     assert set(fixed.options) == set(derived.options) == set(xla_flags.ARM_FLAGS)
     assert fixed.options[xla_flags.ALL_GATHER] == str(128 * MIB) and fixed.optimization_level is None
-    assert fixed.options[xla_flags.COMMAND_BUFFER] == xla_flags.XLA_DEFAULT_COMMAND_BUFFERS
+    assert fixed.options[xla_flags.COMMAND_BUFFER] == xla_flags.xla_default_command_buffers()
     assert derived.options[xla_flags.ALL_GATHER] == str(xla_flags.combine_thresholds(layout).all_gather)
     assert derived.options[xla_flags.COMMAND_BUFFER] == "" and derived.optimization_level is None
     assert o1.options == derived.options and o1.optimization_level == "O1"
@@ -175,7 +175,7 @@ def test_xla_default_command_buffers_are_this_jaxlibs(tmp_path):
     modules = _dump(tmp_path, [], [("arm_none", {}, None)])
     ((options_text, _),) = modules["arm_none"]
     assert sorted(_values(options_text, xla_flags.COMMAND_BUFFER)) == sorted(
-        xla_flags.XLA_DEFAULT_COMMAND_BUFFERS.split(","))
+        xla_flags.xla_default_command_buffers().split(","))
     assert _values(options_text, xla_flags.WINDOWED_EINSUM) == [str(xla_flags.XLA_DEFAULT_WINDOWED_EINSUM_MIB)]
 
 
