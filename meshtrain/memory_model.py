@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from flax import nnx
 
 from meshtrain.mesh import LAYOUT_ORDER, MESH_AXES
-from meshtrain.parallel.executor import _phases
+from meshtrain.parallel.executor import tick_runs
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.pipeline import Schedule
 from meshtrain.errors import ConfigError
@@ -229,13 +229,13 @@ _LOOPS: dict[int, tuple[ScheduleTable, list[Signature]]] = {}
 
 def tick_loops(table: ScheduleTable) -> list[Signature]:
     """The executor's loops over ``table``'s ticks, in order, as (slot kinds, runs the head): one XLA
-    while loop per run of ticks with one signature (``meshtrain.parallel.executor._phases``; a
+    while loop per run of ticks with one signature (``meshtrain.parallel.executor.tick_runs``; a
     repeated block's runs are one loop each). Kept per table (the builders return one per shape; a
     custom table is read anew each time, so the memo is emptied past a few hundred)."""
     if id(table) not in _LOOPS:
         if len(_LOOPS) >= 256:
             _LOOPS.clear()
-        _LOOPS[id(table)] = (table, [signature for _, block in _phases(table) for signature, _ in block])
+        _LOOPS[id(table)] = (table, [signature for _, block in tick_runs(table) for signature, _ in block])
     return _LOOPS[id(table)][1]
 
 

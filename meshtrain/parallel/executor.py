@@ -119,7 +119,7 @@ def _write(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
 Signature = tuple[tuple[Work, ...], bool]
 
 
-def _phases(table: ScheduleTable) -> list[tuple[int, tuple[tuple[Signature, int], ...]]]:
+def tick_runs(table: ScheduleTable) -> list[tuple[int, tuple[tuple[Signature, int], ...]]]:
     """The ticks as loops: runs of consecutive ticks with the same signature, and runs of runs
     that repeat (interleaved 1F1B alternates S ticks with a head and S without), as
     ``(repeats, ((signature, ticks), ...))`` in tick order. Each distinct loop body compiles once."""
@@ -464,7 +464,7 @@ class TableExecutor:
 
     def run(self, rows: tuple[Columns, np.ndarray], phases: list[tuple[int, tuple[tuple[Signature, int], ...]]]
             ) -> tuple:
-        """The table's ticks (``rows``: its columns and head microbatches, grouped by ``_phases``):
+        """The table's ticks (``rows``: its columns and head microbatches, grouped by ``tick_runs``):
         ``(loss, aux)``, or ``(loss, aux, grads)`` when training, summed over the stages."""
         carry = self.initial_carry()
         begin = 0
@@ -499,7 +499,7 @@ def run_table(table: ScheduleTable, mesh: Mesh, model_of: ModelOf, objective: Ob
     """The executor: ``(params, batch) -> (loss, aux)`` (forward only) or ``-> (loss, aux, grads)``
     (``train``) of ``batch`` split into ``table.microbatches`` microbatches, run as ``table`` says."""
     columns, sizes = table.buffers()
-    phases = _phases(table)
+    phases = tick_runs(table)
     heads = [table.head_microbatch(t) for t in range(len(table.ticks))]
     rows = (columns, np.array([-1 if m is None else m for m in heads], np.int32))
 
