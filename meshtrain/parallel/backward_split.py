@@ -43,7 +43,7 @@ import jax
 from jax.extend import core
 from jax.extend.core import primitives
 
-from models.attention import varying_axes
+from models.common import varying_axes
 
 
 class UnsupportedBackward(ValueError):

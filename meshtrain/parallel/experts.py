@@ -50,8 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
-from models.attention import varying_axes
-from models.common import ExpertCompute, Fp8Weight, LogicalAxes, choice_rows
+from models.common import ExpertCompute, Fp8Weight, LogicalAxes, choice_rows, varying_axes
 
 TOKEN_AXES: LogicalAxes = ("batch", "length")
 
