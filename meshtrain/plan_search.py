@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 from meshtrain.config import Config
 from meshtrain.errors import ConfigError
-from meshtrain.memory_model import (ACTIVATION_COEFFICIENTS, TEMP_MARGIN, Candidate, Estimate, Hardware, SpecTables,
-                                    estimate, spec_tables)
+from meshtrain.memory_model import ACTIVATION_COEFFICIENTS, TEMP_MARGIN, Candidate, Estimate, Hardware, estimate
+from meshtrain.param_terms import SpecTables, spec_tables
 from meshtrain.mesh import MESH_AXES
 from meshtrain.parallel.layout import Layout, abstract_model
 from meshtrain.parallel.offload import OffloadConfig

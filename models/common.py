@@ -22,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models.attention import AttentionSpec, attend
 from models.fp8 import Fp8Weight, MatmulGroup, fp8_matmul
 from models.fp8 import OPERANDS as OPERANDS  # the FP8 amaxes' order, for the framework (meshtrain.fp8)
+from models.attention import AttentionKernel as AttentionKernel  # for the framework (the planner's memory model)
 from models.attention import varying_axes as varying_axes  # for the framework's shard_map code
 
 LogicalAxes = tuple[str | None, ...]

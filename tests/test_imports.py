@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     # What is built from a layout: the step, checkpoints, HF files, evaluation, the memory model,
     # sampling with the KV cache, the XLA flags (combine thresholds from a layout's layer bytes).
     ("meshtrain.trainer", "meshtrain.checkpoint", "meshtrain.hf", "meshtrain.evaluation", "meshtrain.memory_model",
-     "meshtrain.sampling", "meshtrain.xla_flags"),
+     "meshtrain.param_terms", "meshtrain.sampling", "meshtrain.xla_flags"),
     # The config of every section.
     ("meshtrain.config",),
     # What a run and the tools are made of.

@@ -1,0 +1,122 @@
+"""A layout's parameters as the memory model reads them (``meshtrain.memory_model``): the specs of
+each parameter at rest, under the ZeRO stage and in compute (``spec_tables``), summed per device by
+role (``ParamTerms``: stored state, the stacked layers' compute copy, gathers and gradients, the
+vocabulary's lookup and projection, the bytes each collective moves)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from flax import nnx
+
+from meshtrain.parallel.layout import Layout
+from meshtrain.parallel.rules import mesh_axes_of
+from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
+from meshtrain.precision import Precision
+from models.common import MATMUL_GROUP, logical_axes_of
+
+SpecTables = tuple[dict, ...]
+
+
+def spec_tables(layout: Layout) -> SpecTables:
+    """Per parameter path, the specs ``estimate`` reads: at rest under the rules, the ZeRO stage's
+    params, grads and optimizer moments, and the compute layout. They depend on the rules, the ZeRO
+    stage and whether there is a pipeline only, so a planner computes them once for all candidates
+    that share those (``make_plan``)."""
+    state, compute = layout.state_specs(), layout.state_specs(ZeroStage.NONE).params
+    return tuple({path: spec.get_value() for path, spec in nnx.to_flat_state(tree)}
+                 for tree in (layout.param_specs(), state.params, state.grads, state.optimizer, compute))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamTerms:
+    """Per-device element counts of one layout's parameters, by role (``param_terms``).
+
+    ``stored``/``grads``/``moments``: as the ZeRO stage stores them. Of the stacked layers:
+    ``layer_copy``, the elements the compute copy casts where they rest (the ZeRO shard of a gathered
+    weight, else the compute layout: the rules' split less the ZeRO axis); ``layer_loop_grads``,
+    their gradients as the layers' backward writes them (reduce-scattered in the loop under
+    ZeRO-2/3, else in the compute layout); ``layer_gathered``, one layer's ZeRO-gathered weights;
+    ``layer_experts``, one layer's experts (weights with an axis of ``Layout.expert_axes``, which
+    rest and compute where they are, never gathered);
+    ``fp8_gathered``, of all ZeRO-gathered weights those whose matmuls run in FP8 (``train.precision:
+    fp8``, the recipe's groups), gathered as E4M3. Of the ``vocab`` parameters, in the compute
+    layout: ``lookup``, tables indexed by token id (``[vocab, ...]``), with ``lookup_stored`` and
+    ``lookup_grads`` the elements and gradients as stored; ``projection``, matmuls onto the
+    vocabulary (``[..., vocab]``, or a tied table), with ``projection_grads`` its stored gradients
+    (0 when tied) and ``projection_reduced`` when its gradient is summed over the batch's devices.
+    ``gathering``: ZeRO-3 gathers weights (fsdp > 1). The rest: the elements the ZeRO axis shards
+    (gathered and as stored) and the gradient elements reduced over fsdp and over data."""
+
+    stored: float
+    grads: float
+    moments: float
+    layer_copy: float
+    layer_loop_grads: float
+    layer_gathered: float
+    layer_experts: float
+    lookup: float
+    lookup_stored: float
+    lookup_grads: float
+    projection: float
+    projection_grads: float
+    projection_reduced: bool
+    gathering: bool
+    zero_sharded_total: float
+    zero_sharded_local: float
+    fp8_gathered: float
+    fsdp_reduced: float
+    data_reduced: float
+
+
+def param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
+    """``ParamTerms`` of ``layout`` from its spec tables; they depend on the mesh, the rules and the
+    ZeRO stage only."""
+    stages = layout.stages
+    sums = dict(stored=0.0, grads=0.0, moments=0.0, layer_copy=0.0, layer_loop_grads=0.0, layer_gathered=0.0,
+                layer_experts=0.0,
+                lookup=0.0, lookup_stored=0.0, lookup_grads=0.0, projection=0.0, projection_grads=0.0,
+                zero_sharded_total=0.0, zero_sharded_local=0.0,
+                fp8_gathered=0.0, fsdp_reduced=0.0, data_reduced=0.0)
+    fp8_groups = layout.train.fp8.matmuls if layout.train.precision is Precision.FP8 else ()
+    gathering = layout.zero.stage >= ZeroStage.PARAMETERS and layout.mesh_shape[ZERO_AXIS] > 1
+    projection_reduced, tables = False, []
+    for path, variable in nnx.to_flat_state(layout.abstract_params):
+        size = math.prod(variable.shape)
+        sharded, p, g, o, c = (size / math.prod(layout.ways(table[path])) for table in flat)
+        compute_axes = {axis for entry in flat[-1][path] for axis in mesh_axes_of(entry)}
+        sums["stored"] += p
+        sums["grads"] += g
+        sums["moments"] += o
+        sums["fsdp_reduced"] += c if ZERO_AXIS not in compute_axes else 0.0
+        sums["data_reduced"] += g if "data" not in compute_axes else 0.0
+        zero_split = sharded < c
+        if zero_split:
+            sums["zero_sharded_total"] += c
+            sums["zero_sharded_local"] += p
+            group = variable.get_metadata().get(MATMUL_GROUP)
+            if group is not None and (fp8_groups is None or group in fp8_groups):
+                sums["fp8_gathered"] += c
+        axes = logical_axes_of(variable)
+        if path[0] == "layers":
+            sums["layer_copy"] += p if gathering and zero_split else c
+            sums["layer_loop_grads"] += g if layout.zero.stage >= ZeroStage.GRADIENTS and zero_split else c
+            per_layer = c / (variable.shape[0] / (stages if stages > 1 else 1))
+            if gathering and zero_split:
+                sums["layer_gathered"] += per_layer
+            if any(axis in layout.expert_axes for axis in axes):
+                sums["layer_experts"] += per_layer
+        elif "vocab" in axes and axes[0] == "vocab":
+            sums["lookup"] += c
+            sums["lookup_stored"] += p
+            sums["lookup_grads"] += g
+            tables.append(c)
+        elif "vocab" in axes:
+            sums["projection"] += c
+            sums["projection_grads"] += g
+            projection_reduced |= any(layout.mesh_shape[a] > 1 and a not in compute_axes for a in ("data", ZERO_AXIS))
+    if not sums["projection"] and tables:  # tied: the table is the projection too
+        sums["projection"] = sum(tables)
+        projection_reduced = any(layout.mesh_shape[a] > 1 for a in ("data", ZERO_AXIS))
+    return ParamTerms(**sums, projection_reduced=projection_reduced, gathering=gathering)
