@@ -48,7 +48,8 @@ from meshtrain.parallel.ring_attention import sub_block_length
 from meshtrain.parallel.rules import Preset, mesh_axes_of
 from meshtrain.parallel.schedules import SENDS_GRADIENT, ScheduleTable, Work
 from meshtrain.parallel.sharding import ring_axis
-from models.common import AttentionKernel, RematPolicy
+from meshtrain.precision import Precision
+from models.common import AttentionKernel, MatmulGroup, RematPolicy
 FP32 = 4
 BATCH_BYTES_PER_TOKEN = 3 * 4  # inputs, targets (int32) and mask (f32)
 STATE_SCALAR_BYTES = 64  # step, skipped_steps, loss scale, Adam/schedule counts (rounded up)
@@ -317,8 +318,13 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     # compute dtype (it widens bf16 arithmetic and all-gathers), so they count at HELD bytes; a
     # pipeline's stash keeps the compute dtype (``kept``: the executor's buffers) and is widened one
     # microbatch at a time, for its backward.
-    saved, _ = family.activation_bytes(model, mesh["tensor"], candidate.remat, HELD, sp, keys, experts)
-    kept, working = family.activation_bytes(model, mesh["tensor"], candidate.remat, compute_bytes, sp, keys, experts)
+    # FP8 (``train.precision: fp8``): the groups whose matmuls run in FP8 (None in the recipe: all).
+    fp8 = frozenset()
+    if layout.train.precision is Precision.FP8:
+        fp8 = frozenset(MatmulGroup if layout.train.fp8.matmuls is None else layout.train.fp8.matmuls)
+    saved, _ = family.activation_bytes(model, mesh["tensor"], candidate.remat, HELD, sp, keys, experts, fp8)
+    kept, working = family.activation_bytes(model, mesh["tensor"], candidate.remat, compute_bytes, sp, keys, experts,
+                                            fp8)
     est.activations = round(layers_here * tokens * saved)
     table = None if est.reasons else _schedule_table(layout)  # a layout that cannot be built has none
     working_tokens = tokens / micro
@@ -338,7 +344,8 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
         # all of it to fp32 (``cut_per_token``: compute dtype, fp32).
         cut_residuals = CUT_FP32_RESIDUALS * model.embed_dim / sp * FP32
         cut_per_token = [2 * family.activation_bytes(model, mesh["tensor"], RematPolicy.DOTS, nbytes, sp, keys,
-                                                     experts)[0] + cut_residuals for nbytes in (compute_bytes, HELD)]
+                                                     experts, fp8)[0] + cut_residuals
+                         for nbytes in (compute_bytes, HELD)]
         stash = buffers.stash * chunk_tokens * kept
         cut = buffers.cut * chunk_tokens * cut_per_token[0] if table.splits_backward else 0.0
         # A loop's second copy of the cut is of its compute-dtype values only (the fp32 ones stay single).

@@ -14,6 +14,7 @@ from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.rules import mesh_axes_of
 from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
 from meshtrain.precision import Precision
+from models.api import AxisRole
 from models.common import MATMUL_GROUP, logical_axes_of
 
 SpecTables = tuple[dict, ...]
@@ -33,11 +34,12 @@ def spec_tables(layout: Layout) -> SpecTables:
 class ParamTerms:
     """Per-device element counts of one layout's parameters, by role (``param_terms``).
 
-    ``stored``/``grads``/``moments``: as the ZeRO stage stores them. Of the stacked layers:
-    ``layer_copy``, the elements the compute copy casts where they rest (the ZeRO shard of a gathered
-    weight, else the compute layout: the rules' split less the ZeRO axis); ``layer_loop_grads``,
-    their gradients as the layers' backward writes them (reduce-scattered in the loop under
-    ZeRO-2/3, else in the compute layout); ``layer_gathered``, one layer's ZeRO-gathered weights;
+    ``stored``/``grads``/``moments``: as the ZeRO stage stores them. Of the stacked layers (``layers``
+    and the family's other stacks, ``AxisRole.STACKED``): ``layer_copy``, the elements the compute
+    copy casts where they rest (the ZeRO shard of a gathered weight, else the compute layout: the
+    rules' split less the ZeRO axis); ``layer_loop_grads``, their gradients as the layers' backward
+    writes them (reduce-scattered in the loop under ZeRO-2/3, else in the compute layout). Of
+    ``layers`` alone: ``layer_gathered``, one layer's ZeRO-gathered weights;
     ``layer_experts``, one layer's experts (weights with an axis of ``Layout.expert_axes``, which
     rest and compute where they are, never gathered);
     ``fp8_gathered``, of all ZeRO-gathered weights those whose matmuls run in FP8 (``train.precision:
@@ -82,6 +84,9 @@ def param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
     fp8_groups = layout.train.fp8.matmuls if layout.train.precision is Precision.FP8 else ()
     gathering = layout.zero.stage >= ZeroStage.PARAMETERS and layout.mesh_shape[ZERO_AXIS] > 1
     projection_reduced, tables = False, []
+    # The family's other stacks of layers (``AxisRole.STACKED``: dense layers, prediction depths): their
+    # compute copy and gradients are held as the layers' are.
+    other_stacks = {axis for axis, role in layout.family.axis_roles.items() if role is AxisRole.STACKED}
     for path, variable in nnx.to_flat_state(layout.abstract_params):
         size = math.prod(variable.shape)
         sharded, p, g, o, c = (size / math.prod(layout.ways(table[path])) for table in flat)
@@ -99,9 +104,10 @@ def param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
             if group is not None and (fp8_groups is None or group in fp8_groups):
                 sums["fp8_gathered"] += c
         axes = logical_axes_of(variable)
-        if path[0] == "layers":
+        if path[0] == "layers" or (axes and axes[0] in other_stacks):
             sums["layer_copy"] += p if gathering and zero_split else c
             sums["layer_loop_grads"] += g if layout.zero.stage >= ZeroStage.GRADIENTS and zero_split else c
+        if path[0] == "layers":
             per_layer = c / (variable.shape[0] / (stages if stages > 1 else 1))
             if gathering and zero_split:
                 sums["layer_gathered"] += per_layer

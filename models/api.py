@@ -270,14 +270,16 @@ class ModelFamily:
       axis_roles: the family's logical axes beyond ``FRAMEWORK_AXES`` and the role of each.
       flops_per_token: training (forward + backward) FLOPs per token, for MFU.
       recompute_flops_per_token: extra forward FLOPs per token that a remat policy recomputes.
-      activation_bytes: ``(cfg, tensor, remat, compute_bytes, sequence, keys, experts) -> (saved, working)``
+      activation_bytes: ``(cfg, tensor, remat, compute_bytes, sequence, keys, experts, fp8) -> (saved, working)``
         bytes per token and layer on one device: what the backward keeps under ``remat``, and one
         layer's live set during its backward (for ``meshtrain.plan``). ``sequence``: how many more
         ways the residual stream's positions are split than the blocks' (sequence parallelism's
         ``tensor``); ``keys``: the key positions a query's attention scores span at once, on average
         (None: the whole sequence; under ring attention one ``[block, block]`` tile's over the rank's
         positions, ``block^2 / (seq_len / ring size)``); ``experts``: how many ways expert
-        parallelism splits the experts of role EXPERT over the devices holding the tokens (1: none).
+        parallelism splits the experts of role EXPERT over the devices holding the tokens (1: none);
+        ``fp8``: the ``MatmulGroup``s whose matmuls run in FP8 (``train.precision: fp8``; empty
+        otherwise), whose operands the backward may keep as E4M3 copies (1 B).
       hf: the Hugging Face adapter, or None when the family has none.
       exchange_bytes: ``(cfg, experts, compute_bytes) -> bytes`` per token and layer that one
         exchange of expert parallelism sends from a device (the token rows bound for the experts),
@@ -295,7 +297,7 @@ class ModelFamily:
     axis_roles: Mapping[str, AxisRole]
     flops_per_token: Callable[[Any], float]
     recompute_flops_per_token: Callable[[Any, RematPolicy], float]
-    activation_bytes: Callable[[Any, int, RematPolicy, int, int, float | None, int], tuple[float, float]]
+    activation_bytes: Callable[..., tuple[float, float]]
     hf: HFAdapter | None = None
     exchange_bytes: Callable[[Any, int, int], float] | None = None
     key_value_width: Callable[[Any, int], float] | None = None

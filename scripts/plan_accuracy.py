@@ -77,6 +77,10 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "DeepSeek-V3, 8 layers, (1,8,1,1) EP8 ZeRO-3 full, seq 4096": (
         "configs/deepseek_v3_671b.yaml", ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", "zero.stage=3",
                                           "train.batch_size=8", "model.seq_len=4096", "model.num_layers=8"]),
+    "DeepSeek-V3, 8 layers, 2 prediction depths, (1,8,1,1) EP8 ZeRO-3 full, seq 4096": (
+        "configs/deepseek_v3_671b.yaml", ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", "zero.stage=3",
+                                          "train.batch_size=8", "model.seq_len=4096", "model.num_layers=8",
+                                          "model.mtp_layers=2"]),
     "DeepSeek-V3, 8 layers, (1,8,1,1) EP8 ZeRO-3 dots, seq 4096": (
         "configs/deepseek_v3_671b.yaml", ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", "zero.stage=3",
                                           "train.batch_size=8", "model.seq_len=4096", "model.num_layers=8",

@@ -33,6 +33,7 @@ from models.attention import AttentionKernel, AttentionSpec
 from models.api import AUX_LOSS, AxisRole, Documents, ModelFamily, positions_of, register
 from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
                            palm_train_flops_per_token, stacked_layers, unconstrained)
+from models.fp8 import MatmulGroup
 
 BLE = ("batch", "length", "embed")
 
@@ -153,8 +154,10 @@ def recompute_flops_per_token(cfg: ToyGPTConfig, remat: RematPolicy) -> float:
 
 
 def activation_bytes(cfg: ToyGPTConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
-                     sequence: int = 1, keys: float | None = None, experts: int = 1) -> tuple[float, float]:
-    del sequence, experts  # its residual stream runs along `length`: sequence parallelism does not split it
+                     sequence: int = 1, keys: float | None = None, experts: int = 1,
+                     fp8: frozenset[MatmulGroup] = frozenset()) -> tuple[float, float]:
+    # Its residual stream runs along `length`: sequence parallelism does not split it; FP8 copies not counted.
+    del sequence, experts, fp8
     d, a, f = cfg.embed_dim, cfg.num_heads * cfg.head_dim / tensor, cfg.mlp_dim / tensor
     scores = cfg.num_heads / tensor * (keys or cfg.seq_len) * 4
     everything = (6 * d + 4 * a + 2 * f) * compute_bytes + 2 * scores

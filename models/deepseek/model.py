@@ -46,6 +46,7 @@ from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce
                            stacked_layers, unconstrained)
 from models.deepseek.attention import LatentAttention
 from models.deepseek.mtp import PredictionDepth, predict_ahead
+from models.fp8 import MatmulGroup
 from models.grouped_matmul import GroupedKernel, GroupedSpec
 from models.llama.model import DecoderLayer
 from models.moe.model import CHECKPOINT_NAMES as MOE_CHECKPOINT_NAMES
@@ -250,7 +251,8 @@ def key_value_width(cfg: DeepSeekConfig, tensor: int) -> float:
 
 
 def activation_bytes(cfg: DeepSeekConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
-                     sequence: int = 1, keys: float | None = None, experts: int = 1) -> tuple[float, float]:
+                     sequence: int = 1, keys: float | None = None, experts: int = 1,
+                     fp8: frozenset[MatmulGroup] = frozenset()) -> tuple[float, float]:
     """(saved, working) activation bytes per token and stacked (mixture-of-experts) layer on one
     device (``ModelFamily.activation_bytes``). As the MoE family's, with MLA's attention: the
     per-head queries, keys and (padded) values at width ``w = max(qk, v)``, the latents
@@ -261,7 +263,9 @@ def activation_bytes(cfg: DeepSeekConfig, tensor: int, remat: RematPolicy, compu
     prediction depth, one dense layer) keeps ``none``'s values whatever the policy, as measured
     (DeepSeek-V3's 8 layers, ``full``: 134.5 GB of temp with one prediction depth, 126.5 GB with
     two, 104.3 GB with none); XLA:CPU removes a scan's loop of one trip, and a ``prevent_cse=True``
-    checkpoint there does not change it (docs/memory.md)."""
+    checkpoint there does not change it (docs/memory.md). FP8's E4M3 copies (``fp8``) are not counted,
+    as the MoE family's."""
+    del fp8
     d = cfg.embed_dim / sequence
     width = max(cfg.qk_head_dim, cfg.v_head_dim)
     q = cfg.num_heads * width / tensor
