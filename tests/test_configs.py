@@ -21,6 +21,7 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 # Nominal size -> accepted range of cfg.model.num_params.
 EXPECTED_PARAMS = {
+    "stdlib_20m": (20e6, 22e6),  # the ~20M-parameter model of the FP8 convergence comparison
     "llama_125m": (0.10e9, 0.20e9),
     "llama_1b": (1.0e9, 1.4e9),
     "llama_8b": (7.6e9, 8.4e9),
