@@ -154,9 +154,9 @@ def format_plan(plan: Plan, top: int, show_infeasible: int) -> str:
     if any(not e.reliable for e in fit[:top]):
         lines.append(f"fits? = {UNRELIABLE}")
     if any(e.reliable and not plan.certain(e) for e in fit[:top]):
-        lines.append(f"fits? (no pipeline) = fits only without the {TEMP_MARGIN:.0%} margin on temp bytes that the "
-                     "estimate's largest measured error needs (XLA:CPU, scripts/plan_accuracy.py); confirm with "
-                     "--verify")
+        lines.append(f"fits? (no pipeline) = fits only without the {TEMP_MARGIN:.0%} margin on temp bytes the planner "
+                     "keeps above its estimate (its largest shortfall measured against XLA:CPU is smaller: "
+                     "scripts/plan_accuracy.py); confirm with --verify")
     if broken and show_infeasible:
         seen: dict[str, str] = {}
         for est in broken:
