@@ -48,7 +48,8 @@ import yaml
 from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.data import DataConfig
 from meshtrain.distributed import DistributedConfig
-from meshtrain.errors import ConfigError
+from meshtrain import yamlio
+from meshtrain.errors import ConfigError, cut, shown
 from meshtrain.evaluation import EvalConfig
 from meshtrain.mesh import MeshConfig
 from meshtrain.optim import OptimizerConfig
@@ -87,7 +88,7 @@ class RunConfig:
             try:
                 loggers.append(Logger(value))
             except ValueError:
-                raise ConfigError("loggers", f"{_shown(value)} is not valid{_suggest(str(value), valid.split(' | '))}; "
+                raise ConfigError("loggers", f"{shown(value)} is not valid{_suggest(str(value), valid.split(' | '))}; "
                                   f"use any of {valid}") from None
         if len(set(loggers)) < len(loggers):
             raise ConfigError("loggers", f"names a logger twice: {[logger.value for logger in loggers]}")
@@ -126,80 +127,6 @@ _DACITE = dacite.Config(strict=True, cast=[enum.Enum, tuple, float])
 _ALIASES = {("model", "init_from"): ("checkpoint", "init_from")}
 
 
-class _BoundedLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that rejects duplicate keys, nesting deeper than ``MAX_DEPTH`` and
-    documents that expand (aliases counted in full, as the config's consumers would walk them) to
-    more than ``MAX_NODES`` nodes: a "billion laughs" alias bomb is refused before it is expanded."""
-
-    MAX_DEPTH = 64
-    MAX_NODES = 100_000
-
-    def __init__(self, stream):
-        super().__init__(stream)
-        self._depth = 0
-
-    def compose_node(self, parent, index):
-        self._depth += 1
-        try:
-            if self._depth > self.MAX_DEPTH:
-                mark = self.peek_event().start_mark
-                raise _Refused(f"nested more than {self.MAX_DEPTH} levels deep (line {mark.line + 1})")
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-    def get_single_node(self):
-        node = super().get_single_node()
-        if node is not None:
-            sizes: dict[int, int] = {}
-
-            def size(n) -> int:  # the node graph is a DAG (aliases share nodes): memoise by identity
-                if id(n) not in sizes:
-                    children = n.value if isinstance(n, yaml.SequenceNode) else (
-                        [item for pair in n.value for item in pair] if isinstance(n, yaml.MappingNode) else [])
-                    sizes[id(n)] = 1 + sum(size(child) for child in children)
-                    if sizes[id(n)] > self.MAX_NODES:
-                        raise _Refused(f"expands to more than {self.MAX_NODES} values (aliases counted "
-                                       "in full)")
-                return sizes[id(n)]
-
-            size(node)
-        return node
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
-                raise _Refused(f"key {_shown(key)} appears twice in one mapping (line "
-                               f"{key_node.start_mark.line + 1})")
-            if isinstance(key, (str, int, float, bool)):
-                seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-class _Refused(Exception):
-    """A YAML document ``_BoundedLoader`` will not load (the reason is the message)."""
-
-
-def _load_yaml(text: str) -> Any:
-    """``text`` parsed by ``_BoundedLoader``; raises ``_Refused`` or ``yaml.YAMLError``."""
-    try:
-        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader subclass)
-    except RecursionError:
-        raise _Refused("nested too deeply") from None
-
-
-def _shown(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for error messages."""
-    return _cut(repr(value), limit)
-
-
-def _cut(text: str, limit: int = 120) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
 def _suggest(name: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(name, valid, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -228,21 +155,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(text, "an override must look like section.field=value, e.g. train.steps=100")
     try:
-        return key, _load_yaml(value) if value else ""
+        return key, yamlio.loads(value) if value else ""
     except yaml.YAMLError as err:
-        raise ConfigError(key, f"cannot parse value {_shown(value)} as YAML: {_yaml_problem(err)}") from None
-    except _Refused as err:
-        raise ConfigError(key, f"value {_shown(value)} is refused: {err}") from None
+        raise ConfigError(key, f"cannot parse value {shown(value)} as YAML: {yamlio.problem(err)}") from None
+    except yamlio.Refused as err:
+        raise ConfigError(key, f"value {shown(value)} is refused: {err}") from None
     except ValueError as err:  # e.g. an integer of more than 4300 digits
-        raise ConfigError(key, f"cannot parse value {_shown(value)}: {_cut(str(err))}") from None
-
-
-def _yaml_problem(err: yaml.YAMLError) -> str:
-    """A one-line description of a YAML error (PyYAML's own text spans several lines)."""
-    problem = getattr(err, "problem", None) or getattr(err, "context", None) or type(err).__name__
-    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return " ".join(f"{problem}{where}".split())
+        raise ConfigError(key, f"cannot parse value {shown(value)}: {cut(str(err))}") from None
 
 
 def _check_fields(path: str, cls: type, raw: dict) -> None:
@@ -260,21 +179,21 @@ def _check_fields(path: str, cls: type, raw: dict) -> None:
         hint = hints[key]
         origin, args = typing.get_origin(hint), typing.get_args(hint)
         if hint in (int, float) and isinstance(value, bool):
-            raise ConfigError(field, f"expected {hint.__name__}, got {_shown(value)}")
+            raise ConfigError(field, f"expected {hint.__name__}, got {shown(value)}")
         if int in (hint, *args) and isinstance(value, int) and not isinstance(value, bool) \
                 and not -INT_LIMIT <= value < INT_LIMIT:
-            raise ConfigError(field, f"{_shown(value, 40)} is out of range; must be below 2**63")
+            raise ConfigError(field, f"{shown(value, 40)} is out of range; must be below 2**63")
         if hint is float and not _is_float(value):  # dacite casts with float(), naming no field
-            raise ConfigError(field, f"expected float, got {_shown(value)}")
+            raise ConfigError(field, f"expected float, got {shown(value)}")
         if float in (hint, *args) and _is_float(value) and not isinstance(value, bool) \
                 and not math.isfinite(float(value)):  # nan passes both `> 0` and `< 0` checks
-            raise ConfigError(field, f"must be a finite number, got {_shown(value)}")
+            raise ConfigError(field, f"must be a finite number, got {shown(value)}")
         if origin is tuple and isinstance(value, str):
-            raise ConfigError(field, f"expected a list, got the string {_shown(value)}; write [{_shown(value)[1:-1]}]")
+            raise ConfigError(field, f"expected a list, got the string {shown(value)}; write [{shown(value)[1:-1]}]")
         if origin is tuple and isinstance(value, dict):  # dacite would iterate its keys
-            raise ConfigError(field, f"expected a list, got the mapping {_shown(value)}; write a list of entries, "
+            raise ConfigError(field, f"expected a list, got the mapping {shown(value)}; write a list of entries, "
                               "e.g. [{path: DIR, weight: 1.0}]" if args and dataclasses.is_dataclass(args[0])
-                              else f"expected a list, got the mapping {_shown(value)}")
+                              else f"expected a list, got the mapping {shown(value)}")
         if dataclasses.is_dataclass(hint):
             _check_mapping(field, hint, value)
         elif origin is tuple and args and dataclasses.is_dataclass(args[0]) and isinstance(value, list):
@@ -299,7 +218,7 @@ def _is_float(value: Any) -> bool:
 def _check_mapping(path: str, cls: type, value: Any) -> None:
     if not isinstance(value, dict):
         fields = [field.name for field in dataclasses.fields(cls)]
-        raise ConfigError(path, f"must be a mapping with fields {fields}, got {_shown(value)}")
+        raise ConfigError(path, f"must be a mapping with fields {fields}, got {shown(value)}")
     _check_fields(path, cls, value)
 
 
@@ -307,7 +226,7 @@ def _section(name: str, cls: type, raw: Any) -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(name, f"must be a mapping of fields, got {_shown(raw)}")
+        raise ConfigError(name, f"must be a mapping of fields, got {shown(raw)}")
     _check_fields(name, cls, raw)
     try:
         return dacite.from_dict(cls, raw, config=_DACITE)
@@ -315,7 +234,7 @@ def _section(name: str, cls: type, raw: Any) -> Any:
         raise ConfigError(f"{name}.{err.field}", err.message) from None
     except dacite.WrongTypeError as err:
         raise ConfigError(f"{name}.{err.field_path}", f"expected {_type_name(err.field_type)}, "
-                          f"got {_shown(err.value)}") from None
+                          f"got {shown(err.value)}") from None
     except dacite.UnexpectedDataError as err:
         raise ConfigError(f"{name}.{sorted(err.keys)[0]}", "unknown field") from None
     except dacite.DaciteFieldError as err:
@@ -343,14 +262,14 @@ def _invalid_enum(cls: type, raw: dict) -> tuple[str, str] | None:
             field_type = options[0]  # an optional field (train.fp8.matmuls: a list or null)
         if (isinstance(field_type, type) and issubclass(field_type, enum.Enum)
                 and value not in [member.value for member in field_type]):
-            return key, f"{_shown(value)} is not valid; use {_type_name(field_type)}"
+            return key, f"{shown(value)} is not valid; use {_type_name(field_type)}"
         items = typing.get_args(field_type)[:1]  # a list of enum members (run.loggers)
         if (typing.get_origin(field_type) is tuple and items and isinstance(items[0], type)
                 and issubclass(items[0], enum.Enum) and isinstance(value, list)):
             members = [str(member.value) for member in items[0]]
             for item in value:
                 if item not in members:
-                    return key, (f"{_shown(item)} is not valid{_suggest(str(item), members)}; use any of "
+                    return key, (f"{shown(item)} is not valid{_suggest(str(item), members)}; use any of "
                                  f"{' | '.join(members)}")
         if dataclasses.is_dataclass(field_type) and isinstance(value, dict):  # a nested section (train.fp8)
             known = typing.get_type_hints(field_type)
@@ -396,8 +315,8 @@ def resolve_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -
 
 def _read_chain(path: pathlib.Path) -> tuple[dict, dict]:
     """The raw mapping of ``path`` merged over its chain of bases, and its provenance tree."""
-    layers: list[tuple[str, dict]] = []  # (the file as shown, its mapping), the named file first
-    shown, field, where = str(path), "--config", ""
+    layers: list[tuple[str, dict]] = []  # (the file as the user named it, its mapping), the named file first
+    label, field, where = str(path), "--config", ""
     seen: dict[pathlib.Path, str] = {}
     while True:
         try:
@@ -405,24 +324,24 @@ def _read_chain(path: pathlib.Path) -> tuple[dict, dict]:
         except (OSError, RuntimeError):  # a symlink loop: reading it fails below, naming the file
             identity = path.absolute()
         if identity in seen:
-            chain = " -> ".join([*seen.values(), shown])
+            chain = " -> ".join([*seen.values(), label])
             raise ConfigError(BASE_FIELD, f"the base files form a cycle: {chain}; remove one of their "
                               f"{BASE_FIELD}: keys")
-        seen[identity] = shown
-        raw = _read_mapping(path, shown, field, where)
+        seen[identity] = label
+        raw = _read_mapping(path, label, field, where)
         _plugin_file_from(raw, path.parent)
-        layers.append((shown, raw))
+        layers.append((label, raw))
         if BASE_FIELD not in raw:
             break
         base = raw.pop(BASE_FIELD)
         if not isinstance(base, str) or not base:
             raise ConfigError(BASE_FIELD, f"must be the path of a YAML config file (relative to the "
-                              f"directory of {shown}, or absolute), got {_shown(base)} in {shown}")
-        where = f" (the {BASE_FIELD} named in {shown})"
-        path, shown, field = path.parent / base, os.path.normpath(pathlib.Path(shown).parent / base), BASE_FIELD
+                              f"directory of {label}, or absolute), got {shown(base)} in {label}")
+        where = f" (the {BASE_FIELD} named in {label})"
+        path, label, field = path.parent / base, os.path.normpath(pathlib.Path(label).parent / base), BASE_FIELD
     raw, sources = {}, {}
-    for shown, layer in reversed(layers):
-        raw, sources = _merged(raw, sources, layer, f"from {shown}", sections=True)
+    for label, layer in reversed(layers):
+        raw, sources = _merged(raw, sources, layer, f"from {label}", sections=True)
     return raw, sources
 
 
@@ -436,29 +355,29 @@ def _plugin_file_from(raw: dict, directory: pathlib.Path) -> None:
         model[PLUGIN_FIELD] = os.path.abspath(directory / plugin)
 
 
-def _read_mapping(path: pathlib.Path, shown: str, field: str, where: str) -> dict:
-    """The YAML mapping in file ``path``; an error names ``field``, the file as ``shown`` and ends
+def _read_mapping(path: pathlib.Path, label: str, field: str, where: str) -> dict:
+    """The YAML mapping in file ``path``; an error names ``field``, the file as ``label`` and ends
     with ``where``."""
     if path.is_dir():
-        raise ConfigError(field, f"{shown} is a directory; give a YAML config file{where}")
+        raise ConfigError(field, f"{label} is a directory; give a YAML config file{where}")
     if not path.is_file():
-        raise ConfigError(field, f"no such file: {shown}{where}")
+        raise ConfigError(field, f"no such file: {label}{where}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:  # a binary file
-        raise ConfigError(field, f"{shown} is not a UTF-8 text file (byte {err.start}){where}") from None
+        raise ConfigError(field, f"{label} is not a UTF-8 text file (byte {err.start}){where}") from None
     except OSError as err:
-        raise ConfigError(field, f"cannot read {shown}: {err.strerror or err}{where}") from None
+        raise ConfigError(field, f"cannot read {label}: {err.strerror or err}{where}") from None
     try:
-        raw = _load_yaml(text) or {}  # an empty file: no fields
+        raw = yamlio.loads(text) or {}  # an empty file: no fields
     except ValueError as err:  # e.g. an integer of more than 4300 digits
-        raise ConfigError(field, f"{shown} is not valid YAML: {_cut(str(err))}{where}") from None
+        raise ConfigError(field, f"{label} is not valid YAML: {cut(str(err))}{where}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(field, f"{shown} is not valid YAML: {_yaml_problem(err)}{where}") from None
-    except _Refused as err:
-        raise ConfigError(field, f"{shown} is refused: {err}{where}") from None
+        raise ConfigError(field, f"{label} is not valid YAML: {yamlio.problem(err)}{where}") from None
+    except yamlio.Refused as err:
+        raise ConfigError(field, f"{label} is refused: {err}{where}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(field, f"{shown} must hold a mapping of sections {list(SECTIONS)}{where}")
+        raise ConfigError(field, f"{label} must hold a mapping of sections {list(SECTIONS)}{where}")
     return raw
 
 
@@ -500,11 +419,11 @@ def _tensorboard_alias(raw: dict) -> dict:
         return raw
     value, rest = run[TENSORBOARD_FIELD], {k: v for k, v in run.items() if k != TENSORBOARD_FIELD}
     if not isinstance(value, bool):
-        raise ConfigError("run.tensorboard", f"expected true or false, got {_shown(value)}; it is deprecated: "
+        raise ConfigError("run.tensorboard", f"expected true or false, got {shown(value)}; it is deprecated: "
                           "write run.loggers: [tensorboard] (the default) or run.loggers: []")
     loggers = rest.get("loggers")
     if isinstance(loggers, list) and (Logger.TENSORBOARD.value in loggers) != value:
-        raise ConfigError("run.tensorboard", f"{str(value).lower()} contradicts run.loggers {_shown(loggers)}; "
+        raise ConfigError("run.tensorboard", f"{str(value).lower()} contradicts run.loggers {shown(loggers)}; "
                           "drop run.tensorboard (deprecated): run.loggers alone names the loggers")
     if "loggers" not in rest and not value:
         rest["loggers"] = []
@@ -528,7 +447,7 @@ def config_from_dict(raw: dict) -> Config:
                               f"valid: {list(SECTIONS)}")
     model_raw = raw.get("model") or {}
     if not isinstance(model_raw, dict):
-        raise ConfigError("model", f"must be a mapping of fields, got {_shown(model_raw)}")
+        raise ConfigError("model", f"must be a mapping of fields, got {shown(model_raw)}")
     family = _family(model_raw)
     model_fields = {k: v for k, v in model_raw.items() if k not in (FAMILY_FIELD, PLUGIN_FIELD)}
     _check_family_fields(family, model_fields, named=FAMILY_FIELD in model_raw)
@@ -564,7 +483,7 @@ def _family(model_raw: dict):
         if plugin is not None:
             if not isinstance(plugin, str) or not plugin:
                 raise ConfigError("model.plugin", "must be a module name such as my_models.gpt or a .py file, "
-                                  f"got {_shown(plugin)}")
+                                  f"got {shown(plugin)}")
             import_plugin(plugin)
         name = model_raw.get(FAMILY_FIELD, DEFAULT_FAMILY)
         return family_named(str(name))
@@ -596,24 +515,6 @@ def to_dict(cfg: Config) -> dict:
     return {**_plain(cfg), "model": model_dict(cfg.model)}
 
 
-class _OneLineDumper(yaml.SafeDumper):
-    """Writes a value on one line: strings with line breaks double-quoted (``\\n`` escaped)."""
-
-    def represent_str(self, data: str):
-        if any(char in data for char in "\n\r\x85\u2028\u2029"):
-            return self.represent_scalar("tag:yaml.org,2002:str", data, style='"')
-        return super().represent_str(data)
-
-
-_OneLineDumper.add_representer(str, _OneLineDumper.represent_str)
-
-
-def _one_line(value: Any) -> str:
-    """``value`` as YAML on one line (flow style)."""
-    text = yaml.dump(value, Dumper=_OneLineDumper, default_flow_style=True, width=math.inf, sort_keys=False)
-    return text.removesuffix("\n...\n").rstrip("\n")
-
-
 def _origin(sources: dict, path: tuple) -> str:
     """Where the value at ``path`` came from: its leaf in the provenance tree, else ``DEFAULT``."""
     node: Any = sources
@@ -632,12 +533,12 @@ def annotated_yaml(cfg: Config, sources: dict, column: int = 48) -> str:
 
     def walk(mapping: dict, path: tuple, indent: str) -> None:
         for key, value in mapping.items():
-            head = f"{indent}{_one_line(key)}:"
+            head = f"{indent}{yamlio.one_line(key)}:"
             if isinstance(value, dict) and value:
                 lines.append((head, None))
                 walk(value, (*path, key), indent + "  ")
             else:
-                lines.append((f"{head} {_one_line(value)}", _origin(sources, (*path, key))))
+                lines.append((f"{head} {yamlio.one_line(value)}", _origin(sources, (*path, key))))
 
     walk(to_dict(cfg), (), "")
     breaks = str.maketrans({"\n": "\\n", "\r": "\\r", "\x85": "\\x85", "\u2028": "\\u2028",

@@ -1,10 +1,12 @@
-"""The one error type for bad user input (the CLI prints it as one line and exits 2), the check of
-an output directory that turns the file system's refusals into it, and the infeasibility of a
-layout, which the trainer raises and the planner lists."""
+"""The one error type for bad user input (the CLI prints it as one line and exits 2), the helpers
+that keep a value quoted in its message to one short line, the check of an output directory that
+turns the file system's refusals into it, and the infeasibility of a layout, which the trainer
+raises and the planner lists."""
 
 import dataclasses
 import os
 import pathlib
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -23,6 +25,17 @@ class ConfigError(ValueError):
     def within(self, section: str) -> "ConfigError":
         """The same error with its field prefixed by ``section`` (``"train"`` + ``"steps"``)."""
         return ConfigError(f"{section}.{self.field}", self.message)
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages."""
+    return cut(repr(value), limit)
+
+
+def cut(text: str, limit: int = 120) -> str:
+    """``text`` on one line (runs of white space as one space), cut to ``limit`` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 WRITE_CHECK_PREFIX = ".meshtrain-write-check-"  # the probe file writable_directory creates and removes

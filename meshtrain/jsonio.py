@@ -14,7 +14,7 @@ import json
 import math
 from typing import Any
 
-MAX_DEPTH = 64  # as the YAML config loader's (meshtrain.config._BoundedLoader)
+MAX_DEPTH = 64  # as the YAML loader's (meshtrain.yamlio)
 
 
 def loads(text: str | bytes, *, max_depth: int | None = MAX_DEPTH) -> Any:

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     # and what every command line shares.
     ("meshtrain.errors", "meshtrain.precision", "meshtrain.mesh", "meshtrain.train_config", "meshtrain.optim",
      "meshtrain.flops", "meshtrain.metrics", "meshtrain.run_lock", "meshtrain.distributed",
-     "meshtrain.cli", "meshtrain.hlo", "meshtrain.jsonio", "meshtrain.trackers", "meshtrain.fp8"),
+     "meshtrain.cli", "meshtrain.hlo", "meshtrain.jsonio", "meshtrain.yamlio", "meshtrain.trackers", "meshtrain.fp8"),
     # One file per parallelism concern; the data pipeline; the objective and the chunked head's loss
     # (the pipeline's head runs it).
     ("meshtrain.parallel", "meshtrain.data", "meshtrain.loss"),
