@@ -24,6 +24,15 @@ from models.fp8 import Fp8Weight, MatmulGroup, fp8_matmul
 from models.fp8 import OPERANDS as OPERANDS  # the FP8 amaxes' order, for the framework (meshtrain.fp8)
 from models.attention import AttentionKernel as AttentionKernel  # for the framework (the planner's memory model)
 from models.attention import varying_axes as varying_axes  # for the framework's shard_map code
+# The attention kernel's pieces the framework runs itself: context parallelism's all-gather scheme
+# (meshtrain/parallel/sharding.py) and its ring over the blockwise kernel's tiles (ring_attention.py).
+from models.attention import (all_pairs as all_pairs, attend_pairs as attend_pairs,
+                              attend_pairs_backward as attend_pairs_backward,
+                              blockwise_attention as blockwise_attention, finish as finish,
+                              initial_state as initial_state, input_gradients as input_gradients,
+                              output_cotangent as output_cotangent, split_keys as split_keys,
+                              split_queries as split_queries, ungroup_heads as ungroup_heads,
+                              zero_gradients as zero_gradients)
 
 LogicalAxes = tuple[str | None, ...]
 

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models.attention import (all_pairs, attend_pairs, attend_pairs_backward, finish, initial_state, input_gradients,
-                              output_cotangent, split_keys, split_queries, ungroup_heads, zero_gradients)
+from models.common import (all_pairs, attend_pairs, attend_pairs_backward, finish, initial_state, input_gradients,
+                           output_cotangent, split_keys, split_queries, ungroup_heads, zero_gradients)
 
 
 def balanced_order(length: int, ring: int) -> np.ndarray:
