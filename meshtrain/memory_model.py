@@ -48,8 +48,7 @@ from meshtrain.parallel.ring_attention import sub_block_length
 from meshtrain.parallel.rules import Preset, mesh_axes_of
 from meshtrain.parallel.schedules import SENDS_GRADIENT, ScheduleTable, Work
 from meshtrain.parallel.sharding import ring_axis
-from meshtrain.precision import Precision
-from models.common import AttentionKernel, MatmulGroup, RematPolicy
+from models.common import AttentionKernel, RematPolicy
 FP32 = 4
 BATCH_BYTES_PER_TOKEN = 3 * 4  # inputs, targets (int32) and mask (f32)
 STATE_SCALAR_BYTES = 64  # step, skipped_steps, loss scale, Adam/schedule counts (rounded up)
@@ -317,10 +316,7 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     # compute dtype (it widens bf16 arithmetic and all-gathers), so they count at HELD bytes; a
     # pipeline's stash keeps the compute dtype (``kept``: the executor's buffers) and is widened one
     # microbatch at a time, for its backward.
-    # FP8 (``train.precision: fp8``): the groups whose matmuls run in FP8 (None in the recipe: all).
-    fp8 = frozenset()
-    if layout.train.precision is Precision.FP8:
-        fp8 = frozenset(MatmulGroup if layout.train.fp8.matmuls is None else layout.train.fp8.matmuls)
+    fp8 = layout.train.fp8_groups
     saved, _ = family.activation_bytes(model, mesh["tensor"], candidate.remat, HELD, sp, keys, experts, fp8)
     kept, working = family.activation_bytes(model, mesh["tensor"], candidate.remat, compute_bytes, sp, keys, experts,
                                             fp8)

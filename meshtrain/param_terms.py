@@ -13,7 +13,6 @@ from flax import nnx
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.rules import mesh_axes_of
 from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
-from meshtrain.precision import Precision
 from models.api import AxisRole
 from models.common import MATMUL_GROUP, logical_axes_of
 
@@ -81,7 +80,7 @@ def param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
                 lookup=0.0, lookup_stored=0.0, lookup_grads=0.0, projection=0.0, projection_grads=0.0,
                 zero_sharded_total=0.0, zero_sharded_local=0.0,
                 fp8_gathered=0.0, fsdp_reduced=0.0, data_reduced=0.0)
-    fp8_groups = layout.train.fp8.matmuls if layout.train.precision is Precision.FP8 else ()
+    fp8_groups = layout.train.fp8_groups
     gathering = layout.zero.stage >= ZeroStage.PARAMETERS and layout.mesh_shape[ZERO_AXIS] > 1
     projection_reduced, tables = False, []
     # The family's other stacks of layers (``AxisRole.STACKED``: dense layers, prediction depths): their
@@ -101,7 +100,7 @@ def param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
             sums["zero_sharded_total"] += c
             sums["zero_sharded_local"] += p
             group = variable.get_metadata().get(MATMUL_GROUP)
-            if group is not None and (fp8_groups is None or group in fp8_groups):
+            if group in fp8_groups:
                 sums["fp8_gathered"] += c
         axes = logical_axes_of(variable)
         if path[0] == "layers" or (axes and axes[0] in other_stacks):

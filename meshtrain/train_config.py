@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from meshtrain.errors import ConfigError
 from meshtrain.fp8 import Fp8Recipe
 from meshtrain.precision import Precision
-from models.common import coerce_enums
+from models.common import MatmulGroup, coerce_enums
 
 
 class NonFinitePolicy(str, enum.Enum):
@@ -62,6 +62,14 @@ class TrainConfig:
         """What the forward and backward compute in: the precision's, or under fp8 the recipe's
         ``wide`` precision outside its FP8 matmuls."""
         return (self.fp8.wide if self.precision is Precision.FP8 else self.precision).compute_dtype
+
+    @property
+    def fp8_groups(self) -> frozenset[MatmulGroup]:
+        """The groups of layer matmuls that run in FP8: none unless ``precision: fp8``, then the
+        recipe's (every group when it names none)."""
+        if self.precision is not Precision.FP8:
+            return frozenset()
+        return frozenset(MatmulGroup if self.fp8.matmuls is None else self.fp8.matmuls)
 
     @property
     def uses_dynamic_loss_scale(self) -> bool:
