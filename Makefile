@@ -69,6 +69,24 @@ $(STAMP_NEWEST): pyproject.toml
 test-fast-newest: $(STAMP_NEWEST)
 	$(VENV_NEWEST)/bin/python -m pytest -q -n auto --maxprocesses 4 -m "not slow"
 
+# XLA:GPU without a GPU (docs/gpu.md): .venv-gpu (python3.12) with the pinned jax + CUDA 13 plugin + cuDNN wheels
+# (pyproject.toml's gpu-compile extra), where `python -m meshtrain.compile` compiles the train step for compile-only
+# H100/H200/B200 devices. test-gpu-compile is the CI tier that compiles the layout matrix there (tests_gpu/).
+VENV_GPU := .venv-gpu
+STAMP_GPU := $(VENV_GPU)/.installed
+
+$(STAMP_GPU): pyproject.toml
+	test -d $(VENV_GPU) || $(PYTHON_NEWEST) -m venv $(VENV_GPU)
+	$(VENV_GPU)/bin/pip install -q --upgrade pip
+	$(VENV_GPU)/bin/pip install -q -e ".[gpu-compile]"
+	touch $(STAMP_GPU)
+
+.PHONY: setup-gpu-compile test-gpu-compile
+setup-gpu-compile: $(STAMP_GPU)
+
+test-gpu-compile: $(STAMP_GPU)
+	$(VENV_GPU)/bin/python -m pytest -q -n 2 -p no:cacheprovider tests_gpu
+
 # The bare GPU machine rehearsed (scripts/gpu_rehearsal.sh): a Python 3.12 venv with only its packages (jax
 # 0.11.2, flax, optax, ...), scripts/gpu_wheels.sh for what meshtrain needs beyond them, and
 # scripts/gpu_check.sh --dry-run installing those wheels into .gpu_site. Needs PyPI; CI runs it.
@@ -77,4 +95,4 @@ gpu-rehearsal:
 	scripts/gpu_rehearsal.sh $(PYTHON_NEWEST)
 
 clean:
-	rm -rf $(VENV) $(VENV_NEWEST) runs data .pytest_cache
+	rm -rf $(VENV) $(VENV_NEWEST) $(VENV_GPU) runs data .pytest_cache

@@ -12,9 +12,10 @@ What depends on the layout (``meshtrain.parallel.layout.Layout``; none of it sta
   stacked layer's parameters and gradients, so that a layer's many per-parameter all-gathers and
   reduce-scatters become one each instead of pieces (fixed 128 MiB thresholds split an 8B layer's
   gather: its weights are ~436 MB in bf16);
-- collective matmul (windowed einsum), only when the mesh has ``tensor > 1``: it overlaps the
-  tensor-parallel all-gather / reduce-scatter of activations with the matmul that consumes or makes
-  them, and there is nothing to overlap without tensor parallelism.
+- collective matmul (windowed einsum), only when ``tensor`` is the mesh's one split axis: it overlaps
+  the tensor-parallel all-gather / reduce-scatter of activations with the matmul that consumes or
+  makes them (nothing to overlap without tensor parallelism; beside FSDP or DP, XLA:GPU refuses to
+  compile it: ``collective_matmul``).
 Without a layout the thresholds stay at the fixed 128 MiB and collective matmul is off.
 
 Arms (``Arm``): FIXED is the set before issue 37 (fixed thresholds, XLA's own command buffers),
@@ -187,8 +188,14 @@ def combine_thresholds(layout=None) -> CombineThresholds:
 
 
 def collective_matmul(layout) -> bool:
-    """Whether ``layout`` gets the collective-matmul (windowed einsum) flags: only when ``tensor > 1``."""
-    return layout is not None and layout.mesh_shape["tensor"] > 1
+    """Whether ``layout`` gets the collective-matmul (windowed einsum) flags: only when ``tensor > 1``
+    is the one axis splitting the mesh. Beside FSDP or data parallelism XLA:GPU refuses the step
+    under these flags (jaxlib 0.11.2, compile-only H100: FSDP x TP fails shape inference of a
+    windowed dot, DP x TP + SP the verifier of an async GEMM; tests_gpu compiles both layouts)."""
+    if layout is None:
+        return False
+    shape = layout.mesh_shape
+    return shape["tensor"] > 1 and all(size == 1 for axis, size in shape.items() if axis != "tensor")
 
 
 def recommended_set(layout=None, version: tuple[int, ...] | None = None) -> tuple[tuple[str, str, str], ...]:

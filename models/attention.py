@@ -16,7 +16,8 @@ included, as Mistral's ``sliding_window``). ``AttentionSpec`` says which kernel 
   heads attend their shared key/value head without repeating it. The backward (a ``custom_vjp``)
   keeps only the output and the log-sum-exp of each query and recomputes each pair's scores, so
   memory grows linearly with the sequence in both directions.
-* ``AUTO``: ``CUDNN`` on GPUs for unpacked rows, else ``BLOCKWISE`` (``AttentionKernel.resolve``).
+* ``AUTO``: ``CUDNN`` on GPUs for unpacked rows whose queries are not split along the sequence
+  (cuDNN's partitioner refuses that split), else ``BLOCKWISE`` (``AttentionKernel.resolve``).
 
 The pair updates (``attend_pairs``, ``attend_pairs_backward``) are also the per-step body of ring
 attention (``meshtrain.parallel.ring_attention``), which runs them over a key block held by another
@@ -49,9 +50,9 @@ PAST_EVERY_QUERY = 1 << 30
 class AttentionKernel(str, enum.Enum):
     """``model.attention``: which kernel computes training attention (module docstring).
 
-    AUTO: cuDNN on GPUs where rows are not packed, else blockwise. BLOCKWISE: flash attention in
-    XLA, any backend, any mask. CUDNN: cuDNN's fused kernel (an error where it cannot run). XLA: the
-    dense einsum-softmax-einsum (quadratic memory; the reference).
+    AUTO: cuDNN on GPUs where rows are not packed nor split along the sequence, else blockwise.
+    BLOCKWISE: flash attention in XLA, any backend, any mask. CUDNN: cuDNN's fused kernel (an error
+    where it cannot run). XLA: the dense einsum-softmax-einsum (quadratic memory; the reference).
     """
 
     AUTO = "auto"
@@ -59,16 +60,22 @@ class AttentionKernel(str, enum.Enum):
     CUDNN = "cudnn"
     XLA = "xla"
 
-    def resolve(self, platform: str, packed: bool) -> AttentionKernel:
+    def resolve(self, platform: str, packed: bool, split: bool = False) -> AttentionKernel:
         """The kernel that runs on ``platform`` ("cpu", "gpu", "tpu") for rows packed from
-        documents (``packed``) or not. ``ValueError`` (one line) for cuDNN where it cannot run."""
+        documents (``packed``) or not, with the queries split along the sequence over devices
+        (``split``: context parallelism with the keys gathered; cuDNN's partitioner refuses a split
+        sequence) or not. ``ValueError`` (one line) for cuDNN where it cannot run."""
         if self is AttentionKernel.AUTO:
-            return AttentionKernel.CUDNN if platform == "gpu" and not packed else AttentionKernel.BLOCKWISE
+            cudnn = platform == "gpu" and not packed and not split
+            return AttentionKernel.CUDNN if cudnn else AttentionKernel.BLOCKWISE
         if self is AttentionKernel.CUDNN and platform != "gpu":
             raise ValueError(f"cudnn needs an NVIDIA GPU, these devices are {platform}; valid here: auto, "
                              "blockwise, xla")
         if self is AttentionKernel.CUDNN and packed:
             raise ValueError("cudnn takes no document segments (data.packing: documents); use auto or blockwise")
+        if self is AttentionKernel.CUDNN and split:
+            raise ValueError("cudnn cannot take queries split along the sequence (context parallelism); use auto "
+                             "or blockwise")
         return self
 
 
@@ -81,6 +88,10 @@ class AttentionSpec:
     kernel: AttentionKernel = AttentionKernel.AUTO
     window: int = 0
     block: int = 512
+
+    def resolved(self, platform: str, packed: bool, split: bool = False) -> AttentionSpec:
+        """This spec with the kernel that runs on ``platform`` (``AttentionKernel.resolve``)."""
+        return dataclasses.replace(self, kernel=self.kernel.resolve(platform, packed, split))
 
 
 # ----- the visibility of keys to queries -----
@@ -460,12 +471,14 @@ def _one_width(kernel: Callable) -> Callable:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, spec: AttentionSpec) -> jax.Array:
-    """Causal self-attention of rows in sequence order by ``spec``'s kernel, resolved for the
-    default backend: q [batch, length, heads, head_dim], k [batch, length, kv_heads, head_dim], v
-    [batch, length, kv_heads, value_dim] (value_dim <= head_dim), segments int [batch, length] or
-    None -> [batch, length, heads, value_dim]."""
-    kernel = spec.kernel.resolve(jax.default_backend(), segments is not None)
-    return _KERNELS[kernel](q, k, v, segments, spec)
+    """Causal self-attention of rows in sequence order by ``spec``'s kernel, already resolved for
+    the devices that run it (``AttentionSpec.resolved``; the caller knows them, this function does
+    not): q [batch, length, heads, head_dim], k [batch, length, kv_heads, head_dim], v [batch,
+    length, kv_heads, value_dim] (value_dim <= head_dim), segments int [batch, length] or None ->
+    [batch, length, heads, value_dim]."""
+    if spec.kernel is AttentionKernel.AUTO:
+        raise ValueError("attend needs a resolved kernel: AttentionSpec.resolved(platform, packed) first")
+    return _KERNELS[spec.kernel](q, k, v, segments, spec)
 
 
 _KERNELS: dict[AttentionKernel, Callable] = {

@@ -126,9 +126,12 @@ _mixed_precision_einsum.defvjp(_mixed_precision_forward, _mixed_precision_backwa
 
 class ActivationSharding(Protocol):
     """What the framework hands a model for its layout: constraints on activations (identity
-    off-mesh), the lookup of token embeddings, and the causal self-attention its rules imply
+    off-mesh), the lookup of token embeddings, the causal self-attention its rules imply
     (``models.attention.attend``, or ring attention where the rules keep the keys split along the
-    sequence)."""
+    sequence), and ``platform``: the platform of the devices that run the model ("cpu", "gpu",
+    "tpu"), from which every kernel is chosen (a compile-only GPU mesh on a CPU host says "gpu")."""
+
+    platform: str
 
     def __call__(self, x: jax.Array, axes: LogicalAxes) -> jax.Array: ...
 
@@ -173,7 +176,12 @@ def choice_rows(x: jax.Array, top_k: int) -> jax.Array:
 
 
 class Unconstrained:
-    """The identity constraint and full attention: a model run outside any mesh."""
+    """The identity constraint and full attention: a model run outside any mesh, on JAX's default
+    device (whose platform chooses the kernels)."""
+
+    @property
+    def platform(self) -> str:
+        return jax.devices()[0].platform
 
     def __call__(self, x: jax.Array, axes: LogicalAxes) -> jax.Array:
         del axes
@@ -186,7 +194,7 @@ class Unconstrained:
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                segments: jax.Array | None, spec: AttentionSpec) -> jax.Array:
         del positions  # the rows are in sequence order
-        return attend(q, k, v, segments, spec)
+        return attend(q, k, v, segments, spec.resolved(self.platform, packed=segments is not None))
 
     def run_experts(self, compute: ExpertCompute, x: jax.Array, choices: jax.Array,
                     params: tuple[jax.Array, ...], param_axes: tuple[LogicalAxes, ...],

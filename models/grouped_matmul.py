@@ -62,6 +62,10 @@ class GroupedSpec:
     kernel: GroupedKernel = GroupedKernel.AUTO
     block: int = 0
 
+    def resolved(self, platform: str) -> GroupedSpec:
+        """This spec with the kernel that runs on ``platform`` (``GroupedKernel.resolve``)."""
+        return dataclasses.replace(self, kernel=self.kernel.resolve(platform))
+
 
 def auto_block(rows: int, groups: int) -> int:
     """Rows per block for ``rows`` rows in ``groups`` groups: the largest power of two at most

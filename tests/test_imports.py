@@ -31,12 +31,13 @@ LAYERS: list[tuple[str, ...]] = [
      "meshtrain.param_terms", "meshtrain.sampling", "meshtrain.xla_flags"),
     # The config of every section.
     ("meshtrain.config",),
-    # What a run and the tools are made of.
-    ("meshtrain.loading", "meshtrain.resume", "meshtrain.policies", "meshtrain.benchmark", "meshtrain.plan_search"),
+    # What a run and the tools are made of (gpu_compile: the step compiled for compile-only GPUs).
+    ("meshtrain.loading", "meshtrain.resume", "meshtrain.policies", "meshtrain.benchmark", "meshtrain.plan_search",
+     "meshtrain.gpu_compile"),
     ("meshtrain.loop",),
     # Command-line modules (``python -m ...``): nothing imports them.
     ("meshtrain.train", "meshtrain.plan", "meshtrain.convert", "meshtrain.export", "meshtrain.logits",
-     "meshtrain.generate", "meshtrain.data.__main__"),
+     "meshtrain.generate", "meshtrain.compile", "meshtrain.data.__main__"),
 ]
 COMMAND_LINES = set(LAYERS[-1])
 

@@ -96,7 +96,8 @@ def test_a_bounded_exchange_drops_exactly_the_choices_past_each_peers_buffer():
     # One device, the dropped choices sent to no expert (an id past the experts: a zero row).
     ids = jnp.where(jnp.asarray(dropped), cfg.num_experts, choices)
     rows = jnp.broadcast_to(x[:, :, None], (*ids.shape, cfg.embed_dim)).reshape(-1, cfg.embed_dim)
-    out = grouped_swiglu(rows, ids.reshape(-1), layer.gate[...], layer.up[...], layer.down[...])
+    out = grouped_swiglu(rows, ids.reshape(-1), layer.gate[...], layer.up[...], layer.down[...],
+                         spec=cfg.grouped_spec.resolved("cpu"))
     expected = jnp.sum(out.reshape(*ids.shape, -1) * weights[..., None], axis=2)
     np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=0, atol=1e-5)
     # The worst-case buffers drop nothing: the layer equals one device's.

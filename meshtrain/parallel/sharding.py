@@ -80,6 +80,9 @@ class MeshActivationSharding:
 
     def __init__(self, rules: ShardingRules, mesh: Mesh):
         self.rules, self.mesh = rules, mesh
+        # Every kernel is chosen from the mesh's devices, never from JAX's default backend: a mesh of
+        # compile-only GPUs on a CPU host gets the GPU's kernels.
+        self.platform = mesh.devices.flat[0].platform
         axis = ring_axis(rules)
         self.ring = axis if axis is not None and mesh.shape[axis] > 1 else None
         # Context parallelism with the keys gathered: the mesh axes splitting the queries.
@@ -142,7 +145,7 @@ class MeshActivationSharding:
             return (f"attention: ring over {self.ring} ({self.mesh.shape[self.ring]} steps, blockwise sub-blocks of "
                     f"at most {self.rules.ring_block or 'all'} positions{window}){in_stages}")
         try:
-            kernel = spec.kernel.resolve(self.mesh.devices.flat[0].platform, packed)
+            kernel = spec.kernel.resolve(self.platform, packed, split=bool(self.query_axes))
         except ValueError as error:
             raise ConfigError("model.attention", str(error)) from None
         blocks = f", blocks of {spec.block} positions" if kernel is AttentionKernel.BLOCKWISE else ""
@@ -153,10 +156,10 @@ class MeshActivationSharding:
         # Inside a pipeline stage (``stage`` manual) a nested shard_map compiles on no supported jax
         # (docs/long_context.md): there XLA partitions the kernel over the queries' split as it can.
         in_stage = not jax.sharding.get_abstract_mesh().empty
-        if self.ring is None and self.query_axes and not in_stage and spec.kernel.resolve(
-                self.mesh.devices.flat[0].platform, segments is not None) is AttentionKernel.BLOCKWISE:
-            return self._attend_local_queries(q, k, v, segments, spec)
         if self.ring is None:
+            spec = spec.resolved(self.platform, packed=segments is not None, split=bool(self.query_axes))
+            if self.query_axes and not in_stage and spec.kernel is AttentionKernel.BLOCKWISE:
+                return self._attend_local_queries(q, k, v, segments, spec)
             return attend(q, k, v, segments, spec)
         if in_stage:
             return ring_attention_in_stage(q, k, v, positions, segments, axis=self.ring,

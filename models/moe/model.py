@@ -430,17 +430,20 @@ def router_z_loss(routing: Routing) -> jax.Array:
 
 
 def grouped_swiglu(rows: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, *,
-                   spec: GroupedSpec = GroupedSpec()) -> jax.Array:
+                   spec: GroupedSpec) -> jax.Array:
     """The SwiGLU experts over exactly their rows (``models.common.ExpertCompute``): rows [m, embed],
     int ``ids`` [m] (an id >= the experts held: no expert, a zero result), gate, up [experts, embed,
-    mlp], down [experts, mlp, embed] -> [m, embed], by ``spec``'s grouped-matmul kernel
-    (``models/grouped_matmul.py``: ``2 * m * embed * mlp`` FLOPs per matmul, plus the blocked
-    kernel's padding, for any number of experts). Each matmul's result is tagged ``CHECKPOINT_DOT``
+    mlp], down [experts, mlp, embed] -> [m, embed], by ``spec``'s grouped-matmul kernel, resolved for
+    the devices (``GroupedSpec.resolved``; ``models/grouped_matmul.py``: ``2 * m * embed * mlp`` FLOPs
+    per matmul, plus the blocked kernel's padding, for any number of experts). Each matmul's result
+    is tagged ``CHECKPOINT_DOT``
     (no batch dimension: ``RematPolicy.DOTS`` keeps it as a plain matmul's). FP8 weights
     (``models.fp8.Fp8Weight``) always run the blocked kernel (``fp8_blocked_matmul``)."""
     tagged = lambda y: checkpoint_name(y, CHECKPOINT_DOT)
     fp8 = isinstance(gate, Fp8Weight)
-    if not fp8 and spec.kernel.resolve(jax.default_backend()) is GroupedKernel.RAGGED:
+    if spec.kernel is GroupedKernel.AUTO:
+        raise ValueError("grouped_swiglu needs a resolved kernel: GroupedSpec.resolved(platform) first")
+    if not fp8 and spec.kernel is GroupedKernel.RAGGED:
         order = jnp.argsort(ids, stable=True)
         sizes = jnp.bincount(ids, length=gate.shape[0]).astype(jnp.int32)  # ids past the experts: not counted
         ordered = rows[order]
@@ -519,7 +522,7 @@ class SparseMoE(nnx.Module):
         rows, length, _ = x.shape
         choices = routing.experts.reshape(rows, length, self.cfg.top_k)
         params = (self.gate[...], self.up[...], self.down[...])
-        compute = functools.partial(grouped_swiglu, spec=self.cfg.grouped_spec)
+        compute = functools.partial(grouped_swiglu, spec=self.cfg.grouped_spec.resolved(shard.platform))
         out, dropped = shard.run_experts(compute, x, choices, params, EXPERT_PARAM_AXES,
                                          self.cfg.exchange_buffer_factor)
         weights = routing.weights.reshape(rows, length, self.cfg.top_k, 1).astype(x.dtype)

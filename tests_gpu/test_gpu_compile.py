@@ -1,0 +1,261 @@
+"""Every parallelism and family compiled by XLA:GPU for compile-only GPUs, at real widths (fewer
+layers where the count does not change the program's shape), each asserted from the optimized HLO
+(``meshtrain.hlo.Module``), never from our own config: it compiles and fits; cuDNN fused attention
+wherever the mask allows it; FP8 recipes give GEMMs with f8 operands; the dropless exchange is a
+native ragged all-to-all; no ragged_dot is left for XLA:GPU to densify; FSDP's gathers are async and
+its reduce-scatters combined; the XLA flags each layout sets are accepted by XLA:GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from meshtrain.config import load_config
+from meshtrain.gpu_compile import NEWER_SPEC_FIELDS, CompiledStep, Target, compile_step, topology, without_fields
+from meshtrain.hlo import Module
+from meshtrain.xla_flags import MULTI_STREAMED_EINSUM, WINDOWED_EINSUM, step_compiler_options
+from models.api import family_of
+
+LLAMA_8B = ("configs/llama_8b.yaml", "train.batch_size=8")
+QWEN3_MOE = ("configs/qwen3_moe_30b_a3b.yaml", "model.num_layers=2", "train.batch_size=8")
+FMHA_FORWARD, FMHA_BACKWARD = "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"
+GiB = 2 ** 30
+
+
+def compiled(config: str, *overrides: str, target: Target = Target.H100, hosts: int = 1) -> CompiledStep:
+    cfg = load_config(config, list(overrides))
+    return compile_step(cfg, topology(target, hosts), target)
+
+
+def assert_cudnn_attention(step: CompiledStep) -> None:
+    calls = step.report.custom_calls
+    assert calls.get(FMHA_FORWARD, 0) > 0 and calls.get(FMHA_BACKWARD, 0) > 0, calls
+
+
+def assert_no_cudnn_attention(step: CompiledStep) -> None:
+    assert not any(name.startswith("__cudnn$fmha") for name in step.report.custom_calls), step.report.custom_calls
+
+
+def assert_no_ragged_dot(step: CompiledStep) -> None:
+    assert step.report.ragged_dots == 0
+    assert "ragged_dot" not in step.hlo and "ragged-dot" not in step.hlo
+
+
+# ----- the targets -----
+
+@pytest.mark.parametrize("target", list(Target))
+def test_every_shipped_target_spec_parses_on_this_jaxlib(target):
+    """Each shipped spec gives 8 compile-only devices of its card, with the memory it declares; the
+    spec less the fields older jaxlibs lack parses too."""
+    devices = topology(target, 1, 8)
+    assert len(devices) == 8 and {d.platform for d in devices} == {"gpu"}
+    names = {Target.H100: "H100", Target.H200: "H200", Target.B200: "B200"}
+    assert names[target] in devices[0].device_kind
+    assert target.memory_bytes() > 70 * GiB
+    from jax.experimental import topologies
+
+    reduced = without_fields(target.spec_text(), NEWER_SPEC_FIELDS)
+    assert not any(field in reduced for field in NEWER_SPEC_FIELDS)
+    assert len(topologies.get_topology_desc(platform="cuda", target_config=reduced, topology="1x2x4").devices) == 8
+
+
+def test_two_hosts_topology_gives_each_device_its_host():
+    devices = topology(Target.H100, 2, 4)
+    assert [d.process_index for d in devices] == [0] * 4 + [1] * 4
+
+
+# ----- FSDP (ZeRO-3), the census against the model's FLOPs -----
+
+def test_fsdp_8b_cudnn_async_gathers_combined_scatters_and_flops():
+    """8B at 4 layers, FSDP 8, full remat: cuDNN attention forward and backward; every FSDP gather of
+    the layers' weights async; the layers' gradient reduce-scatters combined (fewer per layer than its
+    nine parameters); the GPU module's matmul FLOPs within 2% of the model's own count (PaLM's, its
+    attention's causal half left out as cuDNN skips it) plus full remat's recompute."""
+    step = compiled(*LLAMA_8B, "model.num_layers=4", "mesh.fsdp=8")
+    report = step.report
+    assert report.fits and report.mesh == {"data": 1, "fsdp": 8, "tensor": 1, "stage": 1}
+    assert_cudnn_attention(step)
+    module = Module(step.hlo)
+    layer_loops = [body for _, body in module.loops()
+                   if module.census(body).custom_calls.get(FMHA_BACKWARD)]
+    assert layer_loops, "no loop runs the layers' backward"
+    for body in layer_loops:
+        census = module.census(body)
+        gathered = census.collective_bytes["all-gather"]
+        assert gathered > 100e6 and census.async_collective_bytes["all-gather"] >= 0.99 * gathered, census
+        per_layer = census.custom_calls[FMHA_BACKWARD]  # one backward attention per layer in the body
+        assert census.collectives["reduce-scatter"] / per_layer < 9, census.collectives
+    cfg = load_config(*LLAMA_8B, "model.num_layers=4", "mesh.fsdp=8")
+    family, model = family_of(cfg.model), cfg.model
+    tokens = cfg.train.batch_size * model.seq_len / 8
+    attention = 12 * model.num_layers * model.num_heads * model.head_dim * model.seq_len  # PaLM: full matrix
+    causal = family.flops_per_token(model) - attention / 2 + family.recompute_flops_per_token(model, model.remat)
+    recompute_attention = 2 * model.num_layers * model.num_heads * model.head_dim * model.seq_len
+    expected = tokens * (causal - recompute_attention / 2)
+    assert report.flops == pytest.approx(expected, rel=0.02), (report.flops, expected)
+
+
+@pytest.mark.parametrize("overrides", [("mesh.data=8", "mesh.fsdp=1", "sharding.preset=dp", "zero.stage=0"),
+                                       ("mesh.fsdp=8", "zero.stage=1"), ("mesh.fsdp=8", "zero.stage=2")],
+                         ids=["dp", "zero1", "zero2"])
+def test_data_parallel_and_zero_1_2(overrides):
+    """Pure DP all-reduces the gradients and gathers nothing; ZeRO-1 and -2 gather only the updated
+    parameters (outside the layer loop), ZeRO-2 reduce-scatters the gradients."""
+    step = compiled(*LLAMA_8B, "model.num_layers=2", *overrides)
+    assert step.report.fits
+    assert_cudnn_attention(step)
+    collectives = step.report.collective_bytes
+    if "sharding.preset=dp" in overrides:
+        assert collectives.get("all-reduce", 0) > 1e9 and not collectives.get("reduce-scatter")
+        assert not collectives.get("all-gather")
+    if "zero.stage=2" in overrides:
+        assert collectives.get("reduce-scatter", 0) > 1e9
+
+
+# ----- tensor, sequence and context parallelism -----
+
+def test_tensor_parallel_alone_gets_collective_matmul_and_xla_gpu_accepts_it():
+    cfg = load_config(*LLAMA_8B, "model.num_layers=2", "mesh.fsdp=1", "mesh.tensor=8")
+    options = step_compiler_options(cfg.layout({"data": 1, "fsdp": 1, "tensor": 8, "stage": 1}))
+    assert options[WINDOWED_EINSUM] == "0" and options[MULTI_STREAMED_EINSUM] is True
+    step = compiled(*LLAMA_8B, "model.num_layers=2", "mesh.fsdp=1", "mesh.tensor=8")
+    assert step.report.fits
+    assert_cudnn_attention(step)
+
+
+@pytest.mark.parametrize("overrides", [("mesh.fsdp=2", "mesh.tensor=4", "sharding.preset=fsdp_tp_sp"),
+                                       ("mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", "sharding.preset=fsdp_tp_sp"),
+                                       ("mesh.fsdp=4", "mesh.tensor=2")], ids=["fsdp_tp_sp", "dp_tp_sp", "fsdp_tp"])
+def test_tensor_parallel_beside_fsdp_or_dp_compiles(overrides):
+    """XLA:GPU refuses these layouts under collective matmul (shape inference, the verifier: jaxlib
+    0.11.2), so their flags leave it off; with the flags they do set, they compile."""
+    step = compiled(*LLAMA_8B, "model.num_layers=2", *overrides)
+    assert step.report.fits
+    assert_cudnn_attention(step)
+    assert step.report.collectives.get("all-reduce", 0) + step.report.collectives.get("reduce-scatter", 0) > 0
+
+
+def test_context_parallel_all_gather_runs_blockwise():
+    """cuDNN's partitioner refuses a split sequence: the queries split over fsdp run the blockwise
+    kernel, the keys all-gathered."""
+    step = compiled(*LLAMA_8B, "model.num_layers=2", "mesh.data=2", "mesh.fsdp=4", "sharding.preset=fsdp_cp")
+    assert step.report.fits
+    assert_no_cudnn_attention(step)
+    assert any(line.startswith("attention: blockwise") for line in step.report.kernels), step.report.kernels
+
+
+@pytest.mark.parametrize("stages", [1, 2], ids=["ring", "ring_in_stages"])
+def test_ring_attention_moves_keys_by_collective_permute(stages):
+    pipeline = ("model.num_layers=4", "mesh.stage=2", "mesh.fsdp=2", "pipeline.microbatches=2",
+                "pipeline.schedule=1f1b") if stages > 1 else ("model.num_layers=2", "mesh.fsdp=4")
+    step = compiled(*LLAMA_8B, "mesh.data=2", "sharding.preset=fsdp_cp_ring", *pipeline)
+    assert step.report.fits
+    assert step.report.collectives.get("collective-permute", 0) > 0
+    assert_no_cudnn_attention(step)
+
+
+# ----- pipelines -----
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb_h1"])
+def test_pipeline_schedules(schedule):
+    virtual = ("pipeline.virtual_stages=2",) if schedule == "interleaved" else ()
+    step = compiled(*LLAMA_8B, "model.num_layers=4", "train.batch_size=16", "mesh.fsdp=4", "mesh.stage=2",
+                    "pipeline.microbatches=4", f"pipeline.schedule={schedule}", *virtual)
+    assert step.report.fits
+    assert step.report.collectives.get("collective-permute", 0) > 0
+    assert_cudnn_attention(step)
+
+
+# ----- precision, remat, masks, families -----
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_fp8_recipes_give_gemms_with_f8_operands(scaling):
+    step = compiled(*LLAMA_8B, "model.num_layers=2", "train.precision=fp8", f"train.fp8.scaling={scaling}")
+    assert step.report.fits
+    # Each layer's seven weight matmuls, forward and the two backward products: at least 3 x 7 per layer.
+    assert step.report.fp8_gemms >= 3 * 7 * 2, step.report.fp8_gemms
+    assert "f8e4m3fn" in step.hlo and "f8e5m2" in step.hlo
+
+
+def test_bf16_step_has_no_f8_gemm():
+    step = compiled(*LLAMA_8B, "model.num_layers=2", "model.remat=dots")
+    assert step.report.fp8_gemms == 0 and step.report.fits
+    assert_cudnn_attention(step)
+
+
+def test_remat_none_keeps_more_and_recomputes_nothing():
+    full = compiled(*LLAMA_8B, "model.num_layers=2").report
+    none = compiled(*LLAMA_8B, "model.num_layers=2", "model.remat=none").report
+    assert none.temp_bytes > full.temp_bytes and none.flops < full.flops
+
+
+def test_packed_documents_run_blockwise_and_a_window_runs_cudnn():
+    packed = compiled(*LLAMA_8B, "model.num_layers=2", "data.packing=documents")
+    assert_no_cudnn_attention(packed)
+    window = compiled(*LLAMA_8B, "model.num_layers=2", "model.sliding_window=4096")
+    assert_cudnn_attention(window)
+    assert '"sliding_window_length": 4096' in window.hlo.replace('":', '": ').replace(":  ", ": ")
+
+
+def test_qwen3_qk_norm():
+    step = compiled(*LLAMA_8B, "model.num_layers=2", "model.qk_norm=true")
+    assert step.report.fits
+    assert_cudnn_attention(step)
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_moe_expert_parallel_dispatches(dispatch):
+    """Dropless: the exchange is XLA:GPU's native ragged all-to-all and no ragged_dot is left; capacity:
+    the fixed buffers' all-to-all."""
+    step = compiled(*QWEN3_MOE, f"model.dispatch={dispatch}")
+    assert step.report.fits
+    assert_cudnn_attention(step)
+    assert_no_ragged_dot(step)
+    if dispatch == "dropless":
+        assert step.report.collectives.get("ragged-all-to-all", 0) > 0
+    else:
+        assert step.report.collectives.get("all-to-all", 0) > 0 and not step.report.collectives.get("ragged-all-to-all")
+
+
+def test_deepseek_v3_latent_attention_and_prediction_depth():
+    """DeepSeek-V3's widths, one dense and one MoE layer and one prediction depth, on 2 hosts of 8:
+    latent attention (q/k 192, v 128 padded) runs cuDNN: jax's Hopper check answered for the target."""
+    step = compiled("configs/deepseek_v3_671b.yaml", "model.num_layers=2", "model.num_dense_layers=1",
+                    "train.batch_size=16", hosts=2)
+    assert step.report.fits and step.report.hosts == 2
+    assert_cudnn_attention(step)
+    assert_no_ragged_dot(step)
+    assert step.report.collectives.get("ragged-all-to-all", 0) > 0
+
+
+def test_two_host_data_parallel_over_the_slow_network():
+    step = compiled(*LLAMA_8B, "model.num_layers=2", "train.batch_size=16", "mesh.data=2", "mesh.dcn_data=2",
+                    "mesh.fsdp=8", hosts=2)
+    assert step.report.fits and step.report.hosts == 2 and step.report.devices == 16
+    assert_cudnn_attention(step)
+
+
+# ----- the command line -----
+
+def test_compile_cli_json_line_and_refusal(tmp_path):
+    """One JSON line with the documented keys; a step that does not fit exits 2 with one line."""
+    command = [sys.executable, "-m", "meshtrain.compile", "--config", "configs/llama_125m.yaml", "--target", "h200",
+               "--json", "--dump", str(tmp_path / "dump")]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("target", "devices", "mesh", "argument_bytes", "temp_bytes", "peak_bytes", "device_memory_bytes",
+                "fits", "custom_calls", "collectives", "flops", "compile_seconds"):
+        assert key in report
+    assert report["target"] == "h200" and report["devices"] == 8 and report["fits"] and report["flops"] > 0
+    assert (tmp_path / "dump" / "step.hlo.txt").stat().st_size > 0
+    assert list((tmp_path / "dump" / "xla").glob("*memory-usage-report*"))
+    too_big = [sys.executable, "-m", "meshtrain.compile", "--config", "configs/llama_8b.yaml", "--target", "h100",
+               "model.num_layers=2", "train.batch_size=256"]
+    proc = subprocess.run(too_big, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: memory: ") and proc.stderr.count("\n") == 1
+    assert jax.devices()[0].platform == "cpu"  # this process's own devices stay the host's
