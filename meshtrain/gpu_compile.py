@@ -23,10 +23,11 @@ import dataclasses
 import enum
 import importlib.resources
 import os
+import re
 import time
 from collections.abc import Iterator, Sequence
 
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, cut
 from meshtrain.xla_flags import cuda_plugin_installed, merge_flags
 
 INSTALL_HINT = ("compiling for GPUs needs a JAX CUDA plugin: run `make setup-gpu-compile`, then "
@@ -72,6 +73,9 @@ def start_compile_only() -> None:
     import jax
 
     os.environ["XLA_FLAGS"] = merge_flags(os.environ.get("XLA_FLAGS", ""), list(DEVICELESS_FLAGS))
+    # XLA's C++ log (rematerialization warnings, the scheduler's complaints about a program larger than
+    # the device) stays quiet unless asked for: the report says what matters, a refusal in one line.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     try:
         jax.config.update("jax_platforms", "cpu")
     except RuntimeError as err:
@@ -141,6 +145,13 @@ def memory_fraction() -> float:
     return value
 
 
+def refusal(message: str, limit: int = 400) -> str:
+    """XLA's reason for refusing a program, on one line: the exception a Python callback raised
+    inside XLA (a custom partitioner's traceback) where there is one, else XLA's own message."""
+    raised = re.findall(r"\b\w+(?:Error|Exception): [^\n]+", message) if "Traceback" in message else []
+    return cut(raised[-1] if raised else " ".join(message.split()), limit)
+
+
 @dataclasses.dataclass
 class CompileReport:
     """What XLA:GPU made of one train step, per device (``compile_step``)."""
@@ -201,7 +212,8 @@ def compile_step(cfg, devices: Sequence, target: Target, fraction: float | None 
     mesh = make_mesh(cfg.mesh, devices)
     trainer = Trainer(cfg.layout(mesh.shape), mesh, cfg.optimizer)
     packed = cfg.data.packing is Packing.DOCUMENTS
-    lines = [activation_sharding(trainer.rules, mesh).describe_attention(cfg.model.attention_spec, packed=packed),
+    lines = [activation_sharding(trainer.rules, mesh).describe_attention(cfg.model.attention_spec, packed,
+                                                                         cfg.train.precision.compute_dtype),
              *[describe_exchange(trainer.rules, mesh, axis) for axis in trainer.layout.expert_axes],
              trainer.pipeline_description, trainer.fp8 and trainer.fp8.describe()]
     start = time.perf_counter()
@@ -210,8 +222,7 @@ def compile_step(cfg, devices: Sequence, target: Target, fraction: float | None 
             lowered = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch(packed))
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as err:
-        reason = " ".join(str(err).split())
-        raise ConfigError("compile", f"XLA:GPU refused the step for {target.value}: {reason[:400]}") from None
+        raise ConfigError("compile", f"XLA:GPU refused the step for {target.value}: {refusal(str(err))}") from None
     seconds = time.perf_counter() - start
     memory = memory_of(compiled)
     hlo = compiled.as_text()
@@ -232,3 +243,19 @@ def compile_step(cfg, devices: Sequence, target: Target, fraction: float | None 
         ragged_dots=round(census.ragged_dots), flops=census.flops, compile_seconds=round(seconds, 2),
         kernels=[line for line in lines if line], jax=jax.__version__, jaxlib=jaxlib.__version__)
     return CompiledStep(compiled, hlo, report)
+
+
+# The line of a shipped config that documents the GPU layout it is meant for, as the compile tool's
+# arguments and an optional remark in parentheses: ``# gpu layout: --target h100 --hosts 8 (a remark)``.
+GPU_LAYOUT_PREFIX = "# gpu layout:"
+
+
+def documented_gpu_layout(config: str | os.PathLike) -> list[str] | None:
+    """The ``meshtrain.compile`` arguments a config's ``# gpu layout:`` line documents (None without one)."""
+    import pathlib
+    import shlex
+
+    for line in pathlib.Path(config).read_text().splitlines():
+        if line.startswith(GPU_LAYOUT_PREFIX):
+            return shlex.split(line[len(GPU_LAYOUT_PREFIX):].split("(")[0])
+    return None

@@ -125,7 +125,7 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
                                       cfg.sharding.replicated_warning_bytes):
         log(f"warning: {name} stays fully replicated on mesh {dict(mesh.shape)} under rules {trainer.rules.name}")
     attention = activation_sharding(trainer.rules, mesh).describe_attention(
-        cfg.model.attention_spec, packed=cfg.data.packing is Packing.DOCUMENTS)
+        cfg.model.attention_spec, packed=cfg.data.packing is Packing.DOCUMENTS, dtype=cfg.train.precision.compute_dtype)
     dataset = make_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
     evaluator = (Evaluator(cfg.eval, cfg.data, dataset, trainer, vocab_size=cfg.model.vocab_size,
                            seq_len=cfg.model.seq_len) if cfg.eval.every > 0 else None)

@@ -16,8 +16,9 @@ included, as Mistral's ``sliding_window``). ``AttentionSpec`` says which kernel 
   heads attend their shared key/value head without repeating it. The backward (a ``custom_vjp``)
   keeps only the output and the log-sum-exp of each query and recomputes each pair's scores, so
   memory grows linearly with the sequence in both directions.
-* ``AUTO``: ``CUDNN`` on GPUs for unpacked rows whose queries are not split along the sequence
-  (cuDNN's partitioner refuses that split), else ``BLOCKWISE`` (``AttentionKernel.resolve``).
+* ``AUTO``: ``CUDNN`` on GPUs for unpacked rows where cuDNN's partitioner takes the layout (the
+  framework says where it does not: queries split along the sequence, pipeline stages), else
+  ``BLOCKWISE`` (``AttentionKernel.resolve``).
 
 The pair updates (``attend_pairs``, ``attend_pairs_backward``) are also the per-step body of ring
 attention (``meshtrain.parallel.ring_attention``), which runs them over a key block held by another
@@ -50,7 +51,7 @@ PAST_EVERY_QUERY = 1 << 30
 class AttentionKernel(str, enum.Enum):
     """``model.attention``: which kernel computes training attention (module docstring).
 
-    AUTO: cuDNN on GPUs where rows are not packed nor split along the sequence, else blockwise.
+    AUTO: cuDNN on GPUs where rows are not packed and its partitioner takes the layout, else blockwise.
     BLOCKWISE: flash attention in XLA, any backend, any mask. CUDNN: cuDNN's fused kernel (an error
     where it cannot run). XLA: the dense einsum-softmax-einsum (quadratic memory; the reference).
     """
@@ -60,22 +61,21 @@ class AttentionKernel(str, enum.Enum):
     CUDNN = "cudnn"
     XLA = "xla"
 
-    def resolve(self, platform: str, packed: bool, split: bool = False) -> AttentionKernel:
+    def resolve(self, platform: str, packed: bool, cudnn_refused: str = "") -> AttentionKernel:
         """The kernel that runs on ``platform`` ("cpu", "gpu", "tpu") for rows packed from
-        documents (``packed``) or not, with the queries split along the sequence over devices
-        (``split``: context parallelism with the keys gathered; cuDNN's partitioner refuses a split
-        sequence) or not. ``ValueError`` (one line) for cuDNN where it cannot run."""
+        documents (``packed``) or not, where ``cudnn_refused`` says why cuDNN's partitioner cannot
+        take the mesh's layout ('' where it can). ``ValueError`` (one line) for cuDNN where it
+        cannot run."""
         if self is AttentionKernel.AUTO:
-            cudnn = platform == "gpu" and not packed and not split
+            cudnn = platform == "gpu" and not packed and not cudnn_refused
             return AttentionKernel.CUDNN if cudnn else AttentionKernel.BLOCKWISE
         if self is AttentionKernel.CUDNN and platform != "gpu":
             raise ValueError(f"cudnn needs an NVIDIA GPU, these devices are {platform}; valid here: auto, "
                              "blockwise, xla")
         if self is AttentionKernel.CUDNN and packed:
             raise ValueError("cudnn takes no document segments (data.packing: documents); use auto or blockwise")
-        if self is AttentionKernel.CUDNN and split:
-            raise ValueError("cudnn cannot take queries split along the sequence (context parallelism); use auto "
-                             "or blockwise")
+        if self is AttentionKernel.CUDNN and cudnn_refused:
+            raise ValueError(f"cudnn cannot run {cudnn_refused}; use auto or blockwise")
         return self
 
 
@@ -89,9 +89,9 @@ class AttentionSpec:
     window: int = 0
     block: int = 512
 
-    def resolved(self, platform: str, packed: bool, split: bool = False) -> AttentionSpec:
+    def resolved(self, platform: str, packed: bool, cudnn_refused: str = "") -> AttentionSpec:
         """This spec with the kernel that runs on ``platform`` (``AttentionKernel.resolve``)."""
-        return dataclasses.replace(self, kernel=self.kernel.resolve(platform, packed, split))
+        return dataclasses.replace(self, kernel=self.kernel.resolve(platform, packed, cudnn_refused))
 
 
 # ----- the visibility of keys to queries -----

@@ -59,9 +59,15 @@
    step's bytes accessed per device (XLA's cost analysis: ``guard_bytes`` is the guard's extra
    traffic as this compiler fuses it).
 
-The phases run in the order of their value (loss, throughput, xla flag arms, fp8, checkpoint, packing, moe,
-deepseek, attention kernels, pipeline, offload, overhead) within ``--budget`` seconds (450 on a
-device): each has a cap (its expected seconds on one H100/H200, in ``main``) and starts only while
+2c. compile_parity: the same 1B step compiled on the device and by XLA:GPU without it for the same
+   card (``scripts/gpu_compile_parity.py``, ``meshtrain.gpu_compile``): memory_analysis side by side, the
+   deviceless compile again with the autotune results this GPU dumped, the card's own target config
+   (XLA's dump) and the deviceless executable deserialized and run here (its loss beside the device
+   compile's); the files under ``GPU_CHECK_OUT`` (default ``gpu_check_out``).
+
+The phases run in the order of their value (loss, throughput, xla flag arms, fp8, compile parity,
+checkpoint, packing, moe, deepseek, attention kernels, pipeline, offload, overhead) within ``--budget``
+seconds (450 on a device): each has a cap (its expected seconds on one H100/H200, in ``main``) and starts only while
 the budget left holds it; a skipped phase says why. Each phase's result is printed when it is known
 (``phase NAME: PASS|FAIL|done|ERROR ...|skipped: ...``); an error in one phase is recorded and the
 next runs; a table of every phase's seconds, cap and result ends the run.
@@ -77,6 +83,7 @@ import argparse
 import itertools
 import json
 import os
+import pathlib
 import sys
 import time
 
@@ -569,6 +576,45 @@ def throughput(load_config, benchmark, args, limit: int | None, attention: str) 
     raise SystemExit("error: no (remat, batch) candidate fits this device")
 
 
+def compile_parity(args, bf16: dict, device_kind: str) -> dict:
+    """The throughput phase's 1B step compiled on this GPU and by XLA:GPU without it for the same card
+    (scripts/gpu_compile_parity.py, one process per compile): memory_analysis side by side, the deviceless
+    compile again with this GPU's autotune results loaded, the deviceless executable run on this GPU."""
+    import subprocess
+
+    from meshtrain.xla_flags import cuda_plugin_installed
+
+    target = next((name for name in ("h100", "h200", "b200") if name in device_kind.lower()), None)
+    if target is None or not cuda_plugin_installed():
+        return {"skipped": f"no compile-only target for {device_kind!r} (h100, h200, b200 with the CUDA plugin)"}
+    out = pathlib.Path(os.environ.get("GPU_CHECK_OUT", "gpu_check_out")) / "compile_parity"
+    overrides = ["model.seq_len=2048", f"model.remat={bf16['remat']}", f"train.batch_size={bf16['batch_size']}"]
+
+    def run(*extra: str, deviceless: bool) -> dict:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"} if deviceless else dict(os.environ)
+        proc = subprocess.run([sys.executable, "scripts/gpu_compile_parity.py", *extra, "--out", str(out), *overrides],
+                              env=env, capture_output=True, text=True, timeout=300, check=False)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("json: ")]
+        if proc.returncode or not lines:
+            raise RuntimeError(f"{extra[0]} exit {proc.returncode}: {proc.stderr[-400:]}")
+        return json.loads(lines[-1][len("json: "):])
+
+    deviceless = run("deviceless", "--target", target, deviceless=True)
+    on_device = run("device", deviceless=False)
+    autotune = out / "autotune_results.txt"
+    tuned = run("deviceless", "--target", target, "--autotune", str(autotune), deviceless=True) \
+        if autotune.exists() else {"skipped": "no autotune results were dumped"}
+    ratio = lambda a, key: a[key] / on_device[key] if key in a and on_device[key] else None
+    result = {"target": target, "device": on_device, "deviceless": deviceless, "deviceless_autotuned": tuned,
+              "temp_ratio": ratio(deviceless, "temp_bytes"), "temp_ratio_autotuned": ratio(tuned, "temp_bytes"),
+              "argument_ratio": ratio(deviceless, "argument_bytes"), "files": str(out)}
+    log(f"compile parity ({target}): temp deviceless / device = {result['temp_ratio']}, with this GPU's autotune "
+        f"results {result['temp_ratio_autotuned']}; arguments {result['argument_ratio']}; the deviceless executable "
+        f"ran here: loss {on_device.get('deviceless_loss')} vs {on_device.get('device_loss')}; target config "
+        f"{on_device.get('target_config')}")
+    return result
+
+
 def xla_flag_arms(load_config, benchmark, args, bf16: dict, cap: float) -> dict:
     """Phase 3: the 1B step of the throughput phase (its remat, batch and attention) compiled and timed
     under each arm of meshtrain/xla_flags.py: ``fixed`` (the flags before issue 37), ``derived`` (the
@@ -771,6 +817,8 @@ def main(argv: list[str] | None = None) -> int:
         ("xla_flag_arms", ARMS_CAP, "throughput",
          lambda: xla_flag_arms(load_config, benchmark, args, report["throughput"], ARMS_CAP)),
         ("fp8", 90, "throughput", lambda: fp8_check(load_config, benchmark, args, report["throughput"])),
+        ("compile_parity", 90, "throughput",
+         lambda: compile_parity(args, report["throughput"], device.device_kind)),
         ("checkpoint", 20, None, lambda: checkpoint_check(load_config, benchmark)),
         ("packing", 20, None, lambda: packing_check(load_config, args.packing_tol)),
         ("moe", 60, None, lambda: moe_check(args.moe_tol, args.dry_run)),

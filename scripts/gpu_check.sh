@@ -53,4 +53,7 @@ fi
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader || true
 fi
+# Files a phase writes (compile_parity: autotune results, the card's target config): the device tool's $OUT
+# when there is one, so that they come back.
+export GPU_CHECK_OUT="${GPU_CHECK_OUT:-${OUT:-gpu_check_out}}"
 exec timeout "${GPU_CHECK_TIMEOUT:-470}" "$PYTHON" scripts/gpu_check.py "$@"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,6 +155,27 @@ def test_auto_resolves_per_backend_and_refuses_cudnn_where_it_cannot_run():
         AttentionKernel.CUDNN.resolve("cpu", packed=False)
     with pytest.raises(ValueError, match="no document segments"):
         AttentionKernel.CUDNN.resolve("gpu", packed=True)
+    # Where the framework says cuDNN's partitioner or dtype rules it out, AUTO is blockwise, CUDNN an error.
+    assert AttentionKernel.AUTO.resolve("gpu", False, "inside pipeline stages") is AttentionKernel.BLOCKWISE
+    with pytest.raises(ValueError, match="cudnn cannot run inside pipeline stages; use auto or blockwise"):
+        AttentionKernel.CUDNN.resolve("gpu", False, "inside pipeline stages")
+
+
+def test_the_mesh_says_where_cudnn_cannot_run():
+    """The layouts jax's cuDNN partitioner refuses (queries split along the sequence, pipeline stages:
+    compiled for GPUs in tests_gpu) and fp32 inputs; '' where it can run."""
+    from meshtrain.mesh import MeshConfig, make_mesh
+    from meshtrain.parallel.rules import Preset
+    from meshtrain.parallel.sharding import activation_sharding
+
+    mesh = lambda *shape: make_mesh(MeshConfig(*shape), jax.devices()[:math.prod(shape)])
+    plain = activation_sharding(Preset.FSDP_TP.rules, mesh(1, 2, 2, 1))
+    assert plain.cudnn_refused(jnp.bfloat16) == "" and plain.cudnn_refused(jnp.float16) == ""
+    assert plain.cudnn_refused(jnp.float32) == "on fp32 inputs (it takes fp16 and bf16)"
+    assert activation_sharding(Preset.FSDP_CP.rules, mesh(1, 2, 1, 1)).cudnn_refused(jnp.bfloat16) == (
+        "queries split along the sequence (context parallelism)")
+    assert activation_sharding(Preset.FSDP_TP.rules, mesh(1, 2, 1, 2)).cudnn_refused(jnp.bfloat16) == (
+        "inside pipeline stages")
 
 
 def test_the_start_up_line_names_the_kernel_and_refuses_what_cannot_run():
@@ -163,14 +186,16 @@ def test_the_start_up_line_names_the_kernel_and_refuses_what_cannot_run():
     from models.attention import AttentionSpec
 
     one = activation_sharding(Preset.FSDP_TP.rules, make_mesh(MeshConfig(1, 1, 1, 1), jax.devices()[:1]))
-    assert one.describe_attention(AttentionSpec(), packed=False) == "attention: blockwise, blocks of 512 positions"
-    assert one.describe_attention(AttentionSpec(AttentionKernel.XLA, window=64), packed=True) == (
+    bf16 = jnp.bfloat16
+    assert one.describe_attention(AttentionSpec(), packed=False, dtype=bf16) == (
+        "attention: blockwise, blocks of 512 positions")
+    assert one.describe_attention(AttentionSpec(AttentionKernel.XLA, window=64), packed=True, dtype=bf16) == (
         "attention: xla, sliding window 64 (document segments)")
     with pytest.raises(ConfigError, match="cudnn needs an NVIDIA GPU") as error:
-        one.describe_attention(AttentionSpec(AttentionKernel.CUDNN), packed=False)
+        one.describe_attention(AttentionSpec(AttentionKernel.CUDNN), packed=False, dtype=jnp.bfloat16)
     assert error.value.field == "model.attention"
     ring = activation_sharding(Preset.FSDP_CP_RING.rules, make_mesh(MeshConfig(1, 2, 1, 1), jax.devices()[:2]))
-    assert ring.describe_attention(AttentionSpec(), packed=False) == (
+    assert ring.describe_attention(AttentionSpec(), packed=False, dtype=jnp.bfloat16) == (
         "attention: ring over fsdp (2 steps, blockwise sub-blocks of at most 512 positions)")
     with pytest.raises(ConfigError, match="cannot run ring attention's steps"):
-        ring.describe_attention(AttentionSpec(AttentionKernel.XLA), packed=False)
+        ring.describe_attention(AttentionSpec(AttentionKernel.XLA), packed=False, dtype=jnp.bfloat16)

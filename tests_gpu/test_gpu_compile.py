@@ -8,6 +8,7 @@ its reduce-scatters combined; the XLA flags each layout sets are accepted by XLA
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -15,7 +16,8 @@ import jax
 import pytest
 
 from meshtrain.config import load_config
-from meshtrain.gpu_compile import NEWER_SPEC_FIELDS, CompiledStep, Target, compile_step, topology, without_fields
+from meshtrain.gpu_compile import (NEWER_SPEC_FIELDS, CompiledStep, Target, compile_step, documented_gpu_layout,
+                                   topology, without_fields)
 from meshtrain.hlo import Module
 from meshtrain.xla_flags import MULTI_STREAMED_EINSUM, WINDOWED_EINSUM, step_compiler_options
 from models.api import family_of
@@ -89,7 +91,7 @@ def test_fsdp_8b_cudnn_async_gathers_combined_scatters_and_flops():
         assert gathered > 100e6 and census.async_collective_bytes["all-gather"] >= 0.99 * gathered, census
         per_layer = census.custom_calls[FMHA_BACKWARD]  # one backward attention per layer in the body
         assert census.collectives["reduce-scatter"] / per_layer < 9, census.collectives
-    cfg = load_config(*LLAMA_8B, "model.num_layers=4", "mesh.fsdp=8")
+    cfg = load_config(LLAMA_8B[0], [*LLAMA_8B[1:], "model.num_layers=4", "mesh.fsdp=8"])
     family, model = family_of(cfg.model), cfg.model
     tokens = cfg.train.batch_size * model.seq_len / 8
     attention = 12 * model.num_layers * model.num_heads * model.head_dim * model.seq_len  # PaLM: full matrix
@@ -119,7 +121,7 @@ def test_data_parallel_and_zero_1_2(overrides):
 # ----- tensor, sequence and context parallelism -----
 
 def test_tensor_parallel_alone_gets_collective_matmul_and_xla_gpu_accepts_it():
-    cfg = load_config(*LLAMA_8B, "model.num_layers=2", "mesh.fsdp=1", "mesh.tensor=8")
+    cfg = load_config(LLAMA_8B[0], [*LLAMA_8B[1:], "model.num_layers=2", "mesh.fsdp=1", "mesh.tensor=8"])
     options = step_compiler_options(cfg.layout({"data": 1, "fsdp": 1, "tensor": 8, "stage": 1}))
     assert options[WINDOWED_EINSUM] == "0" and options[MULTI_STREAMED_EINSUM] is True
     step = compiled(*LLAMA_8B, "model.num_layers=2", "mesh.fsdp=1", "mesh.tensor=8")
@@ -167,7 +169,9 @@ def test_pipeline_schedules(schedule):
                     "pipeline.microbatches=4", f"pipeline.schedule={schedule}", *virtual)
     assert step.report.fits
     assert step.report.collectives.get("collective-permute", 0) > 0
-    assert_cudnn_attention(step)
+    # jax's cuDNN partitioner fails inside a shard_map over stage (jax 0.11.2): blockwise runs there.
+    assert_no_cudnn_attention(step)
+    assert any(line.startswith("attention: blockwise") for line in step.report.kernels), step.report.kernels
 
 
 # ----- precision, remat, masks, families -----
@@ -222,11 +226,11 @@ def test_moe_expert_parallel_dispatches(dispatch):
 
 
 def test_deepseek_v3_latent_attention_and_prediction_depth():
-    """DeepSeek-V3's widths, one dense and one MoE layer and one prediction depth, on 2 hosts of 8:
+    """DeepSeek-V3's widths, one dense and one MoE layer and one prediction depth, on 4 hosts of 8:
     latent attention (q/k 192, v 128 padded) runs cuDNN: jax's Hopper check answered for the target."""
     step = compiled("configs/deepseek_v3_671b.yaml", "model.num_layers=2", "model.num_dense_layers=1",
-                    "train.batch_size=16", hosts=2)
-    assert step.report.fits and step.report.hosts == 2
+                    "train.batch_size=32", hosts=4)
+    assert step.report.fits and step.report.hosts == 4
     assert_cudnn_attention(step)
     assert_no_ragged_dot(step)
     assert step.report.collectives.get("ragged-all-to-all", 0) > 0
@@ -257,5 +261,25 @@ def test_compile_cli_json_line_and_refusal(tmp_path):
     too_big = [sys.executable, "-m", "meshtrain.compile", "--config", "configs/llama_8b.yaml", "--target", "h100",
                "model.num_layers=2", "train.batch_size=256"]
     proc = subprocess.run(too_big, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: memory: ") and proc.stderr.count("\n") == 1
+    assert proc.returncode == 2 and proc.stderr.startswith("error: memory: the step needs "), proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1
     assert jax.devices()[0].platform == "cpu"  # this process's own devices stay the host's
+
+
+# ----- every shipped config at its documented layout -----
+
+CONFIGS = sorted(pathlib.Path("configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[path.stem for path in CONFIGS])
+def test_every_shipped_config_fits_its_documented_gpu_layout(config):
+    """Each config's ``# gpu layout:`` line, run through the compile tool as a user would: it compiles for
+    its target and fits the memory a run's allocator gets there."""
+    layout = documented_gpu_layout(config)
+    assert layout, f"{config} documents no '# gpu layout:'"
+    proc = subprocess.run([sys.executable, "-m", "meshtrain.compile", "--config", str(config), "--json", *layout],
+                          capture_output=True, text=True, timeout=540, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["fits"] and report["peak_bytes"] <= report["usable_memory_bytes"]
+    assert report["flops"] > 0

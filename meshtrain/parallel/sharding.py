@@ -88,6 +88,11 @@ class MeshActivationSharding:
         # Context parallelism with the keys gathered: the mesh axes splitting the queries.
         self.query_axes = () if self.ring else tuple(
             a for a in mesh_axes_of(rules.activation_spec(("length",))[0]) if mesh.shape[a] > 1)
+        # Where jax's cuDNN attention cannot be partitioned (jax 0.11.2): its partitioner refuses queries
+        # split along the sequence ("Sharding on sequence dim is not allowed") and fails inside a
+        # shard_map over ``stage`` (it is handed a GSPMDSharding, which has no ``spec``).
+        self.layout_refuses_cudnn = ("queries split along the sequence (context parallelism)" if self.query_axes
+                                     else "inside pipeline stages" if mesh.shape.get("stage", 1) > 1 else "")
 
     @property
     def lockstep_stages(self) -> bool:
@@ -130,10 +135,17 @@ class MeshActivationSharding:
         rows = jnp.take(constrain(table, table_spec), constrain(ids, ids_spec), axis=0)
         return self(constrain(rows, PartitionSpec(*ids_spec, table_spec[1])), axes)
 
-    def describe_attention(self, spec: AttentionSpec, packed: bool) -> str:
+    def cudnn_refused(self, dtype) -> str:
+        """Why cuDNN's fused attention cannot run here on inputs of ``dtype`` ('' where it can): the
+        layout (``layout_refuses_cudnn``), or fp32 inputs (it takes fp16 and bf16)."""
+        if self.layout_refuses_cudnn:
+            return self.layout_refuses_cudnn
+        return "on fp32 inputs (it takes fp16 and bf16)" if jnp.dtype(dtype) == jnp.float32 else ""
+
+    def describe_attention(self, spec: AttentionSpec, packed: bool, dtype) -> str:
         """One line: which kernel runs ``spec``'s attention on this mesh for rows packed from
-        documents (``packed``) or not. ``ConfigError`` on ``model.attention`` for a kernel that
-        cannot run here (never a silent fallback)."""
+        documents (``packed``) or not, its inputs of ``dtype`` (the compute dtype). ``ConfigError`` on
+        ``model.attention`` for a kernel that cannot run here (never a silent fallback)."""
         window = f", sliding window {spec.window}" if spec.window else ""
         if self.ring is not None:
             if spec.kernel not in (AttentionKernel.AUTO, AttentionKernel.BLOCKWISE):
@@ -145,7 +157,7 @@ class MeshActivationSharding:
             return (f"attention: ring over {self.ring} ({self.mesh.shape[self.ring]} steps, blockwise sub-blocks of "
                     f"at most {self.rules.ring_block or 'all'} positions{window}){in_stages}")
         try:
-            kernel = spec.kernel.resolve(self.platform, packed, split=bool(self.query_axes))
+            kernel = spec.kernel.resolve(self.platform, packed, self.cudnn_refused(dtype))
         except ValueError as error:
             raise ConfigError("model.attention", str(error)) from None
         blocks = f", blocks of {spec.block} positions" if kernel is AttentionKernel.BLOCKWISE else ""
@@ -157,7 +169,7 @@ class MeshActivationSharding:
         # (docs/long_context.md): there XLA partitions the kernel over the queries' split as it can.
         in_stage = not jax.sharding.get_abstract_mesh().empty
         if self.ring is None:
-            spec = spec.resolved(self.platform, packed=segments is not None, split=bool(self.query_axes))
+            spec = spec.resolved(self.platform, packed=segments is not None, cudnn_refused=self.cudnn_refused(q.dtype))
             if self.query_axes and not in_stage and spec.kernel is AttentionKernel.BLOCKWISE:
                 return self._attend_local_queries(q, k, v, segments, spec)
             return attend(q, k, v, segments, spec)
