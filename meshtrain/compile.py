@@ -20,16 +20,22 @@ that does not fit (after the report).
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import os
-import sys
 
-from meshtrain.cli import ArgumentParser, run
-from meshtrain.errors import ConfigError, writable_directory
-from meshtrain.gpu_compile import CompileReport, Target
-from meshtrain.metrics import format_bytes
+# XLA's C++ log (rematerialization warnings, the scheduler's complaints about a program larger than the
+# device) is read when jaxlib loads, so it is quieted before anything imports jax: the report says what
+# matters, a refusal is one line. TF_CPP_MIN_LOG_LEVEL set by the user wins.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+
+from meshtrain.cli import ArgumentParser, run  # noqa: E402
+from meshtrain.errors import ConfigError, writable_directory  # noqa: E402
+from meshtrain.gpu_compile import CompileReport, Target  # noqa: E402
+from meshtrain.metrics import format_bytes  # noqa: E402
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -8,7 +8,7 @@ memory analysis, optimized HLO and serialized executable are the GPU's, nothing 
 
 What deviceless compilation cannot do, and what this module does about it:
 - XLA sizes CUB's radix sort's scratch by asking the CUDA runtime for a device, which fails
-  (``cudaErrorInvalidDevice``) on any jaxlib tried (0.10.2, 0.11.2): ``DEVICELESS_FLAGS`` turn that
+  (``cudaErrorInvalidDevice``; seen on jaxlib 0.10.2 and 0.11.2): ``DEVICELESS_FLAGS`` turn that
   sort off, so a compile-only program sorts with XLA's own sort kernel (the dropless MoE dispatch's
   argsort) where a GPU run would use CUB's.
 - jax's cuDNN attention asks the default backend (the CPU here) for the GPU's compute capability at
@@ -73,9 +73,6 @@ def start_compile_only() -> None:
     import jax
 
     os.environ["XLA_FLAGS"] = merge_flags(os.environ.get("XLA_FLAGS", ""), list(DEVICELESS_FLAGS))
-    # XLA's C++ log (rematerialization warnings, the scheduler's complaints about a program larger than
-    # the device) stays quiet unless asked for: the report says what matters, a refusal in one line.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     try:
         jax.config.update("jax_platforms", "cpu")
     except RuntimeError as err:

@@ -240,11 +240,11 @@ def test_gpu_check_starts_no_phase_its_budget_cannot_hold():
                           capture_output=True, text=True, timeout=300, check=False)
     report = _json_line(proc)
     assert proc.returncode == 0, proc.stderr
-    phases = ("loss_check", "throughput", "xla_flag_arms", "fp8", "checkpoint", "packing", "moe", "deepseek",
-              "attention_kernels", "pipeline", "offload", "overhead")
+    phases = ("loss_check", "throughput", "xla_flag_arms", "fp8", "compile_parity", "checkpoint", "packing", "moe",
+              "deepseek", "attention_kernels", "pipeline", "offload", "overhead")
     assert all("skipped" in report[name] for name in phases)
     assert report["fp8"]["skipped"] == report["offload"]["skipped"] == report["xla_flag_arms"]["skipped"] \
-        == "needs throughput"
+        == report["compile_parity"]["skipped"] == "needs throughput"
     assert report["loss_check"]["skipped"].startswith("budget: ")
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split() == ["phase", "seconds", "cap", "result"])
@@ -271,6 +271,8 @@ def test_gpu_check_dry_run():
     fp8 = report["fp8"]  # the 1B shape's fp8 step beside bf16's; 10 tiny steps fp8 vs bf16
     assert fp8["passed"] and fp8["speedup"] > 0 and set(fp8["final_loss"]) == {"bf16", "fp8"}
     assert "host_temp_bytes" in report["offload"]["memory_per_device"]
+    # Device against deviceless needs a GPU card among the compile targets (and the CUDA plugin).
+    assert report["compile_parity"]["skipped"].startswith("no compile-only target for 'cpu'")
     assert report["checkpoint"]["passed"] and report["checkpoint"]["bit_equal"]
     moe = report["moe"]
     assert moe["passed"] and set(moe["experts_ms"]) == {

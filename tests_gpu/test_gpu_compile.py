@@ -8,6 +8,7 @@ its reduce-scatters combined; the XLA flags each layout sets are accepted by XLA
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -75,8 +76,9 @@ def test_two_hosts_topology_gives_each_device_its_host():
 def test_fsdp_8b_cudnn_async_gathers_combined_scatters_and_flops():
     """8B at 4 layers, FSDP 8, full remat: cuDNN attention forward and backward; every FSDP gather of
     the layers' weights async; the layers' gradient reduce-scatters combined (fewer per layer than its
-    nine parameters); the GPU module's matmul FLOPs within 2% of the model's own count (PaLM's, its
-    attention's causal half left out as cuDNN skips it) plus full remat's recompute."""
+    nine parameters); the GPU module's matmul FLOPs within 1% of the model's own count (PaLM's, its
+    attention's causal half left out as cuDNN skips it), full remat's recompute and the chunked loss's
+    (each chunk's logits recomputed in the backward: 2 x vocab x embed per token)."""
     step = compiled(*LLAMA_8B, "model.num_layers=4", "mesh.fsdp=8")
     report = step.report
     assert report.fits and report.mesh == {"data": 1, "fsdp": 8, "tensor": 1, "stage": 1}
@@ -97,8 +99,9 @@ def test_fsdp_8b_cudnn_async_gathers_combined_scatters_and_flops():
     attention = 12 * model.num_layers * model.num_heads * model.head_dim * model.seq_len  # PaLM: full matrix
     causal = family.flops_per_token(model) - attention / 2 + family.recompute_flops_per_token(model, model.remat)
     recompute_attention = 2 * model.num_layers * model.num_heads * model.head_dim * model.seq_len
-    expected = tokens * (causal - recompute_attention / 2)
-    assert report.flops == pytest.approx(expected, rel=0.02), (report.flops, expected)
+    head_recompute = 2 * model.vocab_size * model.embed_dim
+    expected = tokens * (causal - recompute_attention / 2 + head_recompute)
+    assert report.flops == pytest.approx(expected, rel=0.01), (report.flops, expected)
 
 
 @pytest.mark.parametrize("overrides", [("mesh.data=8", "mesh.fsdp=1", "sharding.preset=dp", "zero.stage=0"),
@@ -129,13 +132,12 @@ def test_tensor_parallel_alone_gets_collective_matmul_and_xla_gpu_accepts_it():
     assert_cudnn_attention(step)
 
 
-@pytest.mark.parametrize("overrides", [("mesh.fsdp=2", "mesh.tensor=4", "sharding.preset=fsdp_tp_sp"),
-                                       ("mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", "sharding.preset=fsdp_tp_sp"),
-                                       ("mesh.fsdp=4", "mesh.tensor=2")], ids=["fsdp_tp_sp", "dp_tp_sp", "fsdp_tp"])
-def test_tensor_parallel_beside_fsdp_or_dp_compiles(overrides):
-    """XLA:GPU refuses these layouts under collective matmul (shape inference, the verifier: jaxlib
-    0.11.2), so their flags leave it off; with the flags they do set, they compile."""
-    step = compiled(*LLAMA_8B, "model.num_layers=2", *overrides)
+def test_tensor_and_sequence_parallel_beside_data_parallel_compiles():
+    """XLA:GPU refuses DP x TP + SP under collective matmul (the verifier, jaxlib 0.11.2), so its flags
+    leave it off and it compiles. FSDP x TP (Mixtral's layout) and DP x FSDP x TP + SP (DeepSeek-V3's)
+    compile in the shipped configs' test below."""
+    step = compiled(*LLAMA_8B, "model.num_layers=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4",
+                    "sharding.preset=fsdp_tp_sp")
     assert step.report.fits
     assert_cudnn_attention(step)
     assert step.report.collectives.get("all-reduce", 0) + step.report.collectives.get("reduce-scatter", 0) > 0
@@ -185,16 +187,14 @@ def test_fp8_recipes_give_gemms_with_f8_operands(scaling):
     assert "f8e4m3fn" in step.hlo and "f8e5m2" in step.hlo
 
 
-def test_bf16_step_has_no_f8_gemm():
-    step = compiled(*LLAMA_8B, "model.num_layers=2", "model.remat=dots")
-    assert step.report.fp8_gemms == 0 and step.report.fits
-    assert_cudnn_attention(step)
-
-
-def test_remat_none_keeps_more_and_recomputes_nothing():
-    full = compiled(*LLAMA_8B, "model.num_layers=2").report
+def test_remat_policies_none_keeps_more_and_recomputes_less_than_dots():
+    """remat=none keeps every value (more temp) and recomputes no attention forward (one cuDNN forward per
+    layer, against dots' two); bf16 steps have no f8 GEMM."""
+    dots = compiled(*LLAMA_8B, "model.num_layers=2", "model.remat=dots").report
     none = compiled(*LLAMA_8B, "model.num_layers=2", "model.remat=none").report
-    assert none.temp_bytes > full.temp_bytes and none.flops < full.flops
+    assert none.temp_bytes > dots.temp_bytes and none.flops < dots.flops
+    assert none.custom_calls[FMHA_FORWARD] == 2 and dots.custom_calls[FMHA_FORWARD] == 4
+    assert dots.fp8_gemms == none.fp8_gemms == 0 and dots.fits and none.fits
 
 
 def test_packed_documents_run_blockwise_and_a_window_runs_cudnn():
@@ -203,12 +203,6 @@ def test_packed_documents_run_blockwise_and_a_window_runs_cudnn():
     window = compiled(*LLAMA_8B, "model.num_layers=2", "model.sliding_window=4096")
     assert_cudnn_attention(window)
     assert '"sliding_window_length": 4096' in window.hlo.replace('":', '": ').replace(":  ", ": ")
-
-
-def test_qwen3_qk_norm():
-    step = compiled(*LLAMA_8B, "model.num_layers=2", "model.qk_norm=true")
-    assert step.report.fits
-    assert_cudnn_attention(step)
 
 
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
@@ -225,17 +219,6 @@ def test_moe_expert_parallel_dispatches(dispatch):
         assert step.report.collectives.get("all-to-all", 0) > 0 and not step.report.collectives.get("ragged-all-to-all")
 
 
-def test_deepseek_v3_latent_attention_and_prediction_depth():
-    """DeepSeek-V3's widths, one dense and one MoE layer and one prediction depth, on 4 hosts of 8:
-    latent attention (q/k 192, v 128 padded) runs cuDNN: jax's Hopper check answered for the target."""
-    step = compiled("configs/deepseek_v3_671b.yaml", "model.num_layers=2", "model.num_dense_layers=1",
-                    "train.batch_size=32", hosts=4)
-    assert step.report.fits and step.report.hosts == 4
-    assert_cudnn_attention(step)
-    assert_no_ragged_dot(step)
-    assert step.report.collectives.get("ragged-all-to-all", 0) > 0
-
-
 def test_two_host_data_parallel_over_the_slow_network():
     step = compiled(*LLAMA_8B, "model.num_layers=2", "train.batch_size=16", "mesh.data=2", "mesh.dcn_data=2",
                     "mesh.fsdp=8", hosts=2)
@@ -245,41 +228,81 @@ def test_two_host_data_parallel_over_the_slow_network():
 
 # ----- the command line -----
 
-def test_compile_cli_json_line_and_refusal(tmp_path):
-    """One JSON line with the documented keys; a step that does not fit exits 2 with one line."""
-    command = [sys.executable, "-m", "meshtrain.compile", "--config", "configs/llama_125m.yaml", "--target", "h200",
-               "--json", "--dump", str(tmp_path / "dump")]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in ("target", "devices", "mesh", "argument_bytes", "temp_bytes", "peak_bytes", "device_memory_bytes",
-                "fits", "custom_calls", "collectives", "flops", "compile_seconds"):
-        assert key in report
-    assert report["target"] == "h200" and report["devices"] == 8 and report["fits"] and report["flops"] > 0
-    assert (tmp_path / "dump" / "step.hlo.txt").stat().st_size > 0
-    assert list((tmp_path / "dump" / "xla").glob("*memory-usage-report*"))
+def test_compile_cli_refuses_a_step_that_does_not_fit_in_one_line():
     too_big = [sys.executable, "-m", "meshtrain.compile", "--config", "configs/llama_8b.yaml", "--target", "h100",
                "model.num_layers=2", "train.batch_size=256"]
-    proc = subprocess.run(too_big, capture_output=True, text=True, timeout=300, check=False)
+    # As from a shell: importing jax here set TF_CPP_MIN_LOG_LEVEL=1, which the tool would take as the user's.
+    env = {key: value for key, value in os.environ.items() if key != "TF_CPP_MIN_LOG_LEVEL"}
+    proc = subprocess.run(too_big, capture_output=True, text=True, timeout=300, check=False, env=env)
     assert proc.returncode == 2 and proc.stderr.startswith("error: memory: the step needs "), proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1
+    assert "DOES NOT FIT" in proc.stdout
     assert jax.devices()[0].platform == "cpu"  # this process's own devices stay the host's
 
 
 # ----- every shipped config at its documented layout -----
 
-CONFIGS = sorted(pathlib.Path("configs").glob("*.yaml"))
+# The examples made for CPUs (8 simulated devices or one; the main suite runs them) document no GPU layout.
+CPU_EXAMPLES = {"tiny", "moe_tiny", "deepseek_tiny", "stdlib_docs", "stdlib_sft", "stdlib_20m"}
+# The longest compile (DeepSeek-V3 over 512 devices) first, so that the two workers finish together.
+CONFIGS = sorted((path for path in pathlib.Path("configs").glob("*.yaml") if path.stem not in CPU_EXAMPLES),
+                 key=lambda path: (path.stem != "deepseek_v3_671b", path.stem))
+DOCUMENTED_KEYS = ("target", "devices", "hosts", "mesh", "argument_bytes", "temp_bytes", "peak_bytes",
+                   "device_memory_bytes", "usable_memory_bytes", "fits", "custom_calls", "collectives", "flops",
+                   "compile_seconds", "jax", "jaxlib")
+
+
+def test_every_config_but_the_cpu_examples_documents_a_gpu_layout():
+    configs = {path.stem: path for path in pathlib.Path("configs").glob("*.yaml")}
+    assert {name for name, path in configs.items() if documented_gpu_layout(path)} == set(configs) - CPU_EXAMPLES
+
+
+def _overrides(layout: list[str]) -> list[str]:
+    """The ``section.field=value`` arguments of a documented layout (its flags and their values left out)."""
+    return [arg for i, arg in enumerate(layout) if not arg.startswith("--") and not layout[i - 1].startswith("--")]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[path.stem for path in CONFIGS])
-def test_every_shipped_config_fits_its_documented_gpu_layout(config):
-    """Each config's ``# gpu layout:`` line, run through the compile tool as a user would: it compiles for
-    its target and fits the memory a run's allocator gets there."""
+def test_every_shipped_config_fits_its_documented_gpu_layout(config, tmp_path):
+    """Each config's ``# gpu layout:`` line, run through the compile tool as a user would (one JSON
+    line with the documented keys; llama_125m's with ``--dump``): it compiles for its target and fits
+    the memory a run's allocator gets there; where the start-up line says cuDNN attention the GPU
+    program has its forward and backward calls; no ragged_dot is left; a dropless exchange is a native
+    ragged all-to-all (DeepSeek-V3 on 512 H200s: latent attention's q/k 192 runs cuDNN)."""
     layout = documented_gpu_layout(config)
-    assert layout, f"{config} documents no '# gpu layout:'"
-    proc = subprocess.run([sys.executable, "-m", "meshtrain.compile", "--config", str(config), "--json", *layout],
-                          capture_output=True, text=True, timeout=540, check=False)
+    dump = ["--dump", str(tmp_path / "dump")] if config.stem == "llama_125m" else []
+    proc = subprocess.run([sys.executable, "-m", "meshtrain.compile", "--config", str(config), "--json", *dump,
+                           *layout], capture_output=True, text=True, timeout=540, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(DOCUMENTED_KEYS) <= set(report)
+    assert report["target"] == layout[layout.index("--target") + 1] and report["flops"] > 0
     assert report["fits"] and report["peak_bytes"] <= report["usable_memory_bytes"]
-    assert report["flops"] > 0
+    assert report["ragged_dots"] == 0
+    if report["kernels"][0] == "attention: cudnn":
+        assert report["custom_calls"].get(FMHA_FORWARD) and report["custom_calls"].get(FMHA_BACKWARD)
+    model = load_config(str(config), _overrides(layout)).model
+    if getattr(model, "dispatch", None) is not None and model.dispatch.value == "dropless" and any(
+            line.startswith("experts: split") for line in report["kernels"]):
+        assert report["collectives"].get("ragged-all-to-all", 0) > 0
+    if config.stem == "deepseek_v3_671b":
+        assert report["custom_calls"].get(FMHA_FORWARD) and report["collectives"].get("ragged-all-to-all")
+    if dump:
+        assert (tmp_path / "dump" / "step.hlo.txt").stat().st_size > 0
+        assert list((tmp_path / "dump" / "xla").glob("*jit_step*memory-usage-report*"))
+        assert json.loads((tmp_path / "dump" / "report.json").read_text()) == report
+
+
+def test_ragged_dot_is_still_a_dense_gemm_over_every_group_on_xla_gpu():
+    """A canary for ``grouped_matmul=auto``'s choice of the blocked kernel on GPUs: XLA:GPU (jaxlib 0.11.2)
+    compiles ``jax.lax.ragged_dot`` to matmuls over every group for every row, G x the FLOPs of the
+    grouped product. When this fails, XLA has a grouped GEMM and the choice should be revisited."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    rows, width, out, groups = 4096, 1024, 1024, 16
+    mesh = jax.sharding.Mesh(topology(Target.H100, 1, 1), ("x",))
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+    text = jax.jit(jax.lax.ragged_dot).lower(
+        spec((rows, width), jax.numpy.bfloat16), spec((groups, width, out), jax.numpy.bfloat16),
+        spec((groups,), jax.numpy.int32)).compile().as_text()
+    assert Module(text).census().flops >= groups * 2 * rows * width * out
