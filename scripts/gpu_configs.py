@@ -17,7 +17,6 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 START, END = "<!-- gpu-configs:start -->", "<!-- gpu-configs:end -->"
 
 from meshtrain.gpu_compile import documented_gpu_layout
