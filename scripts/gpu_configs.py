@@ -1,4 +1,4 @@
-"""What XLA:GPU says of every shipped config at its documented GPU layout (its ``# gpu layout:`` line):
+"""What XLA:GPU says of every shipped GPU config at its documented layout (its ``# gpu layout:`` line):
 ``python -m meshtrain.compile --json`` run on each, one table (memory per device, kernels, compile time).
 
     .venv-gpu/bin/python scripts/gpu_configs.py [--write-docs]
@@ -23,7 +23,7 @@ from meshtrain.gpu_compile import documented_gpu_layout
 
 
 def compile_config(config: pathlib.Path) -> tuple[list[str], dict | str]:
-    layout = documented_gpu_layout(config) or []
+    layout = documented_gpu_layout(config)
     proc = subprocess.run([sys.executable, "-m", "meshtrain.compile", "--config", str(config.relative_to(REPO)),
                            "--json", *layout], cwd=REPO, capture_output=True, text=True, check=False)
     if proc.returncode:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/gpu.md")
     args = parser.parse_args(argv)
     rows, versions, failed = [], set(), 0
-    for config in sorted((REPO / "configs").glob("*.yaml")):
+    for config in sorted(path for path in (REPO / "configs").glob("*.yaml") if documented_gpu_layout(path)):
         layout, report = compile_config(config)
         rows.append(row(config, layout, report))
         if isinstance(report, dict):
