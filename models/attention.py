@@ -79,6 +79,12 @@ class AttentionKernel(str, enum.Enum):
         return self
 
 
+def cudnn_refusal(dtype) -> str:
+    """Why cuDNN's fused attention refuses inputs of ``dtype`` ('' where it takes them: fp16, bf16;
+    jax raises "Q must be fp16/bf16/fp8_e4m3fn/fp8_e5m2" at trace time otherwise)."""
+    return "on fp32 inputs (it takes fp16 and bf16)" if np.dtype(dtype) == np.float32 else ""
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     """What a model asks of its attention: the kernel, the sliding window (positions a query sees,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.attention import AttentionSpec, attend
+from models.attention import AttentionSpec, attend, cudnn_refusal
 from models.fp8 import Fp8Weight, MatmulGroup, fp8_matmul
 from models.fp8 import OPERANDS as OPERANDS  # the FP8 amaxes' order, for the framework (meshtrain.fp8)
 from models.attention import AttentionKernel as AttentionKernel  # for the framework (the planner's memory model)
@@ -194,7 +194,8 @@ class Unconstrained:
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                segments: jax.Array | None, spec: AttentionSpec) -> jax.Array:
         del positions  # the rows are in sequence order
-        return attend(q, k, v, segments, spec.resolved(self.platform, packed=segments is not None))
+        return attend(q, k, v, segments, spec.resolved(self.platform, packed=segments is not None,
+                                                       cudnn_refused=cudnn_refusal(q.dtype)))
 
     def run_experts(self, compute: ExpertCompute, x: jax.Array, choices: jax.Array,
                     params: tuple[jax.Array, ...], param_axes: tuple[LogicalAxes, ...],

@@ -199,3 +199,14 @@ def test_the_start_up_line_names_the_kernel_and_refuses_what_cannot_run():
         "attention: ring over fsdp (2 steps, blockwise sub-blocks of at most 512 positions)")
     with pytest.raises(ConfigError, match="cannot run ring attention's steps"):
         ring.describe_attention(AttentionSpec(AttentionKernel.XLA), packed=False, dtype=jnp.bfloat16)
+
+
+def test_off_the_mesh_fp32_attention_never_asks_for_cudnn():
+    """A model run outside any mesh (``models.common.unconstrained``) resolves the kernel for its inputs'
+    dtype too: cuDNN's refusal of fp32 is the same line the mesh gives."""
+    from models.attention import cudnn_refusal
+
+    assert cudnn_refusal(jnp.float32) == "on fp32 inputs (it takes fp16 and bf16)"
+    assert cudnn_refusal(jnp.bfloat16) == cudnn_refusal(jnp.float16) == ""
+    assert AttentionKernel.AUTO.resolve("gpu", False, cudnn_refusal(jnp.float32)) is AttentionKernel.BLOCKWISE
+    assert AttentionKernel.AUTO.resolve("gpu", False, cudnn_refusal(jnp.bfloat16)) is AttentionKernel.CUDNN

@@ -184,13 +184,21 @@ def _one_device_and(mesh_shape, scaling, model=MODEL, **fields):
     return runs
 
 
+# Gradients of a layout against one device: the fp32 sums' order differs, and with it the last bits. XLA:CPU
+# vectorises for the host's CPU: ZeRO-3 over 8 devices, current scaling, measured 1.8e-5 (layers.attention.out)
+# on an AMD EPYC host, 2026-12-07, under 1e-5 on the hosts before. The bound is about last bits: one FP8 value
+# rounded to its neighbour instead moves that element by a quarter (E5M2), which no fp32 reordering does.
+GRAD_RTOL = 5e-5
+
+
 def _assert_equal_runs(reference, run):
-    """Loss, every gradient and every amax of ``run`` at rel 1e-5 of ``reference`` (``_one_device_and``)."""
+    """Loss and every amax of ``run`` at rel 1e-5 of ``reference`` (``_one_device_and``), every gradient
+    at ``GRAD_RTOL``."""
     (ref_loss, ref_grads, ref_amax), (loss, grads, amax) = reference, run
     assert abs(loss - ref_loss) / ref_loss <= 1e-5
     assert grads.keys() == ref_grads.keys() and amax.keys() == ref_amax.keys()
     for name, expected in ref_grads.items():
-        assert relative_l2(grads[name], expected) <= 1e-5, name
+        assert relative_l2(grads[name], expected) <= GRAD_RTOL, name
     for name, expected in ref_amax.items():
         np.testing.assert_allclose(amax[name], expected, rtol=1e-5, err_msg=name)
 

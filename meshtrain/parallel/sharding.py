@@ -22,7 +22,7 @@ from meshtrain.parallel.rules import ShardingRules, drop_axes, mesh_axes_of
 from meshtrain.parallel.ring_attention import ring_attention, ring_attention_in_stage
 from meshtrain.errors import ConfigError
 from models.common import (ActivationSharding, AttentionKernel, AttentionSpec, ExpertCompute, LogicalAxes, attend,
-                           blockwise_attention, logical_axes_of)
+                           blockwise_attention, cudnn_refusal, logical_axes_of)
 
 BATCH_AXES: LogicalAxes = ("batch", None)  # token arrays: rows split, each row whole on its devices
 
@@ -138,9 +138,7 @@ class MeshActivationSharding:
     def cudnn_refused(self, dtype) -> str:
         """Why cuDNN's fused attention cannot run here on inputs of ``dtype`` ('' where it can): the
         layout (``layout_refuses_cudnn``), or fp32 inputs (it takes fp16 and bf16)."""
-        if self.layout_refuses_cudnn:
-            return self.layout_refuses_cudnn
-        return "on fp32 inputs (it takes fp16 and bf16)" if jnp.dtype(dtype) == jnp.float32 else ""
+        return self.layout_refuses_cudnn or cudnn_refusal(dtype)
 
     def describe_attention(self, spec: AttentionSpec, packed: bool, dtype) -> str:
         """One line: which kernel runs ``spec``'s attention on this mesh for rows packed from
