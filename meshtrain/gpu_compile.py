@@ -42,9 +42,9 @@ NEWER_SPEC_FIELDS = ("collective_memory_granularity",)
 class Target(str, enum.Enum):
     """A GPU to compile for: the spec file under ``meshtrain/gpu_targets/``."""
 
-    H100 = "h100"  # H100 SXM, 80 GB HBM3
-    H200 = "h200"  # H200, 141 GB HBM3e
-    B200 = "b200"  # B200, 180 GB HBM3e
+    H100 = "h100"  # H100 SXM, 80 GB HBM3 (79 GiB)
+    H200 = "h200"  # H200, 141 GiB HBM3e
+    B200 = "b200"  # B200, 178 GiB HBM3e as its spec declares
 
     def spec_text(self) -> str:
         """The target's ``GpuTargetConfigProto`` text, as shipped."""
