@@ -174,7 +174,7 @@ class CompileReport:
     ragged_dots: int
     flops: float
     compile_seconds: float
-    kernels: list[str]
+    kernels: list[str]  # the start-up lines of meshtrain.train (Trainer.describe_kernels)
     jax: str
     jaxlib: str
 
@@ -200,19 +200,14 @@ def compile_step(cfg, devices: Sequence, target: Target, fraction: float | None 
     import jaxlib
 
     from meshtrain.data import Packing
-    from meshtrain.hlo import Module, memory_of
+    from meshtrain.hlo import Module, footprint_bytes, memory_of
     from meshtrain.mesh import make_mesh
-    from meshtrain.parallel.experts import describe_exchange
-    from meshtrain.parallel.sharding import activation_sharding
     from meshtrain.trainer import Trainer
 
     mesh = make_mesh(cfg.mesh, devices)
     trainer = Trainer(cfg.layout(mesh.shape), mesh, cfg.optimizer)
     packed = cfg.data.packing is Packing.DOCUMENTS
-    lines = [activation_sharding(trainer.rules, mesh).describe_attention(cfg.model.attention_spec, packed,
-                                                                         cfg.train.precision.compute_dtype),
-             *[describe_exchange(trainer.rules, mesh, axis) for axis in trainer.layout.expert_axes],
-             trainer.pipeline_description, trainer.fp8 and trainer.fp8.describe()]
+    kernels = trainer.describe_kernels(packed)
     start = time.perf_counter()
     try:
         with answered_for(devices):
@@ -226,8 +221,7 @@ def compile_step(cfg, devices: Sequence, target: Target, fraction: float | None 
     census = Module(hlo).census()
     device_memory = target.memory_bytes()
     usable = int(device_memory * (memory_fraction() if fraction is None else fraction))
-    footprint = memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"] + memory["temp_bytes"]
-    peak = max(memory["peak_memory_bytes"] or 0, footprint)
+    peak = max(memory["peak_memory_bytes"] or 0, footprint_bytes(memory))
     whole = lambda counter: {key: round(value) for key, value in sorted(counter.items())}
     report = CompileReport(
         target=target.value, devices=len(devices), hosts=len({d.process_index for d in devices}),
@@ -238,7 +232,7 @@ def compile_step(cfg, devices: Sequence, target: Target, fraction: float | None 
         collectives=whole(census.collectives), collective_bytes=whole(census.collective_bytes),
         async_collectives=whole(census.async_collectives), fp8_gemms=round(census.fp8_gemms),
         ragged_dots=round(census.ragged_dots), flops=census.flops, compile_seconds=round(seconds, 2),
-        kernels=[line for line in lines if line], jax=jax.__version__, jaxlib=jaxlib.__version__)
+        kernels=kernels, jax=jax.__version__, jaxlib=jaxlib.__version__)
     return CompiledStep(compiled, hlo, report)
 
 

@@ -36,8 +36,7 @@ from meshtrain.memory_model import layout_estimate
 from meshtrain.mesh import device_memory_bytes, make_mesh, mesh_shape
 from meshtrain.metrics import MetricsLogger, format_bytes, peak_bf16_tflops
 from meshtrain.parallel.accumulate import Batch
-from meshtrain.parallel.experts import describe_exchange
-from meshtrain.parallel.sharding import activation_sharding, parameter_table, replicated_parameters
+from meshtrain.parallel.sharding import parameter_table, replicated_parameters
 from meshtrain.policies import (PROFILE_DIR, AppliedStateCheck, Evaluation, NonFiniteGuard, Policy, Preemption,
                                 Profiler, Reporter, Run, Saver, SkipLimit, StepOutput, any_process, data_changed, log)
 from meshtrain.resume import initial_state
@@ -124,8 +123,7 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
     for name in replicated_parameters(trainer.abstract_params, trainer.rules, mesh,
                                       cfg.sharding.replicated_warning_bytes):
         log(f"warning: {name} stays fully replicated on mesh {dict(mesh.shape)} under rules {trainer.rules.name}")
-    attention = activation_sharding(trainer.rules, mesh).describe_attention(
-        cfg.model.attention_spec, packed=cfg.data.packing is Packing.DOCUMENTS, dtype=cfg.train.precision.compute_dtype)
+    kernels = trainer.describe_kernels(packed=cfg.data.packing is Packing.DOCUMENTS)
     dataset = make_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
     evaluator = (Evaluator(cfg.eval, cfg.data, dataset, trainer, vocab_size=cfg.model.vocab_size,
                            seq_len=cfg.model.seq_len) if cfg.eval.every > 0 else None)
@@ -134,9 +132,7 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
     banner = [f"meshtrain: process {jax.process_index()}/{jax.process_count()}, {len(devices)} x "
               f"{devices[0].device_kind}, mesh (data, fsdp, tensor, stage) = {mesh_shape(mesh)}, rules "
               f"{trainer.rules.name}, {cfg.model.num_params:,} parameters, precision {cfg.train.precision.value}",
-              trainer.fp8 and trainer.fp8.describe(), attention,
-              *[describe_exchange(trainer.rules, mesh, axis) for axis in trainer.layout.expert_axes],
-              trainer.pipeline_description, dataset.describe(), evaluator and evaluator.describe()]
+              *kernels, dataset.describe(), evaluator and evaluator.describe()]
     setup = _Setup(cfg, trainer, dataset, evaluator, pathlib.Path(cfg.run.dir), banner)
     run_dir = setup.run_dir
     lock = _hold(run_dir)  # before anything is written there

@@ -27,6 +27,7 @@ from meshtrain.fp8 import Fp8Training
 from meshtrain.loss import Objective, cross_entropy_sum, with_ahead_targets
 from meshtrain.optim import OptimizerConfig, descended_gradients, make_optimizer, sign_descent_rates
 from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_microbatches
+from meshtrain.parallel.experts import describe_exchange
 from meshtrain.parallel.offload import DEVICE, HOST, check_host_memory, with_memory_kind
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.pipeline import make_loss, make_value_and_grad
@@ -103,6 +104,18 @@ class Trainer:
             compiler_options=step_compiler_options(layout))
         self.eval_step = jax.jit(self.evaluate, in_shardings=(self.param_shardings, self.batch_sharding),
                                  out_shardings=replicated)
+
+    def describe_kernels(self, packed: bool) -> list[str]:
+        """The start-up lines saying what runs on this mesh: the FP8 recipe, the attention kernel for
+        rows packed from documents (``packed``) or not, each split experts' exchange, the pipeline
+        (the lines that apply). ``ConfigError`` on ``model.attention`` for a kernel that cannot run here."""
+        model, precision = self.layout.model, self.layout.train.precision
+        lines = [self.fp8 and self.fp8.describe(),
+                 activation_sharding(self.rules, self.mesh).describe_attention(model.attention_spec, packed,
+                                                                               precision.compute_dtype),
+                 *[describe_exchange(self.rules, self.mesh, axis) for axis in self.layout.expert_axes],
+                 self.pipeline_description]
+        return [line for line in lines if line]
 
     @property
     def pipeline_description(self) -> str:

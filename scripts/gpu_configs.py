@@ -37,7 +37,8 @@ def row(config: pathlib.Path, layout: list[str], report: dict | str) -> str:
         return f"| {name} | `{' '.join(layout)}` | - | - | - | - | - | {report} |"
     gib = lambda n: f"{n / 2 ** 30:.2f}"
     mesh = ",".join(str(report["mesh"][axis]) for axis in ("data", "fsdp", "tensor", "stage"))
-    kernels = report["kernels"][0].removeprefix("attention: ").split(",")[0]
+    attention = next(line for line in report["kernels"] if line.startswith("attention: "))
+    kernels = attention.removeprefix("attention: ").split(",")[0]
     f8 = f", FP8 GEMMs {report['fp8_gemms']}" if report["fp8_gemms"] else ""
     exchange = ", ragged all-to-all" if report["collectives"].get("ragged-all-to-all") else ""
     return (f"| {name} | `{' '.join(layout)}` | {report['devices']} ({mesh}) | {gib(report['argument_bytes'])} | "
