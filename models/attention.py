@@ -161,9 +161,10 @@ SoftmaxState = tuple[jax.Array, jax.Array, jax.Array]
 Gradients = tuple[jax.Array, jax.Array, jax.Array]
 
 
-def varying_axes(value: jax.Array) -> set[str]:
-    """The manual mesh axes ``value`` varies over (inside a ``shard_map``; empty outside)."""
-    aval = jax.typeof(value)
+def varying_axes(value: jax.Array | jax.core.ShapedArray) -> set[str]:
+    """The manual mesh axes ``value`` (or a traced value's type) varies over (inside a ``shard_map``;
+    empty outside)."""
+    aval = value if isinstance(value, jax.core.ShapedArray) else jax.typeof(value)
     manual = getattr(aval, "manual_axis_type", None)
     return set(manual.varying) if manual is not None else set(getattr(aval, "vma", ()))
 

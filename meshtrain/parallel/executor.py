@@ -45,6 +45,7 @@ from meshtrain.parallel.schedules import (BackwardTasks, Buffers, Columns, Forwa
                                           ScheduleTable, WeightGradTasks, Work)
 from meshtrain.precision import cast_floating
 from models.api import MTP_LOSS, RESIDUAL_AXES, Documents, LayerAux, PredictsAhead
+from models.common import varying_axes
 
 
 STAGE = "stage"
@@ -152,13 +153,17 @@ class _ChunkProgram:
     """One chunk's forward with its ``jax.vjp`` residuals and its backward, each traced once into a
     jaxpr that every task evaluates, so the residuals have one structure. Residuals that are the
     parameters themselves (forwarded inputs of the forward) are taken from the parameters again;
+    residuals the same on every stage (computed from constants only, e.g. an unpacked batch's
+    rotary table: every input of the trace is stage-varying) are computed once, here, and keep
+    that type (a remat'd backward marks them varying again, which jax refuses of a varying value);
     only the others are stashed."""
 
     forward: Any  # ClosedJaxpr: (layers, rest, x, documents) -> ((y, aux loss), aux, residuals)
-    backward: Any  # ClosedJaxpr: (stash, layers, rest, cotangent) -> (d layers, d x)
+    backward: Any  # ClosedJaxpr: (stash, constants, layers, rest, cotangent) -> (d layers, d x)
     out_tree: Any
     stash_positions: tuple[int, ...]  # which residual outputs are stashed
     stash_shapes: tuple[jax.ShapeDtypeStruct, ...]
+    constants: tuple[jax.Array, ...]  # the stage-invariant residuals
 
     @classmethod
     def trace(cls, stage_forward: Callable, layers: Any, rest: nnx.State, x: jax.Array, documents: Any,
@@ -185,19 +190,27 @@ class _ChunkProgram:
         param_vars = {var: i for i, var in enumerate(forward_jaxpr.jaxpr.invars[:n_params])}
         residual_vars = forward_jaxpr.jaxpr.outvars[len(jax.tree.leaves((outputs, aux))):]
         sources = [param_vars.get(var) for var in residual_vars]
-        stash_positions = tuple(i for i, source in enumerate(sources) if source is None)
+        residual_avals = forward_jaxpr.out_avals[len(forward_jaxpr.out_avals) - len(residual_vars):]
+        constant = [source is None and STAGE not in varying_axes(aval)
+                    for source, aval in zip(sources, residual_avals, strict=True)]
+        stash_positions = tuple(i for i, source in enumerate(sources) if source is None and not constant[i])
         stash_shapes = tuple(jax.ShapeDtypeStruct(residuals[i].shape, residuals[i].dtype) for i in stash_positions)
+        constants = ()
         backward_jaxpr = None
+        if train and any(constant):
+            flat = jax.core.eval_jaxpr(forward_jaxpr.jaxpr, forward_jaxpr.consts, *jax.tree.leaves(args))
+            constants = tuple(r for r, keep in zip(flat[len(flat) - len(residual_vars):], constant) if keep)
         if train:
-            def backward(stash, layers, rest, cotangent):
-                params, stash = jax.tree.leaves((layers, rest)), list(stash)
-                leaves = [params[source] if source is not None else stash.pop(0) for source in sources]
+            def backward(stash, constants, layers, rest, cotangent):
+                params, stash, constants = jax.tree.leaves((layers, rest)), list(stash), list(constants)
+                leaves = [params[source] if source is not None else (constants if is_constant else stash).pop(0)
+                          for source, is_constant in zip(sources, constant)]
                 return jax.tree.unflatten(closure_tree[0], leaves)(cotangent)
 
             backward_jaxpr = jax.make_jaxpr(backward)(
-                [_stage_varying(jnp.zeros(s.shape, s.dtype)) for s in stash_shapes], layers, rest,
+                [_stage_varying(jnp.zeros(s.shape, s.dtype)) for s in stash_shapes], list(constants), layers, rest,
                 jax.tree.map(lambda o: _stage_varying(jnp.zeros(o.shape, o.dtype)), outputs))
-        return cls(forward_jaxpr, backward_jaxpr, out_tree, stash_positions, stash_shapes)
+        return cls(forward_jaxpr, backward_jaxpr, out_tree, stash_positions, stash_shapes, constants)
 
     def run_forward(self, layers, rest, x, documents):
         """((y, aux loss), aux, the residuals to stash)."""
@@ -209,7 +222,7 @@ class _ChunkProgram:
     def run_backward(self, stash, layers, rest, cotangent):
         """(d layers, d x) of the stashed forward under ``cotangent`` (d y, d aux loss)."""
         flat = jax.core.eval_jaxpr(self.backward.jaxpr, self.backward.consts,
-                                   *jax.tree.leaves((list(stash), layers, rest, cotangent)))
+                                   *jax.tree.leaves((list(stash), list(self.constants), layers, rest, cotangent)))
         return jax.tree.unflatten(jax.tree.structure((layers, cotangent[0])), flat)
 
 
