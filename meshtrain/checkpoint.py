@@ -150,14 +150,20 @@ def _flat_config(config: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(old: dict, new: dict, sections: tuple[str, ...], defaults: dict | None = None) -> list[str]:
-    """``["model.embed_dim: 32 there, 40 here", ...]`` for the fields of ``sections`` that differ; a
-    field ``old`` lacks (written before it existed) whose value here is its default in ``defaults``
-    is no difference."""
+    """``["model.embed_dim: 32 there, 40 here", ...]`` for the fields under ``sections`` (sections or
+    dotted prefixes: ``"train.fp8"``) that differ; a field ``old`` lacks (written before it existed)
+    whose value here is its default in ``defaults`` is no difference."""
     old_flat, new_flat, default_flat = _flat_config(old), _flat_config(new), _flat_config(defaults or {})
+    within = lambda key: any(key == section or key.startswith(section + ".") for section in sections)
     return [f"{key}: {old_flat.get(key)!r} there, {new_flat.get(key)!r} here"
             for key in sorted(set(old_flat) | set(new_flat))
-            if key.split(".")[0] in sections and old_flat.get(key) != new_flat.get(key)
+            if within(key) and old_flat.get(key) != new_flat.get(key)
             and not (key not in old_flat and key in default_flat and new_flat.get(key) == default_flat[key])]
+
+
+# What decides the saved state's arrays (named when a checkpoint does not fit): the model, the
+# optimizer's moments, and FP8's amax histories (train.precision, train.fp8).
+SHAPING_FIELDS = ("model", "optimizer", "train.precision", "train.fp8")
 
 
 def check_compatible(saved: dict[str, tuple], wanted: dict[str, tuple], *, field: str, where: str,
@@ -324,7 +330,7 @@ class RunCheckpoints:
         meta = self.read_meta(step)
         saved = self.saved_shapes(step)
         check_compatible(saved, flat_shapes(abstract_state), field=field, where=f"checkpoint {self.path(step)}",
-                         differences=config_differences(meta.get("config", {}), config, ("model", "optimizer")))
+                         differences=config_differences(meta.get("config", {}), config, SHAPING_FIELDS))
         try:
             unsaved = _empty_fields_not_saved(abstract_state, self._manager.item_metadata(step)["state"])
             target = abstract_state if not unsaved else {f.name: getattr(abstract_state, f.name)

@@ -61,6 +61,17 @@ def run(tool: Callable[[list[str] | None], int | None], argv: list[str] | None) 
         return EXIT_USER_ERROR
 
 
+TRUST_PLUGIN_FLAG = "--trust-plugin"
+
+
+def add_trust_plugin_argument(parser: argparse.ArgumentParser) -> None:
+    """``--trust-plugin``: a tool that loads a run or an export may import the ``model.plugin`` it
+    records (running that Python code); without it, it refuses in one line."""
+    parser.add_argument(TRUST_PLUGIN_FLAG, action="store_true",
+                        help="import the model.plugin a run or export names (runs its Python code; only for "
+                             "files you trust)")
+
+
 def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
     """``--host-devices N``; ``mesh.*=`` / ``sharding.*=`` overrides may stand anywhere (see
     ``ArgumentParser.parse_args``)."""

@@ -48,6 +48,7 @@ import yaml
 from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.data import DataConfig
 from meshtrain.distributed import DistributedConfig
+from meshtrain.cli import TRUST_PLUGIN_FLAG
 from meshtrain import yamlio
 from meshtrain.errors import ConfigError, cut, shown
 from meshtrain.evaluation import EvalConfig
@@ -61,7 +62,7 @@ from meshtrain.parallel.zero import ZeroConfig
 from meshtrain.train_config import TrainConfig
 from meshtrain.trackers import Logger
 from models.api import (DEFAULT_FAMILY, UnknownFamily, families, family_named, family_of, import_plugin,
-                        is_plugin_file, plugin_of)
+                        is_plugin_file, plugin_imported, plugin_of)
 from models.common import InvalidField
 
 INT_LIMIT = 2 ** 63  # what numpy and JAX accept as a Python int (seeds, counts, sizes)
@@ -310,7 +311,7 @@ def resolve_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -
     if isinstance(run_sources, dict) and TENSORBOARD_FIELD in run_sources:  # printed as the run.loggers it sets
         origin = run_sources.pop(TENSORBOARD_FIELD)
         run_sources.setdefault("loggers", origin)
-    return config_from_dict(raw), sources
+    return config_from_dict(raw, trust_plugin=True), sources
 
 
 def _read_chain(path: pathlib.Path) -> tuple[dict, dict]:
@@ -360,6 +361,9 @@ def _read_mapping(path: pathlib.Path, label: str, field: str, where: str) -> dic
     with ``where``."""
     if path.is_dir():
         raise ConfigError(field, f"{label} is a directory; give a YAML config file{where}")
+    if path.exists() and not path.is_file():  # reading a FIFO would wait for a writer
+        raise ConfigError(field, f"{label} is not a regular file (a device, FIFO or socket); give a YAML config "
+                          f"file{where}")
     if not path.is_file():
         raise ConfigError(field, f"no such file: {label}{where}")
     try:
@@ -430,8 +434,12 @@ def _tensorboard_alias(raw: dict) -> dict:
     return {**raw, "run": rest}
 
 
-def config_from_dict(raw: dict) -> Config:
-    """Validates a raw ``{section: {field: value}}`` mapping (YAML, a checkpoint's saved config)."""
+def config_from_dict(raw: dict, *, trust_plugin: bool) -> Config:
+    """Validates a raw ``{section: {field: value}}`` mapping (YAML, a checkpoint's saved config).
+
+    ``trust_plugin``: whether a ``model.plugin`` it names may be imported (run). A config the user
+    gave is trusted; one recorded in a file they may have downloaded (a run's checkpoint, an
+    export) only with the tools' ``--trust-plugin`` (``UntrustedPlugin`` otherwise)."""
     raw = _tensorboard_alias(raw)
     for (section, field), (owner, owned) in _ALIASES.items():
         if isinstance(raw.get(section), dict) and field in raw[section]:
@@ -448,7 +456,7 @@ def config_from_dict(raw: dict) -> Config:
     model_raw = raw.get("model") or {}
     if not isinstance(model_raw, dict):
         raise ConfigError("model", f"must be a mapping of fields, got {shown(model_raw)}")
-    family = _family(model_raw)
+    family = _family(model_raw, trust_plugin)
     model_fields = {k: v for k, v in model_raw.items() if k not in (FAMILY_FIELD, PLUGIN_FIELD)}
     _check_family_fields(family, model_fields, named=FAMILY_FIELD in model_raw)
     sections = {name: _section(name, family.config_class if name == "model" else cls,
@@ -476,14 +484,27 @@ def _check_family_fields(family, fields: dict, *, named: bool) -> None:
         return  # a field no family has: the unknown-field error, with a close spelling
 
 
-def _family(model_raw: dict):
-    """The family ``model.family`` names, after importing ``model.plugin`` when given."""
+class UntrustedPlugin(ConfigError):
+    """A recorded config names a ``model.plugin`` that loading it would import (run) without
+    ``--trust-plugin``."""
+
+    def __init__(self, plugin: str):
+        super().__init__("model.plugin", f"the model names the plugin {plugin}: loading it runs that Python "
+                         f"code, so it is imported only when asked; pass {TRUST_PLUGIN_FLAG} if you trust it "
+                         "(or import the family yourself)")
+
+
+def _family(model_raw: dict, trust_plugin: bool):
+    """The family ``model.family`` names, after importing ``model.plugin`` when given (and trusted,
+    or already imported: then no code runs)."""
     try:
         plugin = model_raw.get(PLUGIN_FIELD)
         if plugin is not None:
             if not isinstance(plugin, str) or not plugin:
                 raise ConfigError("model.plugin", "must be a module name such as my_models.gpt or a .py file, "
                                   f"got {shown(plugin)}")
+            if not trust_plugin and not plugin_imported(plugin):
+                raise UntrustedPlugin(plugin)
             import_plugin(plugin)
         name = model_raw.get(FAMILY_FIELD, DEFAULT_FAMILY)
         return family_named(str(name))

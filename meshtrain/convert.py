@@ -27,7 +27,7 @@ import jax
 
 from meshtrain import hf
 from meshtrain.checkpoint import save_params
-from meshtrain.cli import ArgumentParser, add_mesh_arguments, run
+from meshtrain.cli import ArgumentParser, add_mesh_arguments, add_trust_plugin_argument, run
 from meshtrain.errors import ConfigError, writable_directory
 from meshtrain.config import model_dict
 from meshtrain.loading import SourceKind, load_model, mesh_from_args, source_kind
@@ -79,13 +79,15 @@ def parse_size(text: str, field: str = "--max-shard-size") -> int:
 
 
 def to_hf(source: str, out: str, mesh: Mesh, rules: ShardingRules, *, step: int | None = None,
-          dtype: str = "auto", max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+          dtype: str = "auto", max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES,
+          trust_plugin: bool = False) -> list[str]:
     """Writes the model at ``source`` (run, step directory, export or HF directory) as an HF
-    checkpoint at ``out``. ``dtype`` ``auto`` keeps an import's own tensor dtypes, else float32."""
+    checkpoint at ``out``. ``dtype`` ``auto`` keeps an import's own tensor dtypes, else float32.
+    A ``model.plugin`` the source records is imported only with ``trust_plugin``."""
     if dtype != "auto" and dtype not in hf.DTYPES:
         raise ConfigError("--dtype", f"{dtype!r} is not valid; use auto or one of {list(hf.DTYPES)}")
     out_dir = _new_dir(out)
-    model = load_model(source, mesh, rules, step=step, field="--from")
+    model = load_model(source, mesh, rules, step=step, field="--from", trust_plugin=trust_plugin)
     if dtype == "auto":
         recorded = model.hf_dtypes or {}
         file_dtype = lambda name: recorded.get(name, "float32")
@@ -108,6 +110,7 @@ def _parse_args(argv: list[str] | None):
     exporter.add_argument("--dtype", default="auto", help="auto (an import's own dtypes, else float32), "
                           "float32, bfloat16 or float16")
     exporter.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    add_trust_plugin_argument(exporter)
     for command in (importer, exporter):
         command.add_argument("--out", required=True, help="new directory to write")
         add_mesh_arguments(command)
@@ -123,7 +126,7 @@ def _convert(argv: list[str] | None) -> None:
                    f"(or checkpoint.init_from={hf.INIT_PREFIX}{args.hf})")
     else:
         files = to_hf(args.source, args.out, mesh, rules, step=args.step, dtype=args.dtype,
-                      max_shard_bytes=parse_size(args.max_shard_size))
+                      max_shard_bytes=parse_size(args.max_shard_size), trust_plugin=args.trust_plugin)
         message = f"wrote {args.out}: {', '.join(files)}"
     if jax.process_index() == 0:
         print(message, file=sys.stderr)

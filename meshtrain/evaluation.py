@@ -33,7 +33,7 @@ from meshtrain.data.dataset import TokenDataset
 from meshtrain.data.sources import FileDataset
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.sharding import activation_sharding, data_parallel_size
-from meshtrain.sampling import ByteTokenizer, HFTokenizer, generate_tokens
+from meshtrain.sampling import ByteTokenizer, HFTokenizer, check_cache_fits, generate_tokens
 from models.api import CachedDecoder
 
 
@@ -148,6 +148,9 @@ class Sampler:
         self.tokens, self.temperature = cfg.sample_tokens, cfg.sample_temperature
         self.graphdef, self.shard = trainer.graphdef, activation_sharding(trainer.rules, trainer.mesh)
         self.rows = data_parallel_size(trainer.rules, trainer.mesh.shape)  # the batch splits that many ways
+        longest = max(len(ids) for _, ids in self.prompts)  # at start-up, not at the first evaluation
+        check_cache_fits(self.graphdef, trainer.abstract_params, (self.rows, longest), longest + self.tokens,
+                         trainer.mesh.devices.flat[0], shard=self.shard, field="eval.sample_tokens")
 
     def run(self, params, seed: int) -> list[dict[str, str]]:
         """[{"prompt": p, "text": its continuation}] for each prompt, with the model on ``params``."""

@@ -1,4 +1,4 @@
-"""``python -m meshtrain.export --run RUN_DIR --out DIR [--step N] [--host-devices N]``
+"""``python -m meshtrain.export --run RUN_DIR --out DIR [--step N] [--host-devices N] [--trust-plugin]``
 
 Writes the parameters of a run's checkpoint (the latest complete one, or ``--step N``), without the
 optimizer state, to ``DIR/params`` (orbax, a plain nested dict of fp32 arrays) and the model config
@@ -20,10 +20,10 @@ import jax
 
 from meshtrain.checkpoint import RunCheckpoints, UnreadableCheckpoint, resolve_restore_path, save_params
 from meshtrain.data.tokenizer import TOKENIZER_FILE
-from meshtrain.cli import ArgumentParser, run, use_host_devices
-from meshtrain.config import config_from_dict, to_dict
+from meshtrain.cli import ArgumentParser, add_trust_plugin_argument, run, use_host_devices
+from meshtrain.config import to_dict
 from meshtrain.errors import ConfigError
-from meshtrain.loading import restore_run
+from meshtrain.loading import recorded_config, restore_run
 from meshtrain.mesh import make_mesh
 
 
@@ -33,13 +33,14 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument("--out", required=True, help="new directory for the parameters")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
     parser.add_argument("--host-devices", type=int, metavar="N", help="simulate N CPU devices")
+    add_trust_plugin_argument(parser)
     args = parser.parse_args(argv)
     if args.overrides:
         parser.error(f"unrecognized arguments: {' '.join(args.overrides)}")
     return args
 
 
-def _written_mesh(run: str, step: int | None):
+def _written_mesh(run: str, step: int | None, trust_plugin: bool):
     """The mesh the checkpoint was written on when this process has as many devices, else fsdp over all."""
     root, given_step = resolve_restore_path(run, field="--run")
     source = RunCheckpoints(root, read_only=True)
@@ -52,19 +53,21 @@ def _written_mesh(run: str, step: int | None):
                               f"export another of {source.steps()}") from None
     finally:
         source.close()
-    mesh_cfg = config_from_dict(meta["config"]).mesh
+    mesh_cfg = recorded_config(meta["config"], source.path(step), "--run", trust_plugin).mesh
     if int(meta.get("devices", 0)) != len(jax.devices()):
         mesh_cfg = dataclasses.replace(mesh_cfg, data=1, fsdp=-1, tensor=1, stage=1)
     return make_mesh(mesh_cfg)
 
 
-def export(run: str, out: str, step: int | None = None) -> pathlib.Path:
+def export(run: str, out: str, step: int | None = None, *, trust_plugin: bool = False) -> pathlib.Path:
     """Exports the parameters of checkpoint ``step`` (default latest) of ``run`` to ``out``, in model
-    layer order (whatever pipeline layout wrote the checkpoint)."""
+    layer order (whatever pipeline layout wrote the checkpoint). The run's ``model.plugin`` is
+    imported only with ``trust_plugin``."""
     out_dir = pathlib.Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError("--out", f"{out} exists and is not empty; choose a new directory")
-    cfg, _, restored = restore_run(run, _written_mesh(run, step), step=step, field="--run")
+    cfg, _, restored = restore_run(run, _written_mesh(run, step, trust_plugin), step=step, field="--run",
+                                   trust_plugin=trust_plugin)
     config = to_dict(cfg)
     written = save_params(out_dir, restored.state.params, {"step": restored.step, "source": str(restored.path),
                                                            "model": config["model"], "config": config})
@@ -81,7 +84,7 @@ def _export(argv: list[str] | None) -> None:
     args = _parse_args(argv)
     if args.host_devices is not None:
         use_host_devices(args.host_devices)
-    export(args.run, args.out, args.step)
+    export(args.run, args.out, args.step, trust_plugin=args.trust_plugin)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,12 +43,17 @@ class Scaling(str, enum.Enum):
     DELAYED = "delayed"  # from the largest amax of the last train.fp8.history steps (in the train state)
 
 
+# Delayed scaling's longest amax history: each step shifts every history (fp32 [..., 3, steps] per
+# tagged weight), so a history of 10^8 steps would allocate tens of GB at start-up.
+MAX_HISTORY = 4096
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
     """``train.fp8``: the recipe of ``train.precision: fp8``."""
 
     scaling: Scaling = Scaling.CURRENT
-    history: int = 16  # delayed scaling: steps of amax kept per operand
+    history: int = 16  # delayed scaling: steps of amax kept per operand (at most MAX_HISTORY)
     margin: int = 0  # scales leave 2**margin of headroom below the format's largest value
     # The groups of layer matmuls in FP8; None: every group the model tags.
     matmuls: tuple[MatmulGroup, ...] | None = None
@@ -70,8 +75,9 @@ class Fp8Recipe:
         object.__setattr__(self, "matmuls", None if self.matmuls is None else tuple(groups))
         if self.wide not in (Precision.BF16, Precision.FP32):
             raise ConfigError("fp8.wide", f"must be bf16 or fp32, got {self.wide.value}")
-        if self.history < 1:
-            raise ConfigError("fp8.history", f"must be >= 1 step, got {self.history}")
+        if not 1 <= self.history <= MAX_HISTORY:
+            raise ConfigError("fp8.history", f"must be between 1 and {MAX_HISTORY} steps (Transformer Engine's "
+                              f"default is 1024), got {self.history}")
         if not 0 <= self.margin <= 8:
             raise ConfigError("fp8.margin", f"must be between 0 and 8 (powers of two of headroom), got {self.margin}")
 

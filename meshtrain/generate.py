@@ -26,7 +26,7 @@ from meshtrain.loading import LoadedModel, load_model, mesh_from_args
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.sharding import data_parallel_size
 from meshtrain.sampling import ByteTokenizer, HFTokenizer, Tokenizer, generate_tokens
-from meshtrain.cli import ArgumentParser, add_mesh_arguments, run
+from meshtrain.cli import ArgumentParser, add_mesh_arguments, add_trust_plugin_argument, run
 from models.api import CachedDecoder, family_of
 
 
@@ -105,6 +105,7 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument("--tokenizer", default="auto", help="auto, bytes or a tokenizer.json path")
     parser.add_argument("--step", type=int, help="checkpoint step of a run (default: the latest)")
     add_mesh_arguments(parser)
+    add_trust_plugin_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None, print_fn: Callable[[str], None] = print)
             raise ConfigError("--temperature", f"must be a finite number >= 0 (0 = greedy), got {args.temperature}")
         mesh, rules = mesh_from_args(args)
         model = load_model(args.run or args.hf, mesh, rules, step=args.step,
-                           field="--run" if args.run else "--hf")
+                           field="--run" if args.run else "--hf", trust_plugin=args.trust_plugin)
         tokenizer = make_tokenizer(args.tokenizer, model)
         text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens,
                              temperature=args.temperature, seed=args.seed)

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from meshtrain import jsonio
+from meshtrain.checkpoint import warn
 from meshtrain.errors import ConfigError
 from models.api import LAYERS_KEY, AxisRole, HFAdapter, ModelFamily, families, family_named, family_of
 from models.common import InvalidField, logical_axes_of
@@ -52,7 +53,8 @@ def _field(key: str) -> str:
 
 
 def read_config(hf_dir: str | pathlib.Path, *, field: str = "--hf") -> dict:
-    """The parsed ``config.json`` of ``hf_dir`` (ConfigError on ``field`` when missing or invalid)."""
+    """The parsed ``config.json`` of ``hf_dir`` (ConfigError on ``field`` when missing or invalid), as
+    its weights are (``_fit_to_weights``)."""
     path = pathlib.Path(hf_dir) / CONFIG_FILE
     if not path.is_file():
         raise ConfigError(field, f"{hf_dir} has no {CONFIG_FILE}; give a Hugging Face model directory")
@@ -62,6 +64,25 @@ def read_config(hf_dir: str | pathlib.Path, *, field: str = "--hf") -> dict:
         raise ConfigError(field, f"{path} is not valid JSON: {err}") from None
     if not isinstance(config, dict):
         raise ConfigError(field, f"{path} must hold a JSON object")
+    return _fit_to_weights(config, path.parent)
+
+
+def _fit_to_weights(config: dict, hf_dir: pathlib.Path) -> dict:
+    """``config`` as the adapter of its ``model_type`` reads it against the tensors in ``hf_dir``
+    (``HFAdapter.config_for_weights``: a DeepSeek-V3 ``config.json`` asking for prediction modules the
+    weights lack); its note goes to stderr. Unchanged for a type no family reads or without readable
+    weights (the import reports both)."""
+    model_type = config.get("model_type")
+    family = _supported_types().get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        return config
+    try:
+        tensor_names = SafetensorsFiles(hf_dir).file_of
+    except ConfigError:
+        return config
+    config, note = family_named(family).hf.config_for_weights(config, tensor_names)
+    if note:
+        warn(f"{hf_dir}: {note}")
     return config
 
 
@@ -70,6 +91,12 @@ def adapter_of(family: ModelFamily, *, field: str) -> HFAdapter:
     if family.hf is None:
         raise ConfigError(field, f"model family {family.name!r} has no Hugging Face adapter")
     return family.hf
+
+
+def _supported_types() -> dict[str, str]:
+    """``config.json`` model_type -> the name of the family whose HF adapter reads it."""
+    return {model_type: name for name in families() if family_named(name).hf is not None
+            for model_type in family_named(name).hf.model_types}
 
 
 def model_config(config: dict, *, seq_len: int | None = None) -> Any:
@@ -82,8 +109,7 @@ def model_config(config: dict, *, seq_len: int | None = None) -> Any:
     found = jsonio.non_finite(config)
     if found is not None:  # Python's json reads NaN, Infinity and 1e999; no HF config holds one
         raise ConfigError(_field(found[0]), f"must be a finite number, got {found[1]}")
-    supported = {model_type: name for name in families() if family_named(name).hf is not None
-                 for model_type in family_named(name).hf.model_types}
+    supported = _supported_types()
     model_type = config.get("model_type")
     if model_type not in supported:
         raise ConfigError(_field("model_type"), f"{model_type!r} is not supported; supported: "

@@ -21,7 +21,7 @@ from meshtrain import hf, jsonio
 from meshtrain.checkpoint import (CHECKPOINT_DIR, EXPORT_META, PARAMS_DIR, Restored, RunCheckpoints,
                                   UnreadableCheckpoint, check_params, load_params, resolve_restore_path, warn)
 from meshtrain.cli import use_host_devices
-from meshtrain.config import Config, config_from_dict, load_config, model_dict, to_dict
+from meshtrain.config import Config, UntrustedPlugin, config_from_dict, load_config, model_dict, to_dict
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh
 from meshtrain.parallel.layout import Layout, abstract_model
@@ -97,17 +97,18 @@ def inference_layout(model_cfg: Any, mesh: Mesh, rules: ShardingRules,
 
 
 def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, step: int | None = None,
-               field: str = "--model") -> LoadedModel:
+               field: str = "--model", trust_plugin: bool = False) -> LoadedModel:
     """The model at ``path`` (an HF directory, a meshtrain export or a run) on ``mesh``.
 
     Each device reads only its own shards. A run's checkpoint (the latest, or ``step``) is restored
-    in full (parameters and optimizer moments) with its layers in model order.
+    in full (parameters and optimizer moments) with its layers in model order. A ``model.plugin``
+    that the run or export records is imported only with ``trust_plugin`` (``--trust-plugin``).
     """
     root = pathlib.Path(path)
     kind = source_kind(root, field=field)
     if kind is SourceKind.RUN:
         _check_no_stages(mesh)
-        cfg, trainer, restored = restore_run(root, mesh, rules, step=step, field=field)
+        cfg, trainer, restored = restore_run(root, mesh, rules, step=step, field=field, trust_plugin=trust_plugin)
         return LoadedModel(cfg.model, trainer.graphdef, restored.state.params, mesh, trainer.rules,
                            SourceKind.RUN, restored.path, hf_config=_hf_source_config(cfg),
                            home=restored.path.parent.parent, trained_on_bytes=_trained_on_bytes(to_dict(cfg)))
@@ -119,7 +120,7 @@ def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, st
             meta = jsonio.loads((root / EXPORT_META).read_text())
         except (OSError, ValueError) as err:
             raise ConfigError(field, f"cannot read {root / EXPORT_META}: {err}") from None
-        cfg = config_from_dict({"model": meta.get("model", {})}).model
+        cfg = recorded_config({"model": meta.get("model", {})}, root / EXPORT_META, field, trust_plugin).model
     graphdef, abstract = abstract_model(cfg)
     plan = inference_layout(cfg, mesh, rules, abstract)
     shardings = named_shardings(plan.param_specs(), mesh)
@@ -157,11 +158,21 @@ def _hf_source_config(cfg: Config) -> dict | None:
         return None
 
 
+def recorded_config(raw: dict, source: pathlib.Path, field: str, trust_plugin: bool) -> Config:
+    """The config recorded in file ``source`` (a checkpoint's or an export's metadata: data a user
+    may have downloaded), its ``model.plugin`` imported only with ``trust_plugin``."""
+    try:
+        return config_from_dict(raw, trust_plugin=trust_plugin)
+    except UntrustedPlugin as err:
+        raise ConfigError(field, f"{source}: {err.message}") from None
+
+
 def restore_run(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules | None = None, *,
-                step: int | None = None, field: str = "--run") -> tuple[Config, Any, Restored]:
+                step: int | None = None, field: str = "--run",
+                trust_plugin: bool = False) -> tuple[Config, Any, Restored]:
     """(the run's config, the trainer laying it out on ``mesh`` under ``rules`` (default: the run's
     own), its checkpoint ``step`` (default: the latest complete one) restored with the layers in model
-    order)."""
+    order). A ``model.plugin`` the run records is imported only with ``trust_plugin``."""
     from meshtrain.trainer import Trainer
 
     checkpoints, given_step = resolve_restore_path(str(path), field=field)
@@ -169,7 +180,7 @@ def restore_run(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules | Non
     try:
         step = source.pick_step(step, given_step)
         try:
-            cfg = config_from_dict(source.read_meta(step)["config"])
+            cfg = recorded_config(source.read_meta(step)["config"], source.path(step), field, trust_plugin)
         except UnreadableCheckpoint as err:
             raise ConfigError(field, f"checkpoint {source.path(step)} is unreadable ({err}); pass --step to "
                               f"load another of {source.steps()}") from None

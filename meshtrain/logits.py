@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from meshtrain.loading import LoadedModel, load_model, mesh_from_args
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.sharding import BATCH_AXES, data_parallel_size
-from meshtrain.cli import ArgumentParser, add_mesh_arguments, run
+from meshtrain.cli import ArgumentParser, add_mesh_arguments, add_trust_plugin_argument, run
 from models.api import forward
 
 
@@ -71,6 +71,7 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument("--out", required=True, help=".npy file to write the fp32 logits to")
     parser.add_argument("--step", type=int, help="checkpoint step of a run (default: the latest)")
     add_mesh_arguments(parser)
+    add_trust_plugin_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -83,7 +84,7 @@ def _write_logits(argv: list[str] | None) -> None:
                           ".npy file to write (numpy would otherwise write to another name)")
     if not out.parent.is_dir():
         raise ConfigError("--out", f"directory {out.parent} does not exist")
-    model = load_model(args.model, mesh, rules, step=args.step)
+    model = load_model(args.model, mesh, rules, step=args.step, trust_plugin=args.trust_plugin)
     tokens = read_tokens(args.tokens, model.cfg.vocab_size)
     logits = compute_logits(model, tokens)
     if jax.process_index() == 0:

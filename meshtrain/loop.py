@@ -30,7 +30,7 @@ from meshtrain.data import Packing, global_batch, make_dataset
 from meshtrain.data.sources import DataChanged
 from meshtrain.data.dataset import TokenDataset
 from meshtrain.data.tokenizer import TOKENIZER_FILE
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, writable_directory
 from meshtrain.evaluation import Evaluator
 from meshtrain.memory_model import layout_estimate
 from meshtrain.mesh import device_memory_bytes, make_mesh, mesh_shape
@@ -139,6 +139,8 @@ def train(cfg: Config, *, print_sharding: bool = False, fresh: bool = False,
     checkpoints = None
     try:
         if cfg.checkpoint.enabled:
+            # A file where the checkpoints go: one line now, not at the first save after training steps.
+            writable_directory(run_dir / CHECKPOINT_DIR, "run.dir", create=False)
             checkpoints = RunCheckpoints(run_dir / CHECKPOINT_DIR, keep=cfg.checkpoint.keep,
                                          async_save=cfg.checkpoint.async_save)
         with Preemption() as preemption:
@@ -158,11 +160,24 @@ def _hold(run_dir: pathlib.Path) -> RunLock:
     if jax.process_index() == 0:
         try:
             lock.acquire()
+            _refuse_linked_files(run_dir)
         except ConfigError as err:
+            lock.release()
             error = err
     if any_process(error is not None):
         raise error or ConfigError("run.dir", f"{run_dir} is in use by another run (see process 0)")
     return lock
+
+
+def _refuse_linked_files(run_dir: pathlib.Path) -> None:
+    """``ConfigError("run.dir")`` if a symbolic link stands in ``run_dir`` where the run writes a file
+    (``metrics.jsonl``, ``config.yaml``, ``summary.json``, a plot, a partial file, ...): the run would
+    write through it, outside ``run_dir`` (a shared directory, an unpacked archive). A link to a
+    directory (``checkpoints`` on another disk) is left alone."""
+    for entry in sorted(run_dir.iterdir()):
+        if entry.is_symlink() and not entry.is_dir():
+            raise ConfigError("run.dir", f"{entry} is a symbolic link (to {os.readlink(entry)}); the run writes "
+                              "its files only inside run.dir: remove the link or choose another run.dir")
 
 
 def _record_tokenizer(dataset: TokenDataset, run_dir: pathlib.Path) -> None:

@@ -41,7 +41,8 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from meshtrain.trackers import Status, TensorBoardTracker, Tracker, close_trackers, scalars
+from meshtrain.trackers import TENSORBOARD_DIR, Status, TensorBoardTracker, Tracker, close_trackers, scalars
+from meshtrain.errors import cut
 
 # Dense (non-sparse) bf16 peak TFLOP/s per device, most specific pattern first.
 # Patterns are matched case-insensitively against JAX's ``device.device_kind``.
@@ -236,7 +237,7 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        self._trackers = [*([TensorBoardTracker(self.run_dir / "tensorboard")] if tensorboard else []), *trackers]
+        self._trackers = [*([TensorBoardTracker(self.run_dir / TENSORBOARD_DIR)] if tensorboard else []), *trackers]
         self._progress: Progress | None = None
         if live if live is not None else sys.stderr.isatty():
             self._progress = Progress(
@@ -270,8 +271,7 @@ class MetricsLogger:
                 values.append([float(v) for v in value])
         if self._trackers:
             numbers = scalars(metrics)
-            for tracker in self._trackers:
-                tracker.log(step, numbers)
+            self._to_trackers(step, lambda tracker: tracker.log(step, numbers))
 
         if metrics.get("loss") is not None:
             self._steps.append(step)
@@ -314,6 +314,19 @@ class MetricsLogger:
                 fields.append(f"eta {eta}")
             print("  ".join(fields), file=sys.stderr, flush=True)
 
+    def _to_trackers(self, step: int, record: Callable[[Tracker], None]) -> None:
+        """``record(tracker)`` for each tracker; one that fails (its store gone, a server out of
+        reach) is dropped with one warning line: the run goes on, and metrics.jsonl keeps every step."""
+        for tracker in list(self._trackers):
+            try:
+                record(tracker)
+            except Exception as err:  # noqa: BLE001 - the libraries' own errors (OSError, MlflowException, ...)
+                self._trackers.remove(tracker)
+                first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+                print(f"warning: run.loggers: {tracker.name} failed at step {step} ({cut(first)}) and logs "
+                      f"nothing more in this run; {self.run_dir / 'metrics.jsonl'} keeps every step",
+                      file=sys.stderr, flush=True)
+
     def log_samples(self, step: int, samples: list[dict[str, str]]) -> None:
         """Record text samples (``{"prompt", "text"}`` each) for ``step``: one JSONL line
         ``{"step", "samples"}``, the trackers' text, and each sample on the console (cut to 200
@@ -322,8 +335,7 @@ class MetricsLogger:
             return
         self._jsonl.write(json.dumps({"step": step, "samples": samples}) + "\n")
         self._jsonl.flush()
-        for tracker in self._trackers:
-            tracker.log_samples(step, samples)
+        self._to_trackers(step, lambda tracker: tracker.log_samples(step, samples))
         for sample in samples:
             line = f"step {step} sample: {sample['prompt']!r} -> {sample['text']!r}"
             line = line if len(line) <= 200 else line[:197] + "..."
@@ -365,6 +377,10 @@ class MetricsLogger:
                   else Status.FINISHED)
         try:
             close_trackers(self._trackers, status)  # before the summary, which W&B's closing lines would follow
+        except Exception as err:  # noqa: BLE001 - a tracker's store gone at the end: the run's own files stand
+            first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+            print(f"warning: run.loggers: a tracker failed to close its run ({cut(first)}); "
+                  f"{self.run_dir / 'metrics.jsonl'} keeps every step", file=sys.stderr, flush=True)
         finally:
             self._write_summary(extra, print_summary)
 

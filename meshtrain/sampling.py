@@ -78,7 +78,9 @@ def generate_tokens(graphdef: nnx.GraphDef, params: nnx.State, prompt: np.ndarra
     """
     length = prompt.shape[1]
     static = {"graphdef": graphdef, "shard": shard}
-    _check_cache_memory(params, prompt, length + max_new_tokens, static)
+    device = next((next(iter(leaf.sharding.device_set)) for leaf in jax.tree.leaves(params)
+                   if isinstance(leaf, jax.Array)), None)
+    check_cache_fits(graphdef, params, prompt.shape, length + max_new_tokens, device, shard=shard)
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     temperature = jnp.float32(temperature)
     token, cache = _prefill(params, jnp.asarray(prompt, jnp.int32), keys[0], temperature,
@@ -92,20 +94,21 @@ def generate_tokens(graphdef: nnx.GraphDef, params: nnx.State, prompt: np.ndarra
     return np.asarray(jax.device_get(jnp.stack(tokens, axis=1)))
 
 
-def _check_cache_memory(params: nnx.State, prompt: np.ndarray, max_len: int, static: dict) -> None:
-    """``ConfigError("--max-new-tokens")`` before anything is allocated when the KV cache of
-    ``max_len`` positions (its shapes from the prefill, traced abstractly) would not fit a device's
-    memory: the cache lives whole on every device holding a row of the prompt."""
-    device = next((next(iter(leaf.sharding.device_set)) for leaf in jax.tree.leaves(params)
-                   if isinstance(leaf, jax.Array)), None)
+def check_cache_fits(graphdef: nnx.GraphDef, params: nnx.State, prompt_shape: tuple[int, int], max_len: int,
+                     device: jax.Device | None, *, shard: ActivationSharding = unconstrained,
+                     field: str = "--max-new-tokens") -> None:
+    """``ConfigError(field)`` before anything is allocated when the KV cache of ``max_len``
+    positions for a prompt [batch, length] (its shapes from the prefill, traced abstractly on
+    ``params``, arrays or their shapes) would not fit ``device``'s memory: the cache lives whole on
+    every device holding a row of the prompt."""
     available = device_memory_bytes(device) if device is not None else None
     if available is None:
         return
-    abstract = jax.eval_shape(functools.partial(_prefill, max_len=max_len, **static), params,
-                              jax.ShapeDtypeStruct(prompt.shape, jnp.int32), jax.random.key(0), jnp.float32(0))
+    abstract = jax.eval_shape(functools.partial(_prefill, max_len=max_len, graphdef=graphdef, shard=shard), params,
+                              jax.ShapeDtypeStruct(prompt_shape, jnp.int32), jax.random.key(0), jnp.float32(0))
     cache = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract[1]))
     if cache > available:
-        raise ConfigError("--max-new-tokens", f"a KV cache of {max_len:,} positions needs {format_bytes(cache)} and a "
+        raise ConfigError(field, f"a KV cache of {max_len:,} positions needs {format_bytes(cache)} and a "
                           f"device has {format_bytes(available)}; ask for fewer new tokens")
 
 

@@ -41,9 +41,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, writable_directory
 
 TRACKERS_FILE = "trackers.json"  # under run.dir: the tracked runs' ids, reused on resume
+TENSORBOARD_DIR = "tensorboard"  # under run.dir: TensorBoard's event files
 DEFAULT_PROJECT = "meshtrain"
 # MLflow's limits: params per log_batch request, metrics per request, characters in a param's value.
 _MLFLOW_PARAMS_PER_BATCH, _MLFLOW_METRICS_PER_BATCH, _MLFLOW_PARAM_VALUE_LENGTH = 100, 1000, 6000
@@ -72,6 +73,8 @@ class Status(str, enum.Enum):
 
 class Tracker(Protocol):
     """Where a run's scalars go besides ``metrics.jsonl``."""
+
+    name: str  # the run.loggers entry that opens it
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         """Record ``scalars`` at ``step``."""
@@ -112,6 +115,8 @@ def _is_number(value: object) -> bool:
 class TensorBoardTracker:
     """Scalars as TensorBoard event files under ``logdir`` (tensorboardX)."""
 
+    name = Logger.TENSORBOARD.value
+
     def __init__(self, logdir: pathlib.Path):
         # Imported here: tensorboardX imports torch when it is installed (seconds at every start-up
         # of a run that does not want TensorBoard).
@@ -134,6 +139,8 @@ class TensorBoardTracker:
 
 class WandbTracker:
     """A Weights & Biases run (``wandb.init``); ``run_id`` reopens an earlier one."""
+
+    name = Logger.WANDB.value
 
     def __init__(self, *, directory: pathlib.Path, project: str, name: str, config: dict, run_id: str | None):
         import wandb
@@ -162,6 +169,8 @@ class WandbTracker:
 class MlflowTracker:
     """An MLflow run in experiment ``experiment`` of the tracking server MLflow is configured with
     (``MLFLOW_TRACKING_URI``); ``run_id`` reopens an earlier one. ``params``: the flat config."""
+
+    name = Logger.MLFLOW.value
 
     def __init__(self, *, experiment: str, name: str, params: dict[str, str], run_id: str | None):
         from mlflow import MlflowClient
@@ -280,7 +289,7 @@ def open_trackers(loggers: Sequence[Logger], run_dir: pathlib.Path, config: dict
 def _open(logger: Logger, run_dir: pathlib.Path, config: dict, project: str | None, name: str,
           ids: dict) -> Tracker:
     if logger is Logger.TENSORBOARD:
-        return TensorBoardTracker(run_dir / "tensorboard")
+        return TensorBoardTracker(writable_directory(run_dir / TENSORBOARD_DIR, "run.loggers"))
     try:
         if logger is Logger.WANDB:
             directory = pathlib.Path(os.environ.get("WANDB_DIR") or run_dir)

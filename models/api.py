@@ -22,7 +22,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -258,6 +258,10 @@ class HFAdapter(Protocol):
         """Whether HF tensor ``name`` may be in a checkpoint without a parameter taking it (buffers,
         a duplicate of a tied embedding); any other unmapped tensor makes the import an error."""
 
+    def config_for_weights(self, config: dict, tensor_names: Collection[str]) -> tuple[dict, str | None]:
+        """``config.json`` as the checkpoint's weights (``tensor_names``) are, and a one-line note when
+        that differs from what it says (e.g. modules it asks for that no tensor holds), else None."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelFamily:
@@ -357,8 +361,17 @@ def import_plugin(module: str) -> None:
         return
     try:
         importlib.import_module(module)
-    except ImportError as err:
-        raise UnknownFamily("plugin", f"cannot import {module!r}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - whatever the plugin's own code raises, named in one line
+        raise UnknownFamily("plugin", f"cannot import {module!r}: {_failure(err)}") from None
+
+
+def plugin_imported(module: str) -> bool:
+    """Whether ``import_plugin(module)`` would run no code: the module (or the ``.py`` file, by
+    path) is imported already."""
+    if not is_plugin_file(module):
+        return module in sys.modules
+    file = os.path.abspath(module)
+    return any(_same_file(getattr(loaded, "__file__", None), file) for loaded in list(sys.modules.values()))
 
 
 def _same_file(a: str | None, b: str) -> bool:
@@ -399,13 +412,20 @@ def _import_file(path: str) -> None:
     sys.modules[name] = loaded  # before running it: its dataclasses' type hints are resolved there
     try:
         spec.loader.exec_module(loaded)
-    except ImportError as err:
+    except Exception as err:  # noqa: BLE001 - whatever the plugin's own code raises, named in one line
         del sys.modules[name]
-        raise UnknownFamily("plugin", f"cannot import {file}: {err}") from None
+        raise UnknownFamily("plugin", f"cannot import {file}: {_failure(err)}") from None
     except BaseException:
         del sys.modules[name]
         raise
     _PLUGIN_FILES[name] = file
+
+
+def _failure(err: Exception) -> str:
+    """A plugin's import failure on one line: its type and message, and where a syntax error is."""
+    if isinstance(err, SyntaxError):
+        return f"SyntaxError at line {err.lineno}: {err.msg}"
+    return f"{type(err).__name__}: {err}"
 
 
 def family_named(name: str) -> ModelFamily:

@@ -259,3 +259,19 @@ def test_an_alias_is_attributed_where_it_is_stored(tmp_path):
     assert cfg.checkpoint.init_from == "hf:/x"
     assert sources["checkpoint"]["init_from"] == f"from {tmp_path / 'child.yaml'}"
     assert "init_from" not in sources["model"]
+
+
+@pytest.mark.parametrize("special", ["fifo", "device"])
+def test_a_base_that_is_a_fifo_or_a_device_is_named_as_such(tmp_path, monkeypatch, capsys, special):
+    """Issue 53, item 10: not "no such file", and a FIFO is not read (which would wait for a writer)."""
+    import os
+
+    target = "/dev/null"
+    if special == "fifo":
+        target = str(tmp_path / "pipe")
+        os.mkfifo(target)
+    _write(tmp_path, {"child.yaml": f"base: {target}\n"})
+    monkeypatch.chdir(tmp_path)
+    assert _error(["--config", "child.yaml"], capsys) == (
+        f"error: base: {target} is not a regular file (a device, FIFO or socket); give a YAML config file (the "
+        "base named in child.yaml)")

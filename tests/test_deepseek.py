@@ -28,7 +28,7 @@ from models.common import InvalidField, unconstrained
 from models.deepseek import DeepSeek, DeepSeekConfig
 from models.moe.model import route, RouterScore
 from test_packing import _alone, _packed_dataset
-from utils import loss_grads_and_statistics, make_trainer, relative_l2
+from utils import loss_grads_and_statistics, make_trainer, one_line_error, relative_l2
 
 # Distinct sizes: embed 40, q latent 24, kv latent 16, nope 8 + rope 4 = qk 12 != v 6, 8 experts of
 # 16 hidden units in 4 groups, dense hidden 56. One dense layer, then two MoE layers; YaRN rotary.
@@ -245,9 +245,9 @@ VARIANTS = {
 }
 
 
-def _hf_deepseek(variant: str, seed: int = 0):
+def _hf_deepseek(variant: str, seed: int = 0, shape: dict = HF_SHAPE):
     torch.manual_seed(seed)
-    config = transformers.DeepseekV3Config(**HF_SHAPE, **VARIANTS[variant], attn_implementation="eager")
+    config = transformers.DeepseekV3Config(**shape, **VARIANTS[variant], attn_implementation="eager")
     model = _random_norms(transformers.DeepseekV3ForCausalLM(config).eval())
     with torch.no_grad():  # a non-zero correction bias, so that choice and weights really differ
         for name, buffer in model.named_buffers():
@@ -390,3 +390,79 @@ def test_the_traced_step_counts_the_analytic_flops_plus_the_value_padding():
         count = count_flops(trainer.step, trainer.abstract_state(), trainer.abstract_batch())
         padding = 6 * cfg.seq_len * cfg.num_heads * (cfg.qk_head_dim - cfg.v_head_dim) * cfg.all_layers
         assert count.flops == (FAMILY.flops_per_token(cfg) + padding) * cfg.seq_len
+
+
+# --- config.json as transformers writes it -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved_by_transformers(tmp_path_factory):
+    """(directory, logits) of a plain-query model saved by transformers with its config's default of
+    one multi-token prediction module, which ``save_pretrained`` does not write."""
+    path = tmp_path_factory.mktemp("deepseek_saved") / "hf"
+    model = _hf_deepseek("plain_query", shape={k: v for k, v in HF_SHAPE.items() if k != "num_mtp_layers"})
+    model.save_pretrained(path)
+    return path, _hf_logits(model, TOKENS)
+
+
+def test_a_checkpoint_saved_by_transformers_imports_without_its_unwritten_prediction_module(
+        saved_by_transformers, tmp_path, capsys):
+    """convert from-hf (and checkpoint.init_from=hf:DIR's config) read it without prediction
+    depths, say so in one stderr line, and give transformers' logits."""
+    path, reference = saved_by_transformers
+    assert json.loads((path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert not any(name.startswith("model.layers.3.") for name in hf.SafetensorsFiles(path).file_of)
+    assert convert.main(["from-hf", "--hf", str(path), "--out", str(tmp_path / "mt")]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "num_nextn_predict_layers" in line]
+    assert len(notes) == 1 and notes[0].startswith(f"warning: {path}: ") and "model.mtp_layers: 0" in notes[0]
+    model = loading.load_model(tmp_path / "mt", _mesh((1, 1, 1, 1)), RULES)
+    assert model.cfg.mtp_layers == 0
+    np.testing.assert_allclose(compute_logits(model, TOKENS), reference, atol=1e-4, rtol=0)
+    assert hf.model_config(hf.read_config(path)).mtp_layers == 0
+
+
+def test_a_partial_prediction_module_is_refused_naming_a_missing_tensor(saved_by_transformers, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = saved_by_transformers
+    tensors = load_file(path / hf.SINGLE_FILE)
+    tensors["model.layers.3.enorm.weight"] = np.ones(40, np.float32)
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, str(tmp_path / "hf" / hf.SINGLE_FILE), metadata={"format": "pt"})
+    (tmp_path / "hf" / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(ConfigError, match=r"tensor model\.layers\.3\.\S+ is missing") as err:
+        loading.load_model(tmp_path / "hf", _mesh((1, 1, 1, 1)), RULES)
+    assert "enorm" not in err.value.message
+
+
+def _config_json(**changes) -> dict:
+    """A plain-query ``deepseek_v3`` config.json (every routing key written) with ``changes``."""
+    return {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], **HF_SHAPE,
+            **VARIANTS["plain_query"], **changes}
+
+
+@pytest.mark.parametrize("change, key, valid", [
+    ({"topk_group": 0}, "topk_group", "between 1 and n_group=1"),  # was read as 1
+    ({"n_group": 0}, "n_group", ">= 1"),  # was read as 1
+    ({"n_group": 4, "topk_group": 2, "routed_scaling_factor": "x"}, "routed_scaling_factor", "finite number > 0"),
+    ({"n_group": 4, "topk_group": 5}, "topk_group", "between 1 and n_group=4"),
+    ({"n_group": None}, "n_group", ">= 1"),
+    ({"routed_scaling_factor": 0}, "routed_scaling_factor", "finite number > 0"),
+], ids=["topk_group_0", "n_group_0", "scaling_factor_text", "topk_group_above_n_group", "n_group_null",
+        "scaling_factor_0"])
+def test_routing_values_are_read_as_written_and_refused_naming_the_key(tmp_path, capsys, change, key, valid):
+    """convert from-hf exits 2 with one line naming the config.json key and what would be valid."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(_config_json(**change)))
+    rc = convert.main(["from-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "mt")])
+    one_line_error(rc, capsys.readouterr().err, f"config.json:{key}", valid)
+
+
+def test_absent_routing_keys_take_transformers_defaults():
+    """n_group, topk_group, routed_scaling_factor and norm_topk_prob left out read as transformers'
+    DeepseekV3Config reads them."""
+    keys = ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob")
+    written = {key: value for key, value in _config_json(n_routed_experts=16).items() if key not in keys}
+    cfg = hf.model_config(written)
+    defaults = transformers.DeepseekV3Config()
+    assert (cfg.expert_groups, cfg.groups_per_token, cfg.routed_scaling_factor, cfg.norm_topk_prob) == tuple(
+        getattr(defaults, key) for key in keys)

@@ -303,26 +303,28 @@ def test_histories_are_checkpointed_and_restore_onto_another_mesh(tmp_path):
 
 @pytest.mark.parametrize("fields, field, hint", [
     ({"scaling": "late"}, "train.fp8.scaling", "current | delayed"),
-    ({"history": 0}, "train.fp8.history", ">= 1"),
+    ({"history": 0}, "train.fp8.history", "between 1 and 4096"),
     ({"matmuls": ["attention", "heads"]}, "train.fp8.matmuls", "attention | mlp | experts"),
     ({"matmuls": []}, "train.fp8.matmuls", "at least one"),
     ({"wide": "fp16"}, "train.fp8.wide", "bf16 or fp32"),
 ])
 def test_bad_recipe_is_one_line_naming_the_field(fields, field, hint):
     with pytest.raises(ConfigError) as err:
-        config_from_dict({"train": {"precision": "fp8", "fp8": fields}})
+        config_from_dict(trust_plugin=False, raw={"train": {"precision": "fp8", "fp8": fields}})
     assert err.value.field == field and hint in str(err.value)
 
 
 def test_a_recipe_without_fp8_precision_is_one_line():
     with pytest.raises(ConfigError) as err:
-        config_from_dict({"train": {"precision": "bf16", "fp8": {"scaling": "delayed"}}})
+        config_from_dict(trust_plugin=False, raw={"train": {"precision": "bf16", "fp8": {"scaling": "delayed"}}})
     assert err.value.field == "train.fp8" and "train.precision: fp8" in str(err.value)
-    assert config_from_dict({"train": {"precision": "bf16", "fp8": {}}}).train.fp8 == Fp8Recipe()
+    bf16 = config_from_dict(trust_plugin=False, raw={"train": {"precision": "bf16", "fp8": {}}})
+    assert bf16.train.fp8 == Fp8Recipe()
 
 
 def test_recipe_parses_from_overrides():
-    cfg = config_from_dict({"train": {"precision": "fp8", "fp8": {"scaling": "delayed", "matmuls": ["mlp"]}}})
+    cfg = config_from_dict(trust_plugin=False,
+                           raw={"train": {"precision": "fp8", "fp8": {"scaling": "delayed", "matmuls": ["mlp"]}}})
     assert cfg.train.fp8 == Fp8Recipe(scaling=Scaling.DELAYED, matmuls=(MatmulGroup.MLP,))
     assert cfg.train.compute_dtype == jnp.bfloat16
     assert dataclasses.replace(cfg.train, fp8=Fp8Recipe(wide=Precision.FP32)).compute_dtype == jnp.float32
@@ -433,3 +435,23 @@ def test_checkpoints_written_before_the_fp8_state_still_resume(tmp_path, capsys)
     summary = train(load_config(tiny, [*overrides, "train.steps=3", f"run.dir={tmp_path / 'old'}"]))
     assert summary["resumed_from"] == 2
     assert "fp8" not in capsys.readouterr().err
+
+
+def test_resuming_with_another_fp8_recipe_names_the_field_that_changed(tmp_path, capsys):
+    """Issue 53, item 11: the amax histories' shapes follow train.precision and train.fp8; a resume
+    that changes them names the change, and a history no recipe uses is refused at start-up."""
+    from meshtrain.train import main
+
+    tiny = str(REPO / "configs" / "tiny.yaml")
+    run = ["model.embed_dim=32", "train.batch_size=16", "train.log_every=1", "run.loggers=[]", "train.steps=2",
+           f"run.dir={tmp_path / 'run'}"]
+    delayed = ["train.precision=fp8", "train.fp8.scaling=delayed"]
+    assert main(["--config", tiny, *run, *delayed, "train.steps=1", "train.fp8.history=4"]) == 0
+    capsys.readouterr()
+    for change, named in [([*delayed, "train.fp8.history=8"], "train.fp8.history: 4 there, 8 here"),
+                          (["train.precision=bf16"], "train.precision: 'fp8' there, 'bf16' here")]:
+        assert main(["--config", tiny, *run, *change]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "does not fit this run" in err[0] and named in err[0], err
+    assert main(["--config", tiny, *run, *delayed, "train.fp8.history=100000000"]) == 2
+    assert capsys.readouterr().err.startswith("error: train.fp8.history: must be between 1 and 4096 steps")

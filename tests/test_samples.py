@@ -84,3 +84,16 @@ def test_sample_prompts_load_as_a_tuple_of_strings():
     assert cfg.eval.sample_prompts == ("a b", "c")
     with pytest.raises(ConfigError):
         load_config(None, ["eval.every=5", "eval.sample_prompts=hello"])
+
+
+def test_a_sample_kv_cache_beyond_the_device_memory_stops_before_the_first_step(tmp_path, capsys):
+    """Issue 53, item 12: checked at start-up from the prefill's abstract shapes, not at the first
+    evaluation after training steps."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def the function returns the value of the thing.\n" * 40)
+    run_dir = tmp_path / "run"
+    assert main(["--config", str(REPO / "configs" / "tiny.yaml"), *RUN, f"data.path={corpus}", f"eval.path={corpus}",
+                 f"run.dir={run_dir}", "run.loggers=[]", "eval.sample_tokens=1000000000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: eval.sample_tokens: a KV cache of 1,000,000,004 positions "), err
+    assert "ask for fewer new tokens" in err[0] and not (run_dir / "metrics.jsonl").exists()

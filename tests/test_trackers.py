@@ -274,3 +274,47 @@ def test_a_tracker_that_cannot_start_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://nowhere")
     with pytest.raises(ConfigError, match=r"^run\.loggers: mlflow could not start its run: .*nosuchscheme"):
         open_trackers([Logger.MLFLOW], tmp_path, {}, project=None, name=None, resumed=False)
+
+
+def test_a_tensorboard_directory_that_is_a_file_is_one_line(tmp_path):
+    """Issue 53, item 8."""
+    (tmp_path / "tensorboard").write_text("a file")
+    with pytest.raises(ConfigError, match=r"^run\.loggers: .*tensorboard is a file, not a directory$"):
+        open_trackers([Logger.TENSORBOARD], tmp_path, {}, project=None, name=None, resumed=False)
+
+
+class _StoreGone:
+    """A tracker whose store disappears after its first step (an MLflow file store replaced by a file)."""
+
+    name = "mlflow"
+
+    def __init__(self):
+        self.logged, self.closed = [], False
+
+    def log(self, step, scalars):
+        if self.logged:
+            raise OSError(20, "Not a directory: 'mlruns/0/meta.yaml'")
+        self.logged.append(step)
+
+    def log_samples(self, step, samples):
+        raise AssertionError("dropped trackers get nothing more")
+
+    def close(self, status):
+        self.closed = True
+
+
+def test_a_tracker_that_fails_mid_run_is_dropped_with_one_warning_and_the_run_goes_on(tmp_path, capsys):
+    """Issue 53, item 8: metrics.jsonl keeps every step; the failing tracker gets nothing more."""
+    from meshtrain.metrics import MetricsLogger
+
+    tracker = _StoreGone()
+    with MetricsLogger(tmp_path, 4, is_primary=True, tensorboard=False, trackers=[tracker]) as logger:
+        for step in range(1, 5):
+            logger.log(step, {"loss": 1.0 / step})
+        logger.log_samples(4, [{"prompt": "a", "text": "b"}])
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: run.loggers: mlflow failed at step 2 ([Errno 20] Not a directory: "
+                        "'mlruns/0/meta.yaml') and logs nothing more in this run; "
+                        f"{tmp_path / 'metrics.jsonl'} keeps every step"]
+    assert tracker.logged == [1] and not tracker.closed
+    assert sorted(metrics_by_step(tmp_path)) == [1, 2, 3, 4]

@@ -22,7 +22,9 @@ layout). ``L`` = HF layer; ``nn.Linear`` weights are ``[out_features, in_feature
     model.layers.M.shared_head.norm.weight                            -> mtp.head_norm.scale
 
 The MTP modules' copies of the embedding and the output head (``model.layers.M.embed_tokens``,
-``shared_head.head``) are the model's own: read as duplicates, not written. The correction bias is
+``shared_head.head``) are the model's own: read as duplicates, not written. A ``config.json`` that asks
+for MTP modules of which the weights hold no tensor (what transformers' ``save_pretrained`` writes) is
+imported without them (``DeepSeekHF.config_for_weights``). The correction bias is
 the routing bias of auxiliary-loss-free balancing, so an import keeps it learning
 (``bias_update_rate`` 0.001, DeepSeek-V3's rate). The sequence-wise balance loss's weight is
 ``aux_loss_alpha`` (0 when absent, as in transformers' configs, whose loss has none). Rotary pairs
@@ -32,7 +34,9 @@ rotary scaling maps to ``rope_scaling.kind: yarn``.
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Collection
 
 from models.api import LAYERS_KEY, TensorSpec
 from models.common import InvalidField
@@ -72,6 +76,10 @@ _SPARSE_LAYER = {**_NORMS, **_ATTENTION, **_SPARSE}
 # Copies of the embedding and head an MTP module carries in DeepSeek's checkpoints.
 _MTP_DUPLICATES = re.compile(r"model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight")
 _ROUTING_KEYS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+# transformers' DeepseekV3Config defaults of the routing keys a config.json may leave out.
+_ROUTING_DEFAULTS = {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True}
+# config.json's number of multi-token prediction modules (transformers' DeepseekV3Config: its alias first).
+_MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
 
 
 class DeepSeekHF(LlamaHF):
@@ -87,7 +95,8 @@ class DeepSeekHF(LlamaHF):
 
     def config_from_hf(self, config: dict, *, seq_len: int | None = None) -> DeepSeekConfig:
         """The ``DeepSeekConfig`` of a ``deepseek_v3`` ``config.json`` (sorted dropless dispatch, one
-        routing group per row). ``seq_len`` defaults to ``min(max_position_embeddings, 2048)``.
+        routing group per row): its values as written, transformers' defaults for absent routing keys
+        (``_ROUTING_DEFAULTS``). ``seq_len`` defaults to ``min(max_position_embeddings, 2048)``.
 
         Raises:
           InvalidField: naming the ``config.json`` key of an option this family does not implement.
@@ -108,7 +117,8 @@ class DeepSeekHF(LlamaHF):
         if not 0 <= dense < total:
             raise InvalidField("first_k_dense_replace", f"must be between 0 and num_hidden_layers - 1 = {total - 1}, "
                                f"got {dense}")
-        mtp = config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0
+        groups, groups_per_token, scaling_factor = _routing_groups(config)
+        mtp = config.get(_MTP_KEYS[0], config.get(_MTP_KEYS[1])) or 0
         json_key = {"vocab_size": "vocab_size", "embed_dim": "hidden_size", "num_layers": "num_hidden_layers",
                     "num_heads": "num_attention_heads", "mlp_dim": "intermediate_size",
                     "num_experts": "n_routed_experts", "top_k": "num_experts_per_tok",
@@ -124,10 +134,10 @@ class DeepSeekHF(LlamaHF):
                 qk_rope_head_dim=config["qk_rope_head_dim"], v_head_dim=config["v_head_dim"],
                 mlp_dim=config["intermediate_size"], num_experts=config["n_routed_experts"],
                 top_k=config["num_experts_per_tok"], expert_mlp_dim=config["moe_intermediate_size"],
-                num_shared_experts=config.get("n_shared_experts") or 0, expert_groups=config.get("n_group") or 1,
-                groups_per_token=config.get("topk_group") or 1,
-                routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-                norm_topk_prob=bool(config.get("norm_topk_prob", False)), router_score=RouterScore.SIGMOID,
+                num_shared_experts=config.get("n_shared_experts") or 0, expert_groups=groups,
+                groups_per_token=groups_per_token, routed_scaling_factor=scaling_factor,
+                norm_topk_prob=bool(config.get("norm_topk_prob", _ROUTING_DEFAULTS["norm_topk_prob"])),
+                router_score=RouterScore.SIGMOID,
                 bias_update_rate=0.001, dispatch=Dispatch.DROPLESS, group_size=0, mtp_layers=mtp,
                 load_balancing_coef=float(config.get("aux_loss_alpha") or 0.0) if config.get("seq_aux", True) else 0.0,
                 seq_len=seq_len or min(max_len, 2048), rope_theta=theta, rope_scaling=scaling,
@@ -179,3 +189,48 @@ class DeepSeekHF(LlamaHF):
 
     def unused_ok(self, name: str) -> bool:
         return super().unused_ok(name) or bool(_MTP_DUPLICATES.fullmatch(name))
+
+    def config_for_weights(self, config: dict, tensor_names: Collection[str]) -> tuple[dict, str | None]:
+        """``config`` as the weights (``tensor_names``) are, and a note when that is not as written: a
+        ``config.json`` asking for multi-token prediction modules of which the weights hold no tensor
+        at all (transformers' DeepseekV3Config asks for one by default, and its ``save_pretrained``
+        writes none) is read without them. A partial set stays as written, for the import to name the
+        missing tensor."""
+        depths = config.get(_MTP_KEYS[0], config.get(_MTP_KEYS[1]))
+        layers = config.get("num_hidden_layers")
+        if not (_is_int(depths) and depths > 0 and _is_int(layers)):
+            return config, None
+        prefixes = tuple(f"model.layers.{layers + depth}." for depth in range(depths))
+        if any(name.startswith(prefixes) for name in tensor_names):
+            return config, None
+        key = next(key for key in _MTP_KEYS if key in config)
+        return {**config, key: 0}, (f"config.json asks for {depths} multi-token prediction module(s) ({key}), but "
+                                    f"the weights hold none of their tensors (model.layers.{layers}.* and after, "
+                                    "which transformers' save_pretrained does not write); importing the model "
+                                    "without them (model.mtp_layers: 0)")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _routing_groups(config: dict) -> tuple[int, int, float]:
+    """``(n_group, topk_group, routed_scaling_factor)`` as ``config.json`` writes them (transformers'
+    defaults for absent keys).
+
+    Raises:
+      InvalidField: naming the key whose value DeepSeek-V3's routing cannot take.
+    """
+    groups, per_token, factor = (config.get(key, _ROUTING_DEFAULTS[key])
+                                 for key in ("n_group", "topk_group", "routed_scaling_factor"))
+    if not (_is_int(groups) and groups >= 1):
+        raise InvalidField("n_group", f"must be an integer >= 1 (the groups n_routed_experts is split into), "
+                           f"got {groups!r}")
+    if not (_is_int(per_token) and 1 <= per_token <= groups):
+        raise InvalidField("topk_group", f"must be an integer between 1 and n_group={groups} (the groups a "
+                           f"token's experts come from), got {per_token!r}")
+    if not (isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor)
+            and factor > 0):
+        raise InvalidField("routed_scaling_factor", f"must be a finite number > 0 (the routed experts' output "
+                           f"scale), got {factor!r}")
+    return groups, per_token, float(factor)

@@ -31,6 +31,7 @@ Which architecture a config is written as follows from ``qk_norm`` and ``sliding
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 from models.api import TensorSpec
@@ -273,6 +274,9 @@ class LlamaHF:
     def unused_ok(self, name: str) -> bool:
         # Rotary buffers some older exports carry, and lm_head.weight beside a tied embedding.
         return name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"
+
+    def config_for_weights(self, config: dict, tensor_names: Collection[str]) -> tuple[dict, str | None]:
+        return config, None  # every tensor a Llama config.json describes is one its weights must hold
 
     def overrides(self, name: str, value: Any, ours: Any) -> list[str]:
         if isinstance(value, RopeScalingConfig):
