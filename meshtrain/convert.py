@@ -28,7 +28,7 @@ import jax
 from meshtrain import hf
 from meshtrain.checkpoint import save_params
 from meshtrain.cli import ArgumentParser, add_mesh_arguments, add_trust_plugin_argument, run
-from meshtrain.errors import ConfigError, writable_directory
+from meshtrain.errors import ConfigError, new_output, writable_directory
 from meshtrain.config import model_dict
 from meshtrain.loading import SourceKind, load_model, mesh_from_args, source_kind
 from meshtrain.parallel.rules import ShardingRules
@@ -61,8 +61,9 @@ def from_hf(hf_dir: str, out: str, mesh: Mesh, rules: ShardingRules) -> pathlib.
     model = load_model(hf_dir, mesh, rules, field="--hf")
     meta = {"source": str(pathlib.Path(hf_dir).absolute()), "model": model_dict(model.cfg),
             "hf": {"config": model.hf_config, "dtypes": model.hf_dtypes}}
-    written = save_params(out_dir, model.params, meta)
-    _copy_side_files(pathlib.Path(hf_dir), written)
+    with new_output(out_dir, "--out"):
+        written = save_params(out_dir, model.params, meta)
+        _copy_side_files(pathlib.Path(hf_dir), written)
     return written
 
 
@@ -93,9 +94,10 @@ def to_hf(source: str, out: str, mesh: Mesh, rules: ShardingRules, *, step: int 
         file_dtype = lambda name: recorded.get(name, "float32")
     else:
         file_dtype = dtype
-    written = hf.save(out_dir, model.cfg, model.params, dtype=file_dtype, base_config=model.hf_config,
-                      max_shard_bytes=max_shard_bytes)
-    return written + _copy_side_files(model.path, out_dir)
+    with new_output(out_dir, "--out"):
+        written = hf.save(out_dir, model.cfg, model.params, dtype=file_dtype, base_config=model.hf_config,
+                          max_shard_bytes=max_shard_bytes)
+        return written + _copy_side_files(model.path, out_dir)
 
 
 def _parse_args(argv: list[str] | None):

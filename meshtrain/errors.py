@@ -3,9 +3,13 @@ that keep a value quoted in its message to one short line, the check of an outpu
 turns the file system's refusals into it, and the infeasibility of a layout, which the trainer
 raises and the planner lists."""
 
+import contextlib
 import dataclasses
+import errno
 import os
 import pathlib
+import shutil
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -83,3 +87,49 @@ class Infeasible:
 
     def error(self) -> ConfigError:
         return ConfigError(self.field, self.message)
+
+
+# The file system out of room: the errno of an OSError, or the text a library's own error carries
+# (orbax, safetensors and XLA wrap the OSError).
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_DISK_FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "File too large")
+
+
+def disk_full(err: BaseException | None) -> str | None:
+    """Why ``err`` (or an exception it was raised from) is the file system out of room (its
+    ``strerror``), else None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _DISK_FULL_ERRNOS:
+            return err.strerror or os.strerror(err.errno)
+        found = next((text for text in _DISK_FULL_TEXTS if text in str(err)), None)
+        if found is not None:
+            return found
+        err = err.__cause__ or err.__context__
+    return None
+
+
+@contextlib.contextmanager
+def new_output(path: str | os.PathLike, field: str) -> Iterator[pathlib.Path]:
+    """Writing the new output ``path`` (a file or directory that is absent or an empty directory):
+    if the body fails, what it wrote there is removed (nothing half-written stays), and a full disk
+    (``disk_full``) is ``ConfigError(field)`` in one line."""
+    path = pathlib.Path(path)
+    existed = path.is_dir()
+    try:
+        yield path
+    except BaseException as err:
+        for written in (list(path.iterdir()) if path.is_dir() else []) if existed else [path]:
+            _remove(written)
+        reason = disk_full(err) if isinstance(err, Exception) else None
+        if reason is not None:
+            raise ConfigError(field, f"cannot write {path}: {reason}; nothing of it was kept") from None
+        raise
+
+
+def _remove(path: pathlib.Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -22,7 +22,7 @@ from meshtrain.checkpoint import RunCheckpoints, UnreadableCheckpoint, resolve_r
 from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.cli import ArgumentParser, add_trust_plugin_argument, run, use_host_devices
 from meshtrain.config import to_dict
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, new_output
 from meshtrain.loading import recorded_config, restore_run
 from meshtrain.mesh import make_mesh
 
@@ -69,11 +69,12 @@ def export(run: str, out: str, step: int | None = None, *, trust_plugin: bool = 
     cfg, _, restored = restore_run(run, _written_mesh(run, step, trust_plugin), step=step, field="--run",
                                    trust_plugin=trust_plugin)
     config = to_dict(cfg)
-    written = save_params(out_dir, restored.state.params, {"step": restored.step, "source": str(restored.path),
-                                                           "model": config["model"], "config": config})
-    tokenizer = restored.path.parent.parent / TOKENIZER_FILE  # the run's, when its data recorded one
-    if jax.process_index() == 0 and tokenizer.is_file():
-        shutil.copyfile(tokenizer, written / TOKENIZER_FILE)
+    with new_output(out_dir, "--out"):
+        written = save_params(out_dir, restored.state.params, {"step": restored.step, "source": str(restored.path),
+                                                               "model": config["model"], "config": config})
+        tokenizer = restored.path.parent.parent / TOKENIZER_FILE  # the run's, when its data recorded one
+        if jax.process_index() == 0 and tokenizer.is_file():
+            shutil.copyfile(tokenizer, written / TOKENIZER_FILE)
     if jax.process_index() == 0:
         print(f"exported the parameters of {restored.path} (step {restored.step}, {cfg.model.num_params:,} "
               f"parameters) to {written}; fine-tune with checkpoint.init_from={written}", file=sys.stderr)

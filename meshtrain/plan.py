@@ -13,10 +13,13 @@ Bad input prints one ``error: field: what is wrong`` line and exits 2.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import re
 import sys
 import time
+import uuid
+from collections.abc import Sequence
 
 import yaml
 
@@ -78,6 +81,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="devices per node (default 8); a mesh with tensor > node size is refused in one line")
     p.add_argument("--write-config", metavar="FILE",
                    help="write the config with the best layout applied, for meshtrain.train --config FILE")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --write-config FILE")
     return p.parse_args(argv)
 
 
@@ -123,8 +127,23 @@ def _table(rows: list[list[str]]) -> str:
                                for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows)
 
 
-def format_plan(plan: Plan, top: int, show_infeasible: int) -> str:
+def _mesh_of(est: Estimate) -> tuple[int, ...]:
+    return tuple(est.candidate.mesh.values())
+
+
+def format_plan(plan: Plan, top: int, show_infeasible: int, requested_meshes: Sequence[tuple[int, ...]] = ()) -> str:
+    """The ranked table: the ``top`` layouts that fit, the ``show_infeasible`` smallest that do not and
+    as many distinct reasons why others cannot be built; each of ``requested_meshes`` (``--mesh``)
+    shows at least its best row (or why it cannot be built) beyond those counts."""
     fit, big, broken = plan.ranked()
+    shown_meshes = {_mesh_of(e) for e in fit[:top] + big[:show_infeasible]}
+    missing = [mesh for mesh in dict.fromkeys(requested_meshes) if mesh not in shown_meshes]
+    best_of_mesh: dict[tuple[int, ...], Estimate] = {}
+    for est in fit + big:
+        best_of_mesh.setdefault(_mesh_of(est), est)
+    extra = [best_of_mesh[mesh] for mesh in missing if mesh in best_of_mesh]
+    fit_shown = [(rank, e) for rank, e in enumerate(fit, 1) if rank <= top or any(e is x for x in extra)]
+    big_shown = [e for i, e in enumerate(big) if i < show_infeasible or any(e is x for x in extra)]
     m = plan.cfg.model
     hw = plan.hardware
     lines = [f"model: {family_of(m).name}, {m.num_params / 1e9:.2f}B parameters ({m.num_layers} layers, embed "
@@ -146,26 +165,29 @@ def format_plan(plan: Plan, top: int, show_infeasible: int) -> str:
              " element, or an offloaded optimizer state's moments brought to the device; temp bytes = the"
              " larger of activ + temps and update; optim = resting on the device, host GB = offloaded):",
              ""]
-    rows = [HEADER] + [_row(plan.cfg, str(i + 1), e, "fits" if plan.certain(e) else "fits?")
-                       for i, e in enumerate(fit[:top])]
-    rows += [_row(plan.cfg, "-", e, "; ".join(plan.problems(e))) for e in big[:show_infeasible]]
+    rows = [HEADER] + [_row(plan.cfg, str(rank), e, "fits" if plan.certain(e) else "fits?") for rank, e in fit_shown]
+    rows += [_row(plan.cfg, "-", e, "; ".join(plan.problems(e))) for e in big_shown]
     if len(rows) > 1:
         lines.append(_table(rows))
-    if any(not e.reliable for e in fit[:top]):
+    if any(not e.reliable for _, e in fit_shown):
         lines.append(f"fits? = {UNRELIABLE}")
-    if any(e.reliable and not plan.certain(e) for e in fit[:top]):
+    if any(e.reliable and not plan.certain(e) for _, e in fit_shown):
         lines.append(f"fits? (no pipeline) = fits only without the {TEMP_MARGIN:.0%} margin on temp bytes the planner "
                      "keeps above its estimate (its largest shortfall measured against XLA:CPU is smaller: "
                      "scripts/plan_accuracy.py); confirm with --verify")
-    if broken and show_infeasible:
-        seen: dict[str, str] = {}
-        for est in broken:
-            seen.setdefault(f"{est.candidate.label()} {_preset(plan.cfg, est.candidate)}: {'; '.join(est.reasons)}",
-                            "")
-        reasons = list(seen)
-        lines.append(f"\ncannot be built ({len(reasons)} distinct, first {min(show_infeasible, len(reasons))}):")
-        lines += [f"  {reason}" for reason in reasons[:show_infeasible]]
+    reasons = {_broken_reason(plan.cfg, est): _mesh_of(est) for est in broken}
+    first = list(reasons)[:show_infeasible]
+    unbuilt = [mesh for mesh in missing if mesh not in best_of_mesh]
+    asked = [reason for reason, mesh in reasons.items() if mesh in unbuilt and reason not in first]
+    if first or asked:
+        lines.append(f"\ncannot be built ({len(reasons)} distinct, first {len(first)}"
+                     + (", and those of the --mesh asked for" if asked else "") + "):")
+        lines += [f"  {reason}" for reason in first + asked]
     return "\n".join(lines)
+
+
+def _broken_reason(cfg: Config, est: Estimate) -> str:
+    return f"{est.candidate.label()} {_preset(cfg, est.candidate)}: {'; '.join(est.reasons)}"
 
 
 def _start_devices(count: int) -> None:
@@ -258,6 +280,8 @@ def _plan(argv: list[str] | None) -> None:
     presets = None if args.preset is None else _parse_list(args.preset, "--preset", Preset)
     if presets is not None and not presets:
         raise ConfigError("--preset", f"give some of {', '.join(p.value for p in Preset)}; got {args.preset!r}")
+    if args.write_config:
+        check_write_config(pathlib.Path(args.write_config), args.config, args.overwrite)
     if args.verify:
         _start_devices(args.devices)
     cfg = load_config(args.config, args.overrides)
@@ -266,9 +290,9 @@ def _plan(argv: list[str] | None) -> None:
                      presets=search_presets(cfg) if presets is None else presets,
                      progress=(progress := ProgressLine()))
     progress.finish()
-    print(format_plan(plan, args.top, args.show_infeasible), flush=True)
+    print(format_plan(plan, args.top, args.show_infeasible, meshes or ()), flush=True)
     if args.write_config:
-        write_config(plan, args.config, args.overrides, pathlib.Path(args.write_config))
+        write_config(plan, args.config, args.overrides, pathlib.Path(args.write_config), args.overwrite)
     if args.verify:
         best = plan.ranked()[0][:args.verify]
         results = [(est, verify(args.config, args.overrides, est, args.devices)) for est in best]
@@ -300,21 +324,47 @@ class ProgressLine:
             print(file=sys.stderr, flush=True)
 
 
-def write_config(plan: Plan, config: str | None, overrides: list[str], path: pathlib.Path) -> None:
+def check_write_config(path: pathlib.Path, config: str | None, overwrite: bool) -> None:
+    """Refuses a ``--write-config`` target that is a symbolic link, not a regular file, the ``--config``
+    file itself, or (without ``overwrite``) an existing file."""
+    if path.is_symlink():
+        raise ConfigError("--write-config", f"{path} is a symbolic link; give the path of a regular file "
+                          "(nothing is written through a link)")
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise ConfigError("--write-config", f"{path} is not a regular file; give a file name")
+    if config is not None and pathlib.Path(config).exists() and path.samefile(config):
+        raise ConfigError("--write-config", f"{path} is the --config file; write the planned config to another file")
+    if not overwrite:
+        raise ConfigError("--write-config", f"{path} exists; pass --overwrite to replace it, or give a new file name")
+
+
+def write_config(plan: Plan, config: str | None, overrides: list[str], path: pathlib.Path,
+                 overwrite: bool = False) -> None:
     """Writes ``config`` with ``overrides`` and the best layout of ``plan`` applied (its mesh, ZeRO
     stage, remat, accumulation, microbatches, offload) to ``path`` as YAML that ``meshtrain.train
-    --config`` runs as is; a one-line error, nothing written, when no layout fits."""
+    --config`` runs as is, whole or not at all (a new file in the same directory renamed over it); a
+    one-line error, nothing written, when no layout fits or ``check_write_config`` refuses ``path``."""
     fit = plan.ranked()[0]
     if not fit:
         raise ConfigError("--write-config", f"no layout fits on {plan.devices} devices; nothing written to {path}")
-    if path.is_dir():
-        raise ConfigError("--write-config", f"{path} is a directory; give a file name")
+    check_write_config(path, config, overwrite)
     chosen = load_config(config, [*overrides, *fit[0].candidate.overrides()])
-    temporary = path.with_name(path.name + ".tmp")
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        temporary.write_text(yaml.safe_dump(to_dict(chosen), sort_keys=False))
-        temporary.replace(path)
+        # O_EXCL: a file of its own, never one (or a link) already at that name.
+        stream = os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w")
     except OSError as error:
+        raise ConfigError("--write-config", f"cannot write {path}: {error.strerror}") from None
+    try:
+        with stream:
+            stream.write(yaml.safe_dump(to_dict(chosen), sort_keys=False))
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
         raise ConfigError("--write-config", f"cannot write {path}: {error.strerror}") from None
     print(f"wrote {path}: layout 1, {' '.join(fit[0].candidate.overrides())}", flush=True)
 

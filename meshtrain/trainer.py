@@ -37,7 +37,7 @@ from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, na
 from meshtrain.parallel.zero import StateLayout
 from meshtrain.precision import LossScale, Precision, initial_loss_scale
 from meshtrain.xla_flags import step_compiler_options
-from models.api import AUX_LOSS, MTP_LOSS, DecoderModel, PredictsAhead
+from models.api import AUX_LOSS, MTP_LOSS, BlockedExperts, DecoderModel, PredictsAhead
 
 Metrics = dict[str, jax.Array]
 
@@ -56,6 +56,21 @@ class TrainState:
     fp8: nnx.State = struct.field(default_factory=lambda: nnx.State({}))
 
 
+def check_expert_block(layout: Layout) -> None:
+    """A ``ConfigError`` on ``model.expert_block`` (``models.api.BlockedExperts``) larger
+    than the tokens of one step (``train.batch_size / train.grad_accum x model.seq_len``): no expert's
+    rows fill a larger block, and its padding alone can outgrow what XLA can allocate."""
+    model, train = layout.model, layout.train
+    if not isinstance(model, BlockedExperts):
+        return
+    tokens = train.batch_size // train.grad_accum * model.seq_len
+    if model.expert_block > tokens:
+        raise ConfigError("model.expert_block", f"{model.expert_block:,} rows per block is more than the {tokens:,} "
+                          f"tokens of one step (train.batch_size {train.batch_size} / train.grad_accum "
+                          f"{train.grad_accum} x model.seq_len {model.seq_len}), which no expert's rows can fill; "
+                          f"use 1 to {tokens:,}, or 0 to choose from the rows")
+
+
 class Trainer:
     """Creates the born-sharded state and the train step for one model on one mesh, as its
     ``Layout`` (``self.layout``) lays them out."""
@@ -67,6 +82,7 @@ class Trainer:
             raise ConfigError("train.precision", "fp16 needs a GPU (XLA:CPU has no fp16 matmul with fp32 "
                               "accumulation); use bf16 or fp32 on CPU")
         layout.check()
+        check_expert_block(layout)
         if layout.offload.optimizer:
             check_host_memory(mesh, "offload.optimizer")
         self.layout, self.mesh = layout, mesh

@@ -28,7 +28,8 @@ optimization level only.
 
 None of these has been measured on a GPU by this project yet (docs/benchmarks.md): the first GPU
 session's gpu_check table decides the default. An unknown flag makes XLA abort at start-up, so every
-flag is parsed by the installed jaxlib in the tests.
+flag is parsed by the installed jaxlib in the tests; ``meshtrain.cli.check_xla_flags`` refuses the user's
+unknown ones (and tokens that are no flag) in one line before a backend starts.
 """
 
 from __future__ import annotations

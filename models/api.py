@@ -263,6 +263,16 @@ class HFAdapter(Protocol):
         that differs from what it says (e.g. modules it asks for that no tensor holds), else None."""
 
 
+@runtime_checkable
+class BlockedExperts(Protocol):
+    """A model config whose experts may run the blocked kernel: ``expert_block`` rows per block
+    (0: ``models.grouped_matmul.auto_block``). The trainer bounds it by the tokens of one step: an expert gets each
+    token's row at most once, so a larger block holds no more of its rows, only padding (a buffer
+    of ``experts x block`` rows, which XLA cannot allocate for a large enough block)."""
+
+    expert_block: int
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelFamily:
     """One registry entry: everything the framework needs to know about a family.

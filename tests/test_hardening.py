@@ -986,3 +986,21 @@ def test_issue38_item10_a_profile_directory_that_is_a_file_stops_before_the_firs
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"error: train.profile_steps: {run_dir / 'profile'} is a file, not a directory", err
     assert not (run_dir / "metrics.jsonl").exists() or "loss" not in (run_dir / "metrics.jsonl").read_text()
+
+
+# ----- round 4: planner, XLA flags, MoE -----
+
+@pytest.mark.parametrize("config", ["moe_tiny.yaml", "deepseek_tiny.yaml"])
+def test_issue53_item13_an_expert_block_beyond_a_steps_tokens_is_one_line(tmp_path, capsys, config):
+    """``model.expert_block=1000000`` made XLA abort (a buffer of experts x block rows): a block larger
+    than the tokens of one step (train.batch_size / train.grad_accum x model.seq_len; no expert's rows
+    fill it) is refused before anything is built; the largest valid one is accepted."""
+    argv = ["--config", str(REPO / "configs" / config), "--print-sharding", "model.dispatch=dropless",
+            "train.batch_size=32", "train.grad_accum=2", "model.seq_len=64", f"run.dir={tmp_path / 'run'}"]
+    assert main([*argv, "model.expert_block=1000000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: model.expert_block: 1,000,000 rows per block is more than the 1,024 tokens of one step "
+                   "(train.batch_size 32 / train.grad_accum 2 x model.seq_len 64), which no expert's rows can "
+                   "fill; use 1 to 1,024, or 0 to choose from the rows"), err
+    assert main([*argv, "model.expert_block=1024"]) == 0
+    assert "error" not in capsys.readouterr().err

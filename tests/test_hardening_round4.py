@@ -2,12 +2,14 @@
 checkpoint or an export that names a ``model.plugin`` is refused by every tool that loads it unless
 ``--trust-plugin`` is given; a plugin that fails to import is one line naming its file. A run writes
 nothing through a link in its directory (2a), and a file where its checkpoints go is found at
-start-up (10)."""
+start-up (10). A full disk is one line and leaves no half-written output (7)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -33,11 +35,20 @@ def _payload(directory: pathlib.Path, name: str) -> tuple[pathlib.Path, pathlib.
 
 
 @pytest.fixture(scope="module")
-def run_with_a_plugin(tmp_path_factory):
-    """A one-step tiny run whose checkpoint's recorded config names a payload plugin: (run, marker, plugin)."""
+def one_step_run(tmp_path_factory):
+    """A one-step tiny run with its checkpoint."""
+    run_dir = tmp_path_factory.mktemp("one-step") / "run"
+    train(config(run_dir, "checkpoint.every=1", steps=1))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def run_with_a_plugin(one_step_run, tmp_path_factory):
+    """A copy of ``one_step_run`` whose checkpoint's recorded config names a payload plugin: (run,
+    marker, plugin, tokens)."""
     root = tmp_path_factory.mktemp("untrusted")
     run_dir = root / "run"
-    train(config(run_dir, "checkpoint.every=1", steps=1))
+    shutil.copytree(one_step_run, run_dir)
     plugin, marker = _payload(root, "downloaded_payload")
     meta_path = run_dir / CHECKPOINT_DIR / "1" / "meta" / "metadata"
     meta = json.loads(meta_path.read_text())
@@ -129,3 +140,63 @@ def test_a_checkpoints_path_that_is_a_file_stops_before_the_first_step(tmp_path,
     err = capsys.readouterr().err
     assert err == f"error: run.dir: {run_dir / CHECKPOINT_DIR} is a file, not a directory\n", err
     assert not (run_dir / "metrics.jsonl").exists() and (run_dir / CHECKPOINT_DIR).read_text() == "a file"
+
+
+def _fills_the_disk_after_writing_some(path_of):
+    """A writer that leaves part of its output, then finds the disk full (``path_of(args)``: where)."""
+    def write(*args, **kwargs):
+        path = pathlib.Path(path_of(*args, **kwargs))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    return write
+
+
+def test_a_full_disk_during_export_or_import_is_one_line_and_keeps_nothing(one_step_run, tmp_path, capsys,
+                                                                           monkeypatch):
+    """Issue 53, item 7: orbax's and safetensors' writes (safetensors wraps the OSError in its own
+    error, found by its text)."""
+    import orbax.checkpoint as ocp
+    import safetensors.numpy
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", _fills_the_disk_after_writing_some(
+        lambda self, directory, *a, **k: pathlib.Path(directory) / "part.bin"))
+    out = tmp_path / "export"
+    assert export.main(["--run", str(one_step_run), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: --out: cannot write {out}: No space left on device; nothing of it "
+                                       "was kept\n")
+    assert not out.exists()
+
+    def storage_full(tensors, filename, *args, **kwargs):
+        pathlib.Path(filename).write_bytes(b"partial")
+        raise RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                           'left on device" })')
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", storage_full)
+    out = tmp_path / "hf"
+    out.mkdir()  # an empty directory given as --out stays, empty
+    assert convert.main(["to-hf", "--from", str(one_step_run), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: --out: cannot write {out}: No space left on device; nothing of it "
+                                       "was kept\n")
+    assert list(out.iterdir()) == []
+
+
+def test_a_full_disk_while_writing_metrics_is_one_line(tmp_path, capsys, monkeypatch):
+    """Issue 53, item 7: metrics.jsonl's write at step 2 fails; the checkpoints stay complete."""
+    from meshtrain.metrics import MetricsLogger
+    from test_checkpoint import complete_steps, overrides
+
+    real_log = MetricsLogger.log
+
+    def log(self, step, metrics):
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.run_dir / "metrics.jsonl"))
+        real_log(self, step, metrics)
+
+    monkeypatch.setattr(MetricsLogger, "log", log)
+    run_dir = tmp_path / "run"
+    assert train_main(["--config", TINY, *overrides(run_dir, "checkpoint.every=1", steps=3)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert errors == [f"error: {run_dir / 'metrics.jsonl'}: cannot write it: No space left on device; free some "
+                      "space and run again"]
+    assert complete_steps(run_dir) == [1, 2]  # the step that failed to log still saved its checkpoint

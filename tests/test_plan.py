@@ -310,3 +310,92 @@ def test_a_layout_that_fits_only_within_the_models_error_is_not_vouched_for(memo
     out = capsys.readouterr().out
     (row,) = [line for line in out.splitlines() if line.startswith("1  (1,8,1,1)")]
     assert row.split()[-1] == verdict and ("fits only without the 12% margin" in out) == (verdict == "fits?")
+
+
+# ----- issue 53: --write-config refuses what it would overwrite; an asked-for mesh is shown -----
+
+TINY_PLAN = ["--config", str(REPO / "configs" / "tiny.yaml"), "--devices", "8", "--device-memory", "1GB",
+             "--mesh", "8,1,1,1", "--zero", "0", "--remat", "none"]
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_write_config_refuses_an_existing_file_unless_overwrite(tmp_path, capsys):
+    out = tmp_path / "planned.yaml"
+    out.write_text("mine\n")
+    assert planner.main([*TINY_PLAN, "--write-config", str(out)]) == 2
+    assert _one_error_line(capsys) == (f"error: --write-config: {out} exists; pass --overwrite to replace it, "
+                                       "or give a new file name")
+    assert out.read_text() == "mine\n"
+    assert planner.main([*TINY_PLAN, "--write-config", str(out), "--overwrite"]) == 0
+    assert load_config(out).mesh.data == 8 and sorted(tmp_path.iterdir()) == [out]
+
+
+def test_write_config_never_writes_onto_its_input_config(tmp_path, capsys):
+    """Not even with --overwrite, and not under another spelling of the same file."""
+    config = tmp_path / "config.yaml"
+    config.write_text((REPO / "configs" / "tiny.yaml").read_text())
+    before = config.read_text()
+    argv = ["--config", str(config), *TINY_PLAN[2:], "--overwrite", "--write-config"]
+    for target in (config, tmp_path / "." / "config.yaml"):
+        assert planner.main([*argv, str(target)]) == 2
+        assert _one_error_line(capsys) == (f"error: --write-config: {target} is the --config file; write the "
+                                           "planned config to another file")
+    assert config.read_text() == before
+
+
+def test_write_config_never_writes_through_a_symbolic_link(tmp_path, capsys):
+    target = tmp_path / "elsewhere.yaml"
+    target.write_text("not the plan's\n")
+    for link, points_to in ((tmp_path / "link.yaml", target), (tmp_path / "dangling.yaml", tmp_path / "nothing")):
+        link.symlink_to(points_to)
+        for extra in ([], ["--overwrite"]):
+            assert planner.main([*TINY_PLAN, *extra, "--write-config", str(link)]) == 2
+            assert _one_error_line(capsys) == (f"error: --write-config: {link} is a symbolic link; give the path "
+                                               "of a regular file (nothing is written through a link)")
+    assert target.read_text() == "not the plan's\n" and not (tmp_path / "nothing").exists()
+
+
+def test_write_config_is_whole_or_not_at_all(tmp_path, capsys, monkeypatch):
+    """The YAML goes to a new file in FILE's directory, renamed over FILE: a failed rename leaves the
+    old FILE and no temporary file."""
+    out = tmp_path / "planned.yaml"
+    out.write_text("old\n")
+    renames = []
+
+    def failing_replace(source, destination):
+        renames.append((pathlib.Path(source), pathlib.Path(destination)))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(planner.os, "replace", failing_replace)
+    assert planner.main([*TINY_PLAN, "--overwrite", "--write-config", str(out)]) == 2
+    assert _one_error_line(capsys) == f"error: --write-config: cannot write {out}: No space left on device"
+    ((source, destination),) = renames
+    assert source.parent == tmp_path and source != out and destination == out
+    assert out.read_text() == "old\n" and sorted(tmp_path.iterdir()) == [out]
+
+
+def _rows_of(out: str) -> list[tuple[str, str, str]]:
+    """(rank, mesh, verdict's first word) of each row of the printed table."""
+    return [(line.split()[0], line.split()[1], line.split("  ")[-1].split()[0]) for line in out.splitlines()
+            if re.match(r"\s*(\d+|-)  \(\d+,\d+,\d+,\d+\) ", line)]
+
+
+def test_a_mesh_asked_for_is_always_shown(capsys):
+    """``--mesh 8,1,1,1 --mesh 1,8,1,1`` for the 10B on 8 x 40 GB: no layout of (8,1,1,1) fits, and
+    (1,8,1,1)'s too-big ones are smaller: its best row is shown anyway, whatever --top. On tiny,
+    (8,1,1,1)'s best fitting layout ranks third: shown with its rank under --top 2."""
+    ten_b = ["--config", str(REPO / "configs" / "llama_10b.yaml"), "--devices", "8", "--device-memory", "40GB",
+             "--mesh", "8,1,1,1", "--mesh", "1,8,1,1"]
+    assert planner.main([*ten_b, "--top", "50"]) == 0
+    rows = _rows_of(capsys.readouterr().out)
+    assert ("-", "(8,1,1,1)", "needs") in rows and any(mesh == "(1,8,1,1)" for _, mesh, _ in rows), rows
+    tiny = ["--config", str(REPO / "configs" / "tiny.yaml"), "--devices", "8", "--device-memory", "8MB",
+            "--mesh", "8,1,1,1", "--mesh", "1,8,1,1", "--top", "2", "--show-infeasible", "0"]
+    assert planner.main(tiny) == 0
+    rows = _rows_of(capsys.readouterr().out)
+    assert [rank for rank, _, _ in rows] == ["1", "2", "3"] and rows[2][1:] == ("(8,1,1,1)", "fits"), rows

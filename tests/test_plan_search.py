@@ -128,7 +128,7 @@ def test_write_config_writes_the_rows_preset(tmp_path, capsys, preset):
     assert load_config(out).sharding.preset is Preset(preset)
     # The config's own preset among those given: its rows write no preset, the config keeps its own.
     assert planner.main(["--config", str(TINY), "--devices", "8", "--device-memory", "1GB", "--mesh", "8,1,1,1",
-                         "--preset", f"fsdp_tp,{preset}", "--write-config", str(out)]) == 0
+                         "--preset", f"fsdp_tp,{preset}", "--write-config", str(out), "--overwrite"]) == 0
     assert "sharding.preset" not in capsys.readouterr().out and load_config(out).sharding.preset is Preset.FSDP_TP
 
 

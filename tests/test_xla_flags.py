@@ -4,6 +4,7 @@ with the values it sets read back from XLA's own dump (an unknown flag aborts XL
 this on the oldest and the newest supported jaxlib). tests/test_bench.py checks the set without a
 layout and that a user's XLA_FLAGS win."""
 
+import importlib.metadata
 import json
 import math
 import os
@@ -12,8 +13,9 @@ import re
 import subprocess
 import sys
 
-from meshtrain import xla_flags
+from meshtrain import cli, xla_flags
 from meshtrain.config import load_config
+from meshtrain.errors import ConfigError
 
 MIB = 1 << 20
 # configs/llama_8b.yaml: embed 4096, 32 heads and 8 KV heads of 128, MLP 14336.
@@ -201,3 +203,51 @@ def test_the_step_compiles_with_its_layouts_flags(monkeypatch):
     assert xla_flags.WINDOWED_EINSUM not in xla_flags.step_compiler_options(_layout("configs/llama_8b.yaml", 1, 8))
     monkeypatch.setenv(xla_flags.DISABLE_ENV, "0")
     assert xla_flags.step_compiler_options(layout) == {}
+
+
+# ----- issue 53 item 14: XLA_FLAGS that would abort XLA are one line, before a backend starts -----
+
+def _check_error(value: str) -> str:
+    try:
+        cli.check_xla_flags(value)
+    except ConfigError as error:
+        return str(error)
+    return ""
+
+
+def test_xla_flags_are_checked_against_this_jaxlib(tmp_path):
+    """Flags XLA knows pass (quoted values, bare booleans, a file of flags); an unknown name, a token
+    that is no flag, or a value that is neither flags nor a file is a ConfigError naming XLA_FLAGS."""
+    recommended = " ".join(xla_flags.recommended_flags())
+    flag_file = tmp_path / "flags"
+    flag_file.write_text("--xla_dump_to=/tmp/dump\n--xla_backend_optimization_level=0\n")
+    for good in ("", "  ", recommended, '--xla_dump_to="/tmp/a dir" --xla_cpu_use_fusion_emitters',
+                 str(flag_file)):
+        assert _check_error(good) == "", good
+    assert _check_error("--xla_cpu_use_fusion_emitter=false") == (
+        "XLA_FLAGS: '--xla_cpu_use_fusion_emitter=false': xla_cpu_use_fusion_emitter is no flag of this jaxlib "
+        f"({importlib.metadata.version('jaxlib')}), and XLA would abort at start-up; did you mean "
+        "--xla_cpu_use_fusion_emitters?")
+    assert _check_error("--xla_dump_to=/tmp/x junk") == ("XLA_FLAGS: 'junk' is not a flag; give --name or "
+                                                         "--name=value, separated by spaces")
+    assert _check_error("-xla_dump_to=/tmp/x").startswith("XLA_FLAGS: '-xla_dump_to=/tmp/x' is not a flag")
+    assert _check_error("garbage").startswith("XLA_FLAGS: 'garbage' is no flag (--name or --name=value, separated "
+                                              "by spaces), and XLA reads a value not starting with '--' as a file")
+    flag_file.write_text("--xla_nope=1\n")
+    assert _check_error(str(flag_file)).startswith(f"XLA_FLAGS: '--xla_nope=1' (in the file {flag_file}): "
+                                                   "xla_nope is no flag of this jaxlib")
+
+
+def test_bad_xla_flags_are_one_line_and_exit_2_not_an_abort():
+    """``meshtrain.train`` and ``meshtrain.plan`` with XLA_FLAGS that XLA's parser would abort the
+    process on (a C++ fatal, no Python error): one ``error: XLA_FLAGS:`` line, exit 2."""
+    cases = [(["meshtrain.train", "--config", "configs/tiny.yaml", "--host-devices", "1"], "--xla_no_such_flag=1",
+              "error: XLA_FLAGS: '--xla_no_such_flag=1': xla_no_such_flag is no flag of this jaxlib"),
+             (["meshtrain.plan", "--config", "configs/tiny.yaml", "--devices", "8", "--device-memory", "1GB",
+               "--verify", "1"], "garbage", "error: XLA_FLAGS: 'garbage' is no flag")]
+    for argv, value, expected in cases:
+        env = {**os.environ, "XLA_FLAGS": value, "JAX_PLATFORMS": "cpu"}
+        proc = subprocess.run([sys.executable, "-m", *argv], cwd=pathlib.Path(__file__).resolve().parents[1],
+                              env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 2, (argv, proc.returncode, proc.stderr[-2000:])
+        assert proc.stderr.strip().startswith(expected) and "\n" not in proc.stderr.strip(), proc.stderr
