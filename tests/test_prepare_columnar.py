@@ -115,6 +115,13 @@ def test_saved_dataset_globs_and_dataset_dicts(corpus, tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"--input: .*state.json lists '../elsewhere.arrow' among its _data_files, "
                        r"which is not an .arrow file in "):
         input_files([str(saved)], "--input")
+    # Issue 53, item 10: a state.json nested past the JSON bound (RecursionError before), or not JSON.
+    for text, problem in [("[" * 100_000 + "]" * 100_000, "nested more than"), ("not json", "Expecting value"),
+                          ("[1, 2]", "it holds no _data_files list")]:
+        (saved / "state.json").write_text(text)
+        with pytest.raises(ConfigError, match=rf"--input: .*state.json is not the state.json datasets' save_to_disk "
+                           rf"writes \(.*{problem}"):
+            input_files([str(saved)], "--input")
 
 
 def test_mixed_formats_and_val_input(corpus, tmp_path):

@@ -7,7 +7,6 @@ pyarrow (the ``data`` extra) is imported only when such a file is read.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from collections.abc import Iterator
@@ -34,11 +33,18 @@ def saved_dataset_files(directory: str, field: str) -> list[str] | None:
     """The Arrow files that ``directory``'s ``state.json`` lists, in its order, when ``save_to_disk``
     wrote the directory (its state.json is an object with ``_data_files``), else None;
     ``ConfigError(field)`` when it lists something other than an ``.arrow`` file beside it."""
+    state = os.path.join(directory, SAVED_DATASET_STATE)
     try:
-        with open(os.path.join(directory, SAVED_DATASET_STATE), "rb") as stream:
-            entries = json.load(stream)["_data_files"]
-    except (OSError, ValueError, KeyError, TypeError):
+        with open(state, "rb") as stream:
+            text = stream.read()
+    except OSError:
         return None
+    try:
+        entries = jsonio.loads(text)["_data_files"]
+    except (ValueError, KeyError, TypeError) as err:
+        problem = err if isinstance(err, ValueError) else "it holds no _data_files list"
+        raise ConfigError(field, f"{state} is not the state.json datasets' save_to_disk writes ({problem}); "
+                          "save the dataset again, or give its .arrow or .parquet files") from None
     names = [entry.get("filename") if isinstance(entry, dict) else entry
              for entry in (entries if isinstance(entries, list) else [entries])]
     for name in names:
