@@ -252,7 +252,8 @@ def _run(setup: _Setup, checkpoints: RunCheckpoints | None, preemption: Preempti
         f"temporaries {format_bytes(memory.temp_size_in_bytes)}")
 
     mesh = trainer.mesh
-    logger = MetricsLogger(run_dir, steps, is_primary=jax.process_index() == 0, tensorboard=False, trackers=trackers)
+    logger = MetricsLogger(run_dir, steps, is_primary=jax.process_index() == 0, tensorboard=False, trackers=trackers,
+                           resumed_from=start.step if start.restored is not None else None)
     devices = list(mesh.devices.flat)
     reporter = Reporter(cfg, logger, num_devices=len(devices), peak_tflops=peak_bf16_tflops(devices[0].device_kind),
                         start=start.step)

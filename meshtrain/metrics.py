@@ -29,6 +29,7 @@ plotted at close as ``<key>.png`` (one line per component).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -135,6 +136,45 @@ _DISPLAYED: tuple[tuple[str, str, Callable[[float], str]], ...] = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Losses:
+    """Train and held-out losses by step, as ``metrics.jsonl`` logged them."""
+
+    steps: list[int]
+    losses: list[float]
+    eval_steps: list[int]
+    eval_losses: list[float]
+
+
+def _ends_a_line(path: Path) -> bool:
+    with path.open("rb") as stream:
+        stream.seek(-1, 2)
+        return stream.read(1) == b"\n"
+
+
+def _logged_losses(path: Path, until: int) -> _Losses:
+    """The losses ``path`` (a run's metrics.jsonl) logged at steps up to ``until`` (the latest line of
+    each step: a step redone after a crash logged twice); a line cut by a crash is skipped."""
+    train, held_out = {}, {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        lines = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or step > until:
+            continue
+        for key, kept in (("loss", train), ("eval_loss", held_out)):
+            if isinstance(record.get(key), (int, float)):
+                kept[step] = float(record[key])
+    return _Losses(sorted(train), [train[s] for s in sorted(train)], sorted(held_out),
+                   [held_out[s] for s in sorted(held_out)])
+
+
 def _plot_loss(
     path: Path, steps: Sequence[int], losses: Sequence[float], *, entropy_floor: float | None, title: str,
     eval_steps: Sequence[int] = (), eval_losses: Sequence[float] = (),
@@ -221,6 +261,7 @@ class MetricsLogger:
         tensorboard: bool = True,
         live: bool | None = None,
         trackers: Sequence[Tracker] = (),
+        resumed_from: int | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
@@ -236,7 +277,11 @@ class MetricsLogger:
         if not is_primary:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # loss.png shows the whole run: what earlier segments logged up to the step this one resumes from.
+        self._earlier = _logged_losses(self.run_dir / "metrics.jsonl", resumed_from) if resumed_from else None
         self._jsonl = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        if self._jsonl.tell() > 0 and not _ends_a_line(self.run_dir / "metrics.jsonl"):
+            self._jsonl.write("\n")  # a line a killed segment left unfinished stays apart from the next
         self._trackers = [*([TensorBoardTracker(self.run_dir / TENSORBOARD_DIR)] if tensorboard else []), *trackers]
         self._progress: Progress | None = None
         if live if live is not None else sys.stderr.isatty():
@@ -397,14 +442,15 @@ class MetricsLogger:
             print("\n".join(lines), file=sys.stderr, flush=True)
 
         floor = extra.get("entropy_floor")
+        earlier = self._earlier or _Losses([], [], [], [])
         _plot_loss(
             self.run_dir / "loss.png",
-            self._steps,
-            self._losses,
+            earlier.steps + self._steps,
+            earlier.losses + self._losses,
             entropy_floor=None if floor is None else float(floor),
             title=f"{self.run_dir.name} ({self.run_dir})",
-            eval_steps=self._eval_steps,
-            eval_losses=self._eval_losses,
+            eval_steps=earlier.eval_steps + self._eval_steps,
+            eval_losses=earlier.eval_losses + self._eval_losses,
         )
         for key, (steps, values) in self._components.items():
             if len({len(v) for v in values}) == 1:

@@ -37,7 +37,7 @@ from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, na
 from meshtrain.parallel.zero import StateLayout
 from meshtrain.precision import LossScale, Precision, initial_loss_scale
 from meshtrain.xla_flags import step_compiler_options
-from models.api import AUX_LOSS, MTP_LOSS, BlockedExperts, DecoderModel, PredictsAhead
+from models.api import AUX_LOSS, MTP_LOSS, BlockedExperts, DecoderModel, PredictsAhead, RoutedExperts
 
 Metrics = dict[str, jax.Array]
 
@@ -129,7 +129,8 @@ class Trainer:
         lines = [self.fp8 and self.fp8.describe(),
                  activation_sharding(self.rules, self.mesh).describe_attention(model.attention_spec, packed,
                                                                                precision.compute_dtype),
-                 *[describe_exchange(self.rules, self.mesh, axis) for axis in self.layout.expert_axes],
+                 *[describe_exchange(self.rules, self.mesh, axis, isinstance(model, RoutedExperts)
+                                     and model.sorted_dispatch) for axis in self.layout.expert_axes],
                  self.pipeline_description]
         return [line for line in lines if line]
 

@@ -264,6 +264,17 @@ class HFAdapter(Protocol):
 
 
 @runtime_checkable
+class RoutedExperts(Protocol):
+    """A model config whose layers route each token to some of their experts."""
+
+    @property
+    def sorted_dispatch(self) -> bool:
+        """Whether the tokens' choices are sorted by expert and sent to the experts' devices by the
+        framework (``ActivationSharding.run_experts``); else a one-hot dispatch, whose exchange XLA's
+        partitioner writes."""
+
+
+@runtime_checkable
 class BlockedExperts(Protocol):
     """A model config whose experts may run the blocked kernel: ``expert_block`` rows per block
     (0: ``models.grouped_matmul.auto_block``). The trainer bounds it by the tokens of one step: an expert gets each

@@ -139,3 +139,24 @@ def test_live_progress_runs(tmp_path, capsys):
     logger.close()
     assert "run summary" in capsys.readouterr().err
     assert len(_read_jsonl(tmp_path / "metrics.jsonl")) == 2
+
+
+def test_loss_png_after_a_resume_shows_the_whole_run(tmp_path, monkeypatch):
+    """Issue 52, item 3: the steps earlier segments logged up to the resumed step (a step a crashed
+    segment logged after it, and a line cut by the crash, are not), then this segment's."""
+    from meshtrain import metrics
+
+    plotted = {}
+    monkeypatch.setattr(metrics, "_plot_loss", lambda path, steps, losses, **kw: plotted.update(
+        steps=list(steps), losses=list(losses), eval_steps=list(kw["eval_steps"])))
+    earlier = [{"step": s, "loss": 10.0 - s} for s in range(1, 5)] + [{"step": 4, "eval_loss": 7.5},
+                                                                     {"step": 5, "loss": 99.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier) + '{"step": 6, "lo')
+    with metrics.MetricsLogger(tmp_path, 6, is_primary=True, tensorboard=False, live=False,
+                               resumed_from=4) as logger:
+        for step in (5, 6):
+            logger.log(step, {"loss": 1.0 / step})
+    assert plotted["steps"] == [1, 2, 3, 4, 5, 6] and plotted["eval_steps"] == [4]
+    assert plotted["losses"] == [9.0, 8.0, 7.0, 6.0, 0.2, 1.0 / 6]
+    last = (tmp_path / "metrics.jsonl").read_text().splitlines()[-2:]  # the cut line stays apart from the new ones
+    assert [json.loads(line)["step"] for line in last] == [5, 6]

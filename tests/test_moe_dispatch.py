@@ -116,6 +116,7 @@ def test_the_run_says_which_exchange_runs_and_warns_of_an_overflow(tmp_path, cap
           "checkpoint.every=0"])
     err = capsys.readouterr().err
     assert "experts: split 4 ways over ['data', 'fsdp']; a sorted dispatch's rows travel by all-to-all" in err
+    assert "one-hot" not in err
     warnings = [line for line in err.splitlines() if line.startswith("warning: moe_exchange_overflow")]
     assert len(warnings) == 1 and "raise model.exchange_buffer_factor" in warnings[0], err
 
@@ -147,9 +148,12 @@ def test_the_exchange_is_chosen_by_platform_and_said():
     mesh = make_mesh(MeshConfig(1, 4, 2, 1), jax.devices())
     rules = Preset.FSDP_TP.rules.completed(FAMILY.axis_roles)
     assert Exchange.of(mesh) is Exchange.BUFFERS  # XLA:CPU: UNIMPLEMENTED ragged-all-to-all
-    assert describe_exchange(rules, mesh, "experts") == (
+    assert describe_exchange(rules, mesh, "experts", sorted_dispatch=True) == (
         "experts: split 4 ways over ['fsdp']; a sorted dispatch's rows travel by all-to-all of fixed per-peer "
         "buffers (this backend has no ragged all-to-all)")
+    assert describe_exchange(rules, mesh, "experts", sorted_dispatch=False) == (  # issue 52, item 3
+        "experts: split 4 ways over ['fsdp']; a one-hot dispatch's slots travel as XLA partitions them (all-to-all "
+        "of a resharding)")
     gpu = type("Device", (), {"platform": "gpu"})()
     assert Exchange.of(type("Mesh", (), {"devices": np.array([gpu])})()) is Exchange.RAGGED
 
@@ -267,3 +271,13 @@ def test_sorted_temporaries_are_a_fraction_of_capacity_modes():
         compiled = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
         temp[dispatch] = compiled.memory_analysis().temp_size_in_bytes
     assert temp[Dispatch.CAPACITY] > 4 * temp[Dispatch.DROPLESS], temp
+
+
+@pytest.mark.parametrize("dispatch, said", [(Dispatch.DROPLESS, "a sorted dispatch's rows travel by all-to-all"),
+                                            (Dispatch.CAPACITY, "a one-hot dispatch's slots travel as XLA "
+                                                                "partitions them")])
+def test_the_start_up_line_describes_the_configured_dispatch(dispatch, said):
+    """Issue 52, item 3: under capacity (one-hot) dispatch it described the sorted one."""
+    trainer = _trainer((2, 2, 2, 1), dataclasses.replace(MOE, dispatch=dispatch))
+    lines = [line for line in trainer.describe_kernels(packed=False) if line.startswith("experts:")]
+    assert len(lines) == 1 and said in lines[0], lines

@@ -73,13 +73,17 @@ class Exchange(enum.Enum):
         return cls.BUFFERS if platform == "cpu" else cls.RAGGED
 
 
-def describe_exchange(rules: ShardingRules, mesh: Mesh, expert_axis: str) -> str | None:
-    """One line: how a sorted dispatch's rows reach the experts of logical axis ``expert_axis`` on
-    this mesh; None when the experts are not split (every device runs its own tokens' choices)."""
+def describe_exchange(rules: ShardingRules, mesh: Mesh, expert_axis: str, sorted_dispatch: bool) -> str | None:
+    """One line: how the rows of the model's dispatch (sorted, or one-hot: ``models.api.RoutedExperts``)
+    reach the experts of logical axis ``expert_axis`` on this mesh; None when the experts are not
+    split (every device runs its own tokens' choices)."""
     axes = expert_axes(rules, mesh, (expert_axis,))
     if not axes:
         return None
     peers = math.prod(mesh.shape[a] for a in axes)
+    if not sorted_dispatch:
+        return (f"experts: split {peers} ways over {list(axes)}; a one-hot dispatch's slots travel as XLA "
+                "partitions them (all-to-all of a resharding)")
     stages = (f"; inside the {mesh.shape['stage']} pipeline stages as XLA's all-to-all of a resharding"
               if mesh.shape.get("stage", 1) > 1 else "")
     return (f"experts: split {peers} ways over {list(axes)}; a sorted dispatch's rows travel by "

@@ -136,6 +136,10 @@ class DeepSeekConfig:
         if unknown:
             raise InvalidField("remat_names", f"unknown names {unknown}; valid: {list(CHECKPOINT_NAMES)}")
 
+    @property
+    def sorted_dispatch(self) -> bool:
+        return self.dispatch is Dispatch.DROPLESS
+
     # What the shared blocks (models/blocks.py) and the MoE block read under their own names.
     @property
     def head_dim(self) -> int:

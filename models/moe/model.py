@@ -188,6 +188,10 @@ class MoEConfig:
         return GroupedSpec(self.grouped_matmul, self.expert_block)
 
     @property
+    def sorted_dispatch(self) -> bool:
+        return self.dispatch is Dispatch.DROPLESS
+
+    @property
     def attention_dim(self) -> int:
         return self.num_heads * self.head_dim
 
