@@ -323,3 +323,40 @@ def test_train_tokenizer_is_deterministic_and_round_trips(corpus, tmp_path):
     assert replaced == paths[0] and replaced.read_bytes() != paths[1].read_bytes()
     assert load_tokenizer(str(tmp_path / "one"), "test").get_vocab_size() <= 300
     assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["tokenizer.json"]  # no partial file left
+
+
+def test_overwrite_writes_beside_the_old_corpus_and_swaps_it_in(corpus, tmp_path, monkeypatch, capsys):
+    """--overwrite leaves the old corpus alone until the new one is complete beside it: a full disk
+    midway (ENOSPC) is one line and the old corpus and a file beside it are intact, with no
+    temporary directory left; the next run replaces the corpus and keeps the file."""
+    import errno
+    import os
+
+    from meshtrain.data import corpus as corpus_module
+
+    out = tmp_path / "out"
+    command = ["prepare", "--tokenizer", corpus["tokenizer"], "--input", corpus["inputs"][0], "--out", str(out),
+               "--no-progress", "--shard-tokens", str(SHARD_TOKENS)]
+    assert main(command) == 0
+    (out / "notes.md").write_text("mine")
+    before = _files(out)
+    write, calls = corpus_module._SplitWriter._write, []
+
+    def filling(self, *args):
+        calls.append(self.split)
+        if len(calls) == 4:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.out / "train-00003.bin.tmp"))
+        return write(self, *args)
+
+    monkeypatch.setattr(corpus_module._SplitWriter, "_write", filling)
+    capsys.readouterr()
+    assert main([*command, "--overwrite", "--val-fraction", "0.1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --out: cannot write ") and err[-1].endswith(
+        f"train-00003.bin.tmp: No space left on device; {out} is left as it was"), err
+    assert _files(out) == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
+    monkeypatch.setattr(corpus_module._SplitWriter, "_write", write)
+    assert main([*command, "--overwrite", "--val-fraction", "0.1"]) == 0
+    assert set(PreparedCorpus.open(str(out)).splits) == {"train", "val"} and (out / "notes.md").read_text() == "mine"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]

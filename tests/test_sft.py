@@ -18,9 +18,12 @@ import itertools
 import json
 import math
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
+import jinja2
+import jinja2.sandbox
 import numpy as np
 import pytest
 from flax import nnx
@@ -30,7 +33,8 @@ from meshtrain import logits as logits_cli
 from meshtrain.data import DataConfig, DataSource, Packing, global_batch, make_dataset, make_held_out_dataset
 from meshtrain.data.__main__ import main as data_main
 from meshtrain.data.corpus import INDEX_FILE, PreparedCorpus
-from meshtrain.data.sft import DEFAULT_CHAT_TEMPLATE, DEFAULT_TEMPLATE_SOURCE, prepare_sft
+from meshtrain.data.chat_template import DEFAULT_CHAT_TEMPLATE
+from meshtrain.data.sft import DEFAULT_TEMPLATE_SOURCE, prepare_sft
 from meshtrain.data.tokenizer import train_bpe
 from meshtrain.errors import ConfigError
 from meshtrain.loss import cross_entropy_sum
@@ -285,6 +289,237 @@ def test_the_output_does_not_depend_on_batching_or_the_kept_tokens(data, tmp_pat
                 progress=False, shard_tokens=500, batch_bytes=300, keep_tokens=100)
     for path in data["prepared"]["plain"].iterdir():
         assert (tmp_path / "out" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+# ---- issue 53: rendering bounded, rendered once, the template's tokens, --overwrite ----
+
+def _prefix_rendered(tokenizer: Tokenizer, template: str, variables: dict, messages: list[dict]):
+    """The ids and mask of the earlier algorithm, for reference: the template (its {% generation %}
+    marks dropped) rendered once per assistant turn before and up to it, each text tokenized."""
+    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    compiled = environment.from_string(re.sub(r"{%-? *(end)?generation *-?%}", "", template))
+    encode = lambda part, prompt: tokenizer.encode(compiled.render(messages=part, add_generation_prompt=prompt,
+                                                                   **variables), add_special_tokens=False).ids
+    ids = encode(messages, False)
+    mask = [0] * len(ids)
+    for k, message in enumerate(messages):
+        if message["role"] == "assistant":
+            prompt, upto = encode(messages[:k], True), encode(messages[:k + 1], False)
+            assert ids[:len(prompt)] == prompt and ids[:len(upto)] == upto
+            mask[len(prompt):len(upto)] = [1] * (len(upto) - len(prompt))
+    return ids, mask
+
+
+def test_the_mask_is_the_one_each_turn_rendered_alone_gives(data, tmp_path):
+    """Rendering once (a template with {% generation %}: the built-in one, ChatML) or rendering each
+    turn's prefixes but tokenizing the whole only (a template without) gives the ids and mask that
+    tokenizing each turn's prefixes gave."""
+    unmarked = tmp_path / "chatml.jinja"
+    unmarked.write_text(re.sub(r"{%-? *(end)?generation *-?%}", "", CHATML))
+    prepare_sft([str(data["inputs"])], str(data["chatml"]), str(tmp_path / "unmarked"), chat_template=str(unmarked),
+                progress=False)
+    train = [i for i in range(64) if (i + 1) % 4]
+    cases = [(data["prepared"]["plain"], DEFAULT_CHAT_TEMPLATE, {"eos_token": "<|endoftext|>"}, train),
+             (data["prepared"]["chatml"], CHATML, {"eos_token": "<|im_end|>"}, train),
+             (tmp_path / "unmarked", CHATML, {"eos_token": "<|im_end|>"}, range(64))]
+    for prepared, template, variables, order in cases:
+        corpus = PreparedCorpus.open(str(prepared))
+        tokenizer = Tokenizer.from_file(corpus.tokenizer.file)
+        eos = corpus.tokenizer.eos_id
+        for number, (ids, mask) in zip(order, _documents(corpus.splits["train"]), strict=True):
+            expected, expected_mask = _prefix_rendered(tokenizer, template, variables,
+                                                       _messages(data["examples"][number]))
+            ends_in_eos = expected[-1] == eos
+            assert ids.tolist() == expected + ([] if ends_in_eos else [eos]), (prepared, number)
+            assert mask.tolist() == expected_mask + ([] if ends_in_eos else [0]), (prepared, number)
+
+
+def _counting_renders(monkeypatch) -> list[int]:
+    """The characters of each rendering Jinja makes from now on (one entry a rendering)."""
+    rendered = []
+    generate = jinja2.Template.generate
+
+    def counting(self, *args, **kwargs):
+        rendered.append(0)
+        for piece in generate(self, *args, **kwargs):
+            rendered[-1] += len(piece)
+            yield piece
+
+    monkeypatch.setattr(jinja2.Template, "generate", counting)
+    return rendered
+
+
+def test_a_thousand_turn_chat_is_rendered_once(data, tmp_path, monkeypatch):
+    """A 1 MB chat of 1,000 messages (500 assistant turns) was rendered twice more per turn (the
+    prefixes: 12 GB); with the built-in template (its responses marked) it is rendered once."""
+    rng = np.random.default_rng(3)
+    messages = [{"role": ("user", "assistant")[i % 2], "content": " ".join(rng.choice(WORDS, 200))}
+                for i in range(1000)]
+    inputs = _write_jsonl(tmp_path / "long.jsonl", [{"messages": messages}])
+    assert inputs.stat().st_size > 1_000_000
+    rendered = _counting_renders(monkeypatch)
+    report = prepare_sft([str(inputs)], str(data["plain"]), str(tmp_path / "out"), progress=False)
+    split = report.corpus.splits["train"]
+    assert rendered == [split.text_bytes]  # one rendering, of exactly the text written
+    assert report.counts["train"].assistant_turns == 500
+    spans, _ = _spans(Tokenizer.from_file(str(data["plain"] / "tokenizer.json")), *_documents(split)[0])
+    assert spans == [m["content"] + "<|endoftext|>" for m in messages if m["role"] == "assistant"]
+
+
+def test_a_template_without_generation_marks_renders_each_turn_within_a_bound(data, tmp_path, monkeypatch, capsys):
+    """Without {% generation %} each turn's prefixes are rendered (streamed, never tokenized): 2 per
+    turn; a chat whose turns times characters pass PREFIX_RENDER_CHARACTERS is refused in one line."""
+    from meshtrain.data import sft
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token if m['role'] == "
+                        "'assistant' }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    messages = [{"role": ("user", "assistant")[i % 2], "content": f"{WORDS[i % 26]} {WORDS[i % 7]}"}
+                for i in range(40)]
+    inputs = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+    rendered = _counting_renders(monkeypatch)
+    report = prepare_sft([str(inputs)], str(data["plain"]), str(tmp_path / "out"), chat_template=str(template),
+                         progress=False)
+    assert len(rendered) == 1 + 2 * 20 and report.counts["train"].loss_tokens > 0
+    monkeypatch.setattr(sft, "PREFIX_RENDER_CHARACTERS", 20 * report.corpus.splits["train"].text_bytes - 1)
+    assert data_main(["prepare-sft", "--tokenizer", str(data["plain"]), "--input", str(inputs), "--out",
+                      str(tmp_path / "again"), "--chat-template", str(template), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --input: {inputs}:1: its 20 assistant turns would render "), err
+    assert f"the chat template ({template}) does not mark the assistant text with {{% generation %}}" in err[0]
+    assert not (tmp_path / "again").exists()
+
+
+BAD_TEMPLATES = [
+    ("{% include 'turn.jinja' %}", None, "uses {% include %} (its line 1); a chat template is one file that loads "
+     "no other"),
+    ("{% extends 'base.jinja' %}", None, "uses {% extends %} (its line 1)"),
+    ("{% from 'macros.jinja' import turn %}{{ turn(messages) }}", None, "uses {% from ... import %} (its line 1)"),
+    ("{% import 'macros.jinja' as m %}", None, "uses {% import %} (its line 1)"),
+    ("{% macro turn(m) %}{{ turn(m) }}{% endmacro %}\n{{ turn(messages) }}", 1,
+     "recursed too deeply on it (its line 1): a macro that calls itself without end?"),
+    ("{% for m in messages %}\n{{ m['content'] | length // 0 }}{% endfor %}", 1,
+     "failed on it (its line 2): ZeroDivisionError: integer division or modulo by zero"),
+    ("{% for m in messages %}{{ m['content'] + loop.index }}{% endfor %}", 1,
+     'failed on it (its line 1): TypeError: can only concatenate str (not "int") to str'),
+    ("{{ range(200000) | length }}", 1, "failed on it (its line 1): OverflowError: Range too big. The sandbox blocks "
+     "ranges larger than MAX_RANGE (100000)."),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", 1,
+     "steps (loop iterations, calls and the characters they make), the most its rendering may take: a loop or a "
+     "recursion without end? (its line 1)"),  # 10**10 iterations: stopped at the step budget, at once
+    ("{{ 'a' * 10 ** 10 }}", 1, "refused it: * would make a string or list of 10,000,000,000 items, more than the "
+     "16,777,216 characters a rendering may write (its line 1)"),  # was the trainer's out-of-memory line
+    ("{% for i in range(2000) %}{{ messages[1]['content'] }}{% endfor %}", 1,
+     "renders it to more than 16,777,216 characters, the most tokenized at once; shorten it"),
+]
+
+
+@pytest.mark.parametrize("text,line,message", BAD_TEMPLATES, ids=[f"bad{i}" for i in range(len(BAD_TEMPLATES))])
+def test_a_template_that_fails_is_one_line_naming_it_and_the_example(data, tmp_path, capsys, text, line, message):
+    """Loading other files, recursing, dividing by zero, adding text to a number, passing the
+    sandbox's range limit, looping 10**10 times, building a 10 GB string or rendering past what is
+    tokenized at once: one line naming the template (and the example's file:line), exit 2."""
+    template = tmp_path / "t.jinja"
+    template.write_text(text)
+    inputs = _write_jsonl(tmp_path / "x.jsonl", [{"prompt": "Say hi.", "response": "Hi. " * 2500}] * 2)
+    assert data_main(["prepare-sft", "--tokenizer", str(data["plain"]), "--input", str(inputs), "--out",
+                      str(tmp_path / "out"), "--chat-template", str(template), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    if line is None:
+        assert err[0].startswith(f"error: --chat-template: the chat template of {template} "), err
+    else:
+        assert err[0].startswith(f"error: --input: {inputs}:{line}: the chat template ({template}) "), err
+    assert message in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_tokenizers_own_template_that_fails_or_is_not_utf8_is_one_line(data, tmp_path, capsys):
+    """The error names the tokenizer directory's chat_template.jinja (or its tokenizer_config.json)
+    as the template's source; a chat_template.jinja that is not UTF-8 is one line too."""
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_bytes((data["plain"] / "tokenizer.json").read_bytes())
+    inputs = _write_jsonl(tmp_path / "x.jsonl", [{"prompt": "Say hi.", "response": "Hi."}])
+    command = ["prepare-sft", "--tokenizer", str(tokenizer), "--input", str(inputs), "--out", str(tmp_path / "out"),
+               "--no-progress"]
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0].x.y }}"}))
+    assert data_main(command) == 2
+    assert capsys.readouterr().err == (f"error: --input: {inputs}:1: the chat template ({tokenizer}/"
+                                       "tokenizer_config.json) refused it: 'dict object' has no attribute 'x' (its "
+                                       "line 1)\n")
+    (tokenizer / "chat_template.jinja").write_text("{{ 1 / 0 }}")
+    assert data_main(command) == 2
+    assert capsys.readouterr().err == (f"error: --input: {inputs}:1: the chat template ({tokenizer}/"
+                                       "chat_template.jinja) failed on it (its line 1): ZeroDivisionError: division "
+                                       "by zero\n")
+    (tokenizer / "chat_template.jinja").write_bytes(b"{{ messages }}\n{# caf\xe9 #}")
+    assert data_main(command) == 2
+    assert capsys.readouterr().err == (f"error: --tokenizer: {tokenizer}/chat_template.jinja is not UTF-8 text (byte "
+                                       "21); save the chat template as UTF-8\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_eos_token_the_tokenizer_does_not_hold_is_refused(data, tmp_path, capsys):
+    """tokenizer_config.json's eos_token '</s>', not a token of this tokenizer: the template would
+    write its four characters as text (trained on) and the real EOS after them would have mask 0.
+    A special token the template does not use is left alone."""
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_bytes((data["plain"] / "tokenizer.json").read_bytes())
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))
+    command = ["prepare-sft", "--tokenizer", str(tokenizer), "--input", str(data["inputs"]), "--out",
+               str(tmp_path / "out"), "--no-progress"]
+    assert data_main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    count = len(Tokenizer.from_file(str(tokenizer / "tokenizer.json")).encode("</s>").ids)
+    assert err[-1] == (f"error: --tokenizer: {tokenizer}/tokenizer_config.json: eos_token '</s>' is not a token of "
+                       f"the tokenizer, so the chat template would write it as text ({count} tokens): the mask would "
+                       "train on its characters and the model never learn to stop; set it to one of its special "
+                       "tokens (<|endoftext|>), or remove it"), err
+    assert not (tmp_path / "out").exists()
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "pad_token": "<pad>"}))
+    assert data_main(command) == 0
+
+
+def test_overwrite_onto_a_full_disk_keeps_the_old_corpus(data, tmp_path, monkeypatch, capsys):
+    """prepare-sft --overwrite writes the new corpus beside the old one and swaps it in when complete:
+    a write failing midway (ENOSPC) is one line, the old corpus (and a file beside it) is intact and
+    no temporary directory is left; once there is room, the new corpus replaces it."""
+    import errno
+    import os
+
+    from meshtrain.data import corpus as corpus_module
+
+    out = tmp_path / "out"
+    command = ["prepare-sft", "--tokenizer", str(data["plain"]), "--input", str(data["inputs"]), "--out", str(out),
+               "--no-progress", "--shard-tokens", "200"]
+    assert data_main(command) == 0
+    (out / "notes.md").write_text("mine")
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    other = _write_jsonl(tmp_path / "other.jsonl", _examples(5, 40))
+    write, calls = corpus_module._SplitWriter._write, []
+
+    def filling(self, *args):
+        calls.append(self.split)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.out / "train-00001.bin.tmp"))
+        return write(self, *args)
+
+    monkeypatch.setattr(corpus_module._SplitWriter, "_write", filling)
+    capsys.readouterr()
+    command[command.index(str(data["inputs"]))] = str(other)
+    assert data_main([*command, "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[1].startswith("error: --out: cannot write ") and err[1].endswith(
+        f"train-00001.bin.tmp: No space left on device; {out} is left as it was"), err
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["other.jsonl", "out"]
+    monkeypatch.setattr(corpus_module._SplitWriter, "_write", write)
+    assert data_main([*command, "--overwrite"]) == 0
+    assert PreparedCorpus.open(str(out)).splits["train"].num_documents == 40
+    assert (out / "notes.md").read_text() == "mine" and not (out / ".meshtrain.lock").exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["other.jsonl", "out"]
 
 
 # ---- the loss ----

@@ -21,6 +21,7 @@ restarts cleanly and writes the same bytes as an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fractions
 import glob
@@ -31,6 +32,9 @@ import json
 import os
 import pathlib
 import re
+import shutil
+import stat
+import tempfile
 import time
 from typing import BinaryIO
 from collections.abc import Callable, Iterator, Sequence
@@ -328,7 +332,7 @@ def _remove_prepared_files(out: pathlib.Path) -> None:
 
 
 def check_out(out: pathlib.Path, overwrite: bool) -> None:
-    """Refuses an ``out`` that ``_claim`` would refuse, touching nothing: a file, a prepared corpus
+    """Refuses an ``out`` that ``claimed`` would refuse, touching nothing: a file, a prepared corpus
     without ``overwrite``, a directory holding other files."""
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", f"{out} is a file, not a directory")
@@ -343,16 +347,80 @@ def check_out(out: pathlib.Path, overwrite: bool) -> None:
         raise ConfigError("--out", f"{out} is not empty and holds no prepared corpus; give a new or empty directory")
 
 
-def _claim(out: pathlib.Path, overwrite: bool, say: Callable[[str], None]) -> None:
-    """Makes ``out`` ready for a fresh write, marked incomplete, or refuses (never deleting
-    anything but a prepared or interrupted corpus's own files)."""
+def _remove_corpus(directory: pathlib.Path) -> None:
+    """Removes a corpus written beside ``out`` (``claimed``): its own files, then the directory."""
+    _remove_prepared_files(directory)
+    (directory / INCOMPLETE_MARKER).unlink(missing_ok=True)
+    directory.rmdir()
+
+
+def _swap_in(new: pathlib.Path, out: pathlib.Path) -> None:
+    """Puts the complete corpus ``new`` (beside ``out``) in the place of ``out``'s: ``out`` renamed
+    aside, ``new`` renamed to ``out``, the other files of ``out`` (and its lock) moved into it, the old
+    corpus removed."""
+    aside = new.with_name(new.name.replace(".new-", ".old-", 1))
+    os.rename(out, aside)
+    try:
+        os.rename(new, out)
+    except OSError:
+        os.rename(aside, out)
+        raise
+    for path in aside.iterdir():
+        if not _PREPARED_NAME.match(path.name):
+            os.rename(path, out / path.name)
+    _remove_corpus(aside)
+    _fsync_dir(out.parent)
+
+
+def _write_error(error: OSError, out: pathlib.Path, kept: str) -> ConfigError:
+    where = error.filename or out
+    return ConfigError("--out", f"cannot write {where}: {error.strerror or error}; {kept}")
+
+
+@contextlib.contextmanager
+def claimed(out: pathlib.Path, overwrite: bool, say: Callable[[str], None]) -> Iterator[pathlib.Path]:
+    """The directory to write a corpus for ``out`` into, inside the ``with``; refused as
+    ``check_out`` refuses, deleting nothing but a prepared or interrupted corpus's own files.
+
+    A new or interrupted ``out`` is that directory itself, marked incomplete (an interrupted run's
+    files removed) until ``finish`` completes it; a failure leaves it marked. An ``out`` that holds
+    a complete corpus (``overwrite``) is untouched until the new corpus is complete in a directory
+    beside it (``.NAME.new-*``), which then takes its place (``_swap_in``); a failure removes that
+    directory, leaving the old corpus as it was. An ``OSError`` (a full disk) is a one-line
+    ``ConfigError`` saying so."""
     check_out(out, overwrite)
+    if (out / INDEX_FILE).exists() and not (out / INCOMPLETE_MARKER).exists():
+        kept, real = f"{out} is left as it was", out.resolve()  # a link to a directory: swapped where it points
+        try:
+            new = pathlib.Path(tempfile.mkdtemp(prefix=f".{real.name}.new-", dir=real.parent))
+        except OSError as error:
+            raise _write_error(error, out, f"{kept} (--overwrite writes the new corpus beside it, in "
+                               f"{real.parent}, then swaps it in)") from None
+        try:
+            new.chmod(stat.S_IMODE(real.stat().st_mode))
+            (new / INCOMPLETE_MARKER).touch()
+            yield new
+        except BaseException as failure:
+            shutil.rmtree(new)  # only this run's files: a directory it made
+            if isinstance(failure, OSError):
+                raise _write_error(failure, out, kept) from None
+            raise
+        try:
+            _swap_in(new, real)
+        except OSError as error:
+            raise _write_error(error, out, f"swapping in the new corpus, complete beside it in {real.parent}, "
+                               "failed") from None
+        return
     if (out / INCOMPLETE_MARKER).exists():
         say(f"{out}: an earlier prepare was interrupted; removing its partial files and starting again")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / INCOMPLETE_MARKER).touch()
-    _fsync_dir(out)
-    _remove_prepared_files(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / INCOMPLETE_MARKER).touch()
+        _fsync_dir(out)
+        _remove_prepared_files(out)
+        yield out
+    except OSError as error:
+        raise _write_error(error, out, f"{out} is left marked incomplete (a rerun starts afresh)") from None
 
 
 def _val_selector(val_fraction: float) -> Callable[[int], bool]:
@@ -504,9 +572,8 @@ def prepare(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fractio
         say("warning: TOKENIZERS_PARALLELISM turns off tokenizers' threads: one core encodes; unset it")
     writable_directory(out_dir, "--out")
     # Another prepare writing into --out holds it: a second one refuses instead of removing its files.
-    with RunLock(out_dir, field="--out", holder="prepare"):
-        _claim(out_dir, overwrite, say)
-        encoder = _Encoder(tokenizer, eos_id, {split: _SplitWriter(out_dir, split, dtype, shard_tokens)
+    with RunLock(out_dir, field="--out", holder="prepare"), claimed(out_dir, overwrite, say) as target:
+        encoder = _Encoder(tokenizer, eos_id, {split: _SplitWriter(target, split, dtype, shard_tokens)
                                                for split in ([TRAIN, VAL] if val_files or val_fraction else [TRAIN])})
         all_files = train_files + val_files
         bar = _Progress(console, sum(path.stat().st_size for path in all_files), len(all_files), progress)
@@ -531,14 +598,14 @@ def prepare(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fractio
             raise ConfigError("--val-fraction", f"{val_fraction} of {writers[TRAIN].documents} documents rounds "
                               "down to no val document; raise it or use --val-input")
 
-        corpus = finish(out_dir, tokenizer_path, dtype, (eos_token, eos_id), vocab_size, writers)
-        return PrepareReport(corpus, encoder.seconds)
+        finish(target, tokenizer_path, dtype, (eos_token, eos_id), vocab_size, writers)
+    return PrepareReport(PreparedCorpus.open(str(out_dir), field="--out"), encoder.seconds)
 
 
 def finish(out_dir: pathlib.Path, tokenizer_path: str, dtype: np.dtype, eos: tuple[str, int], vocab_size: int,
-           writers: dict[str, _SplitWriter], loss_mask: dict | None = None) -> PreparedCorpus:
-    """Writes the tokenizer's copy and ``index.json`` (last), removes the incomplete marker and opens
-    the corpus. ``loss_mask``: the index's entry of a masked (fine-tuning) corpus."""
+           writers: dict[str, _SplitWriter], loss_mask: dict | None = None) -> None:
+    """Writes the tokenizer's copy and ``index.json`` (last) and removes the incomplete marker.
+    ``loss_mask``: the index's entry of a masked (fine-tuning) corpus."""
     write_file(out_dir / TOKENIZER_FILE, tokenizer_file(tokenizer_path).read_bytes())
     index = {"format": FORMAT, "dtype": dtype.name,
              "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(out_dir / TOKENIZER_FILE),
@@ -550,7 +617,6 @@ def finish(out_dir: pathlib.Path, tokenizer_path: str, dtype: np.dtype, eos: tup
     write_file(out_dir / INDEX_FILE, (json.dumps(index, indent=1) + "\n").encode())
     (out_dir / INCOMPLETE_MARKER).unlink()
     _fsync_dir(out_dir)
-    return PreparedCorpus.open(str(out_dir), field="--out")
 
 
 # ---- reading a prepared directory ----

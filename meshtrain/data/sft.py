@@ -11,20 +11,33 @@ tokenizer's chat template (Jinja, as ``transformers``' ``apply_chat_template`` r
 messages, ``add_generation_prompt`` and the tokenizer's special tokens ``bos_token``,
 ``eos_token``, ... as variables) and tokenized with the template's special tokens read as tokens
 (``add_special_tokens=False``: the template writes BOS where the model wants one). The loss mask is
-1 on the tokens of every assistant message: for assistant message k, from the end of the tokens of
-the conversation before it rendered with the generation prompt to the end of the tokens of the
-conversation up to and including it (its content and whatever the template closes the turn with,
-e.g. ``<|im_end|>`` or EOS). Both token sequences must be prefixes of the whole conversation's
-tokens; an example where they are not (the template or the tokenizer joins the prompt's end and the
-response's start into one token) is refused, naming its file and line.
+1 on the tokens of the assistant text, found in one of two ways:
+
+* a template that marks it with ``{% generation %}...{% endgeneration %}`` (as transformers'
+  ``return_assistant_tokens_mask`` requires; the built-in one does) is rendered once, and the mask
+  is 1 on the text of those blocks;
+* for any other template, for assistant message k: from the end of the conversation before it
+  rendered with the generation prompt to the end of the conversation up to and including it (its
+  content and whatever the template closes the turn with, e.g. ``<|im_end|>`` or EOS). Both texts
+  must begin the whole conversation's text, which is rendered once more per assistant turn, so an
+  example whose turns times characters exceed ``PREFIX_RENDER_CHARACTERS`` is refused (mark the
+  template's assistant text instead).
+
+Every such place must fall between two tokens of the whole conversation; an example where it does
+not (the template or the tokenizer joins the prompt's end and the response's start into one token)
+is refused, naming its file and line.
 
 The template is, in order: ``--chat-template FILE``; the tokenizer directory's
 ``chat_template.jinja``; its ``tokenizer_config.json``'s ``chat_template``; else the built-in
 ``DEFAULT_CHAT_TEMPLATE`` (Alpaca-style headers, EOS after each response; for tokenizers without a
 template of their own, such as ``train-tokenizer``'s). ``strftime_now`` is left undefined, so the
-same input prepares the same bytes (templates that show a date fall back to their fixed one).
+same input prepares the same bytes (templates that show a date fall back to their fixed one). A
+special token of ``tokenizer_config.json`` that the template uses must be one token of the
+tokenizer (else the template would write its name as text). The template runs in Jinja's sandbox,
+without ``include``/``extends``/``import`` (it is one file) or ``lipsum``, and each rendering is
+bounded (``_BoundedSandbox``): whatever it fails with is one line naming the template and the example.
 
-Every example is checked (read, rendered, tokenized, its prefixes compared) before ``--out`` is
+Every example is checked (read, rendered, tokenized, its mask's ends checked) before ``--out`` is
 touched, so bad input changes nothing already written; then the examples are written as the
 documents of a prepared directory (``corpus.py``), each followed by the end-of-document token unless
 its tokens already end with it (mask 0 on that token), with ``.mask.bin`` shards beside the token
@@ -35,28 +48,26 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import pathlib
 import re
 import time
 import types
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
-import jinja2
-import jinja2.ext
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from rich.console import Console
 from tokenizers import Tokenizer
 
 from meshtrain import jsonio
 from meshtrain.data.corpus import (BATCH_TEXT_BYTES, DEFAULT_SHARD_TOKENS, TRAIN, VAL,
-                                   PreparedCorpus, _claim, _Progress, _SplitWriter, _val_selector, check_out,
+                                   PreparedCorpus, _Progress, _SplitWriter, _val_selector, check_out, claimed,
                                    finish, split_input_files, token_dtype)
+from meshtrain.data.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from meshtrain.data.columnar import is_columnar
 from meshtrain.data.files import write_file
-from meshtrain.data.tokenizer import MAX_PIECE_CHARS, end_of_document_id, load_tokenizer, tokenizer_file
-from meshtrain.errors import ConfigError, writable_directory
+from meshtrain.data.tokenizer import end_of_document_id, load_tokenizer, tokenizer_file
+from meshtrain.errors import ConfigError, cut, shown, writable_directory
 from meshtrain.run_lock import RunLock
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # in a tokenizer directory (transformers >= 4.43) and a prepared one
@@ -68,74 +79,13 @@ TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_toke
 KEEP_TOKENS = 1 << 26  # tokens the checking pass keeps for the writing one (<= 320 MB as uint32 + mask)
 VALID_LINES = ('each line is {"prompt": "...", "response": "..."} (and optionally "system": "...") or '
                '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}, ...]}')
-
-# The built-in template: Alpaca-style headers; each response ends with EOS (so a generation stops).
-# A blank line goes before each message but the first, never after a response, so the response's
-# tokens (its content and EOS) are all the loss is on.
-DEFAULT_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}\n"
-    "{%- if not loop.first %}{{ '\\n\\n' }}{% endif -%}\n"
-    "{%- if message['role'] == 'system' -%}{{ message['content'] }}\n"
-    "{%- elif message['role'] == 'user' -%}{{ '### Instruction:\\n' + message['content'] }}\n"
-    "{%- elif message['role'] == 'assistant' -%}{{ '### Response:\\n' + message['content'] + eos_token }}\n"
-    "{%- else -%}{{ raise_exception('the built-in chat template knows the roles system, user and assistant, "
-    "not ' + message['role']) }}\n"
-    "{%- endif -%}\n"
-    "{%- endfor -%}\n"
-    "{%- if add_generation_prompt -%}{{ '\\n\\n### Response:\\n' if messages else '### Response:\\n' }}{%- endif -%}\n")
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (transformers' marker of assistant text): renders
-    its body; the mask comes from the prefixes, not from the marker."""
-
-    tags = frozenset({"generation"})
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller) -> str:
-        return caller()
-
-
-def _raise_exception(message: str):
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    """transformers' ``tojson`` (Jinja's own escapes HTML characters)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatTemplate:
-    """A chat template, compiled. text: its Jinja source; source: where it came from (a path, or
-    ``DEFAULT_TEMPLATE_SOURCE``); variables: the special tokens it sees (``bos_token``, ...)."""
-
-    text: str
-    source: str
-    variables: dict[str, str]
-    template: jinja2.Template = dataclasses.field(repr=False, compare=False)
-
-    @classmethod
-    def compile(cls, text: str, source: str, variables: dict[str, str], field: str) -> ChatTemplate:
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                    extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-        environment.filters["tojson"] = _tojson
-        environment.globals["raise_exception"] = _raise_exception
-        try:
-            template = environment.from_string(text)
-        except jinja2.TemplateSyntaxError as err:
-            raise ConfigError(field, f"the chat template of {source} is not valid Jinja (its line {err.lineno}: "
-                              f"{err.message})") from None
-        return cls(text, source, dict(variables), template)
-
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The conversation as text (a ``jinja2.TemplateError`` when the template refuses it)."""
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    tools=None, documents=None, **self.variables)
+# One rendering of an example may take RENDER_STEPS steps plus RENDER_STEPS_PER_BYTE per byte of its
+# input line (a step: a loop iteration, a call or filter, or a character of what one makes). Ample
+# for a template that does a few things per message; a loop or recursion without end stops there.
+RENDER_STEPS = 1 << 20
+RENDER_STEPS_PER_BYTE = 64
+# A template without {% generation %} renders the conversation twice more per assistant turn.
+PREFIX_RENDER_CHARACTERS = 1 << 30
 
 
 def _token_string(value) -> str | None:
@@ -145,10 +95,40 @@ def _token_string(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def load_chat_template(tokenizer_path: str, eos_token: str, template_path: str | None = None) -> ChatTemplate:
+def _read_template(path: pathlib.Path, field: str) -> str:
+    """The text of a template file; a one-line ``ConfigError(field)`` when it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(field, f"{path} is not UTF-8 text (byte {err.start}); save the chat template as "
+                          "UTF-8") from None
+
+
+def _check_special_tokens(template: ChatTemplate, tokenizer: Tokenizer, config_path: pathlib.Path,
+                          configured: set[str]) -> None:
+    """Refuses a special token of tokenizer_config.json that the template writes but that is not one
+    token of the tokenizer: it would be written as text (an eos_token's characters trained on, the
+    real end never)."""
+    for name in sorted(template.uses & configured):
+        token = template.variables[name]
+        count = len(tokenizer.encode(token, add_special_tokens=False).ids)
+        if token and count != 1:
+            specials = sorted(added.content for added in tokenizer.get_added_tokens_decoder().values() if added.special)
+            valid = f"one of its special tokens ({cut(', '.join(specials), 160)})" if specials else "one of its tokens"
+            effect = (": the mask would train on its characters and the model never learn to stop"
+                      if name == "eos_token" else "")
+            raise ConfigError("--tokenizer", f"{config_path}: {name} {token!r} is not a token of the tokenizer, so "
+                              f"the chat template would write it as text ({count} tokens){effect}; set it to "
+                              f"{valid}, or remove it")
+
+
+def load_chat_template(tokenizer_path: str, tokenizer: Tokenizer, eos_token: str,
+                       template_path: str | None = None) -> ChatTemplate:
     """The chat template ``prepare-sft`` renders with (see the module docstring), with the special
     tokens of the tokenizer directory's ``tokenizer_config.json`` (``eos_token`` defaulting to the
-    end-of-document token ``eos_token``). One-line ``ConfigError`` for a template that cannot be read."""
+    end-of-document token ``eos_token``). One-line ``ConfigError`` for a template that cannot be
+    read or loads other files, and for a special token of tokenizer_config.json that the template
+    uses but ``tokenizer`` does not hold as one token."""
     directory = tokenizer_file(tokenizer_path).parent
     config_path = directory / TOKENIZER_CONFIG_FILE
     config = {}
@@ -160,18 +140,25 @@ def load_chat_template(tokenizer_path: str, eos_token: str, template_path: str |
         if not isinstance(config, dict):
             raise ConfigError("--tokenizer", f"{config_path} holds a {type(config).__name__}, not a JSON object")
     variables = {name: token for name in TEMPLATE_TOKENS if (token := _token_string(config.get(name))) is not None}
+    configured = set(variables)
     variables.setdefault("eos_token", eos_token)
+    template = _find_template(directory, config_path, config, variables, template_path)
+    _check_special_tokens(template, tokenizer, config_path, configured)
+    return template
+
+
+def _find_template(directory: pathlib.Path, config_path: pathlib.Path, config: dict, variables: dict[str, str],
+                   template_path: str | None) -> ChatTemplate:
+    """The first template of: ``template_path``, the directory's chat_template.jinja, the config's
+    chat_template, the built-in one; compiled."""
     if template_path is not None:
         path = pathlib.Path(template_path)
         if not path.is_file():
             raise ConfigError("--chat-template", f"no such file: {template_path}; give a Jinja chat template file")
-        try:
-            return ChatTemplate.compile(path.read_text(encoding="utf-8"), str(path), variables, "--chat-template")
-        except UnicodeDecodeError:
-            raise ConfigError("--chat-template", f"{template_path} is not UTF-8 text") from None
+        return ChatTemplate.compile(_read_template(path, "--chat-template"), str(path), variables, "--chat-template")
     if (directory / CHAT_TEMPLATE_FILE).is_file():
         path = directory / CHAT_TEMPLATE_FILE
-        return ChatTemplate.compile(path.read_text(encoding="utf-8"), str(path), variables, "--tokenizer")
+        return ChatTemplate.compile(_read_template(path, "--tokenizer"), str(path), variables, "--tokenizer")
     template = config.get("chat_template")
     if isinstance(template, list):  # several named templates: the one named "default"
         named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
@@ -195,6 +182,7 @@ _JSON_KINDS = {bool: "a boolean", int: "a number", float: "a number", str: "text
 def _kind(value) -> str:
     """What a parsed JSON value is, in words ("a number", "an object", ...)."""
     return _JSON_KINDS.get(type(value), type(value).__name__)
+
 
 def _message(value, number: int, where: str, field: str) -> dict:
     if not isinstance(value, dict):
@@ -238,17 +226,28 @@ def conversation(record, where: str, field: str = "--input") -> list[dict]:
     return messages
 
 
+class _Span(NamedTuple):
+    """Characters ``[start, end)`` of an example's text that the loss is on. label: what it is in
+    errors ("assistant turn 2"); before, upto: what the text up to its start and its end is."""
+
+    label: str
+    start: int
+    end: int
+    before: str
+    upto: str
+
+
 @dataclasses.dataclass
 class _Example:
-    """One conversation rendered: the whole text and, per assistant message, the texts of the
-    conversation before it with the generation prompt and up to and including it."""
+    """One conversation rendered: its text and the spans of it to train on."""
 
     where: str
     field: str  # the flag its file came from (--input, --val-input)
     split: str
     text: str
-    turns: list[tuple[str, str]]
     size: int  # UTF-8 bytes of text
+    turns: int  # its assistant messages
+    spans: list[_Span]
 
 
 class _Reader:
@@ -272,13 +271,6 @@ class _Reader:
             raise ConfigError(self.field, f"no examples in {self.field} ({len(self.files)} files, all empty); "
                               f"{VALID_LINES}")
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, where: str) -> str:
-        try:
-            return self.template.render(messages, add_generation_prompt)
-        except jinja2.TemplateError as err:
-            raise ConfigError(self.field, f"{where}: the chat template ({self.template.source}) refused it: "
-                              f"{' '.join(str(err).split())[:200]}") from None
-
     def _example(self, line: bytes, where: str) -> _Example:
         try:
             record = jsonio.loads(line, max_depth=None)
@@ -292,18 +284,59 @@ class _Reader:
                     raise ConfigError(self.field, f"{where}: messages[{number}].content holds {found.group()!r}, a "
                                       "special token of the tokenizer, written as text; it would be read as the "
                                       "token (a forged turn or document end): remove it from the data")
-        text = self._render(messages, False, where)
-        if len(text) > MAX_PIECE_CHARS:
-            raise ConfigError(self.field, f"{where} renders to {len(text):,} characters, more than the "
-                              f"{MAX_PIECE_CHARS:,} tokenized at once; shorten it")
+        budget = RENDER_STEPS + RENDER_STEPS_PER_BYTE * len(line)
+        text, generated = self.template.render(messages, budget, where, self.field)
         try:
             size = len(text.encode("utf-8"))
         except UnicodeEncodeError:
             raise ConfigError(self.field, f"{where} holds a lone surrogate (\\ud800-\\udfff escape), which is not "
                               "text") from None
-        turns = [(self._render(messages[:k], True, where), self._render(messages[:k + 1], False, where))
-                 for k, message in enumerate(messages) if message["role"] == ASSISTANT]
-        return _Example(where, self.field, "", text, turns, size)
+        turns = sum(message["role"] == ASSISTANT for message in messages)
+        if self.template.marks_generation:
+            if not generated:
+                raise ConfigError(self.field, f"{where}: the chat template ({self.template.source}) marks none of "
+                                  "its text with {% generation %}, so nothing is trained on; mark each assistant "
+                                  "message's text with {% generation %}...{% endgeneration %}")
+            spans = [_Span(f"{{% generation %}} block {number}", start, end, "the conversation before it",
+                           "the conversation up to its end") for number, (start, end) in enumerate(generated, 1)]
+        else:
+            spans = self._turn_spans(messages, text, turns, budget, where)
+        return _Example(where, self.field, "", text, size, turns, spans)
+
+    def _turn_spans(self, messages: list[dict], text: str, turns: int, budget: int, where: str) -> list[_Span]:
+        """Each assistant turn's span: from the end of the conversation before it rendered with the
+        generation prompt to the end of the conversation up to it, both of which must begin ``text``."""
+        if turns * len(text) > PREFIX_RENDER_CHARACTERS:
+            raise ConfigError(self.field, f"{where}: its {turns:,} assistant turns would render {turns * len(text):,} "
+                              f"characters (more than {PREFIX_RENDER_CHARACTERS:,}): the chat template "
+                              f"({self.template.source}) does not mark the assistant text with {{% generation %}}, "
+                              "so each turn renders the conversation before it again; mark it (rendered once), or "
+                              "split the conversation")
+        spans = []
+        for index, message in enumerate(messages):
+            if message["role"] == ASSISTANT:
+                label = f"assistant turn {len(spans) + 1}"
+                before, upto = "the conversation before it with the generation prompt", "the conversation up to its end"
+                start = self._prefix_end(messages[:index], True, text, budget, where, label, before)
+                end = self._prefix_end(messages[:index + 1], False, text, budget, where, label, upto)
+                spans.append(_Span(label, start, end, before, upto))
+        return spans
+
+    def _prefix_end(self, messages: list[dict], add_generation_prompt: bool, whole: str, budget: int, where: str,
+                    label: str, what: str) -> int:
+        """How many characters of ``whole`` the rendering of ``messages`` is, which it must begin."""
+        at = 0
+        for piece in self.template.stream(messages, add_generation_prompt, budget, where, self.field):
+            if not whole.startswith(piece, at):
+                differ = at + next((i for i, (a, b) in enumerate(zip(piece, whole[at:])) if a != b),
+                                   len(whole) - at)
+                raise ConfigError(self.field, f"{where}: {label}: the text of {what} does not begin the whole "
+                                  f"conversation's (at character {differ:,} it has {shown(piece[differ - at:][:20])}, "
+                                  f"the whole {shown(whole[differ:differ + 20])}): the chat template renders the "
+                                  "messages before the last differently once more follow; mark the assistant text "
+                                  "with {% generation %}, or change the template")
+            at += len(piece)
+        return at
 
 
 def _special_tokens(tokenizer: Tokenizer) -> re.Pattern | None:
@@ -321,30 +354,38 @@ def _describe_divergence(tokenizer: Tokenizer, part: np.ndarray, whole: np.ndarr
     return f"token {at} is {show(part[at])} there but {show(whole[at])} in the whole conversation"
 
 
+def _tokens_before(tokenizer: Tokenizer, example: _Example, span: _Span, at: int, what: str, ids: np.ndarray,
+                   offsets: np.ndarray) -> int:
+    """How many of the whole conversation's tokens its first ``at`` characters are (``offsets``:
+    [tokens, 2] their characters); a one-line ``ConfigError`` when a token spans character ``at``."""
+    count = int(np.searchsorted(offsets[:, 1], at, side="right"))
+    if count == len(ids) or offsets[count, 0] >= at:
+        return count
+    part = np.array(tokenizer.encode(example.text[:at], add_special_tokens=False).ids, np.int64)
+    raise ConfigError(example.field, f"{example.where}: {span.label}: the tokens of {what} are not a prefix of the "
+                      f"whole conversation's ({_describe_divergence(tokenizer, part, ids)}): the tokenizer joins the "
+                      "prompt's end and the response's start into one token (a generation prompt ending in a space, or "
+                      "a response starting with whitespace?); change the example or the template")
+
+
 def _tokenized(tokenizer: Tokenizer, examples: list[_Example], eos_id: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each example's ids (ending in ``eos_id``) and loss mask (uint8), both [tokens]; a one-line
-    ``ConfigError`` naming the example whose prompt's tokens are not a prefix of its whole's."""
-    texts = [text for example in examples for text in (example.text, *(t for turn in example.turns for t in turn))]
-    encodings = iter(tokenizer.encode_batch_fast(texts, add_special_tokens=False))
+    """Each example's ids (ending in ``eos_id``) and loss mask (uint8), both [tokens]: 1 on the tokens
+    of its spans, found by the characters of the whole text's tokens (the tokenizer's post-processor
+    is off, so they are not trimmed); a one-line ``ConfigError`` naming the example when a span's
+    end falls inside a token or it holds none."""
     out = []
-    for example in examples:
-        ids = np.array(next(encodings).ids, np.int64)
+    for example, encoding in zip(examples, tokenizer.encode_batch([e.text for e in examples],
+                                                                  add_special_tokens=False)):
+        ids = np.array(encoding.ids, np.int64)
+        offsets = np.array(encoding.offsets, np.int64).reshape(-1, 2)
         mask = np.zeros(len(ids), np.uint8)
-        for turn, _ in enumerate(example.turns):
-            prompt, upto = (np.array(next(encodings).ids, np.int64) for _ in range(2))
-            for part, what in ((prompt, "the conversation before it with the generation prompt"),
-                               (upto, "the conversation up to its end")):
-                if len(part) > len(ids) or not np.array_equal(part, ids[:len(part)]):
-                    raise ConfigError(example.field, f"{example.where}: assistant turn {turn + 1}: the tokens of "
-                                      f"{what} are not a prefix of the whole conversation's "
-                                      f"({_describe_divergence(tokenizer, part, ids)}): the tokenizer joins the "
-                                      "prompt's end and the response's start into one token (a generation prompt "
-                                      "ending in a space, or a response starting with whitespace?); change the "
-                                      "example or the template")
-            if len(upto) <= len(prompt):
-                raise ConfigError(example.field, f"{example.where}: assistant turn {turn + 1} renders to no tokens "
-                                  "after its prompt; the chat template does not show assistant messages")
-            mask[len(prompt):len(upto)] = 1
+        for span in example.spans:
+            start = _tokens_before(tokenizer, example, span, span.start, span.before, ids, offsets)
+            end = _tokens_before(tokenizer, example, span, span.end, span.upto, ids, offsets)
+            if end <= start:
+                raise ConfigError(example.field, f"{example.where}: {span.label} renders to no tokens after its "
+                                  "prompt; the chat template does not show assistant messages")
+            mask[start:end] = 1
         if not len(ids) or ids[-1] != eos_id:
             ids, mask = np.append(ids, eos_id), np.append(mask, np.uint8(0))
         out.append((ids, mask))
@@ -409,8 +450,9 @@ def prepare_sft(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fra
     tokenizer.encode_special_tokens = False  # the template's special tokens are tokens
     tokenizer.no_truncation()
     tokenizer.no_padding()
+    tokenizer.post_processor = None  # adds nothing without special tokens, but would trim the tokens' characters
     eos_token, eos_id = end_of_document_id(tokenizer, eos, "--eos")
-    template = load_chat_template(tokenizer_path, eos_token, chat_template)
+    template = load_chat_template(tokenizer_path, tokenizer, eos_token, chat_template)
     if template.source == DEFAULT_TEMPLATE_SOURCE:
         console.print(f"chat template: {DEFAULT_TEMPLATE_SOURCE} (the tokenizer has none; see "
                       "meshtrain/data/sft.py DEFAULT_CHAT_TEMPLATE)", markup=False)
@@ -449,7 +491,7 @@ def prepare_sft(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fra
                                          sum(example.size for example, _, _ in chosen),
                                          np.concatenate([mask for _, _, mask in chosen]))
                         counts[split] = [a + b for a, b in zip(counts[split], (
-                            len(chosen), sum(len(example.turns) for example, _, _ in chosen),
+                            len(chosen), sum(example.turns for example, _, _ in chosen),
                             len(packed[split][0]), int(np.count_nonzero(packed[split][3]))))]
                 yield packed
                 shown = {split: types.SimpleNamespace(documents=numbers[0], tokens=numbers[2])
@@ -470,20 +512,21 @@ def prepare_sft(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fra
                           "example; raise it or use --val-input")
     written = {split: SplitCounts(*values) for split, values in counts.items()}
 
-    # Pass 2: the same examples, written.
+    # Pass 2: the same examples, written (beside an already prepared --out, which they replace once complete).
     writable_directory(out_dir, "--out")
-    with RunLock(out_dir, field="--out", holder="prepare"):
-        _claim(out_dir, overwrite, lambda line: console.print(line, markup=False))
-        writers = {split: _SplitWriter(out_dir, split, dtype, shard_tokens, masked=True) for split in splits}
+    with RunLock(out_dir, field="--out", holder="prepare"), \
+            claimed(out_dir, overwrite, lambda line: console.print(line, markup=False)) as target:
+        writers = {split: _SplitWriter(target, split, dtype, shard_tokens, masked=True) for split in splits}
         if kept is None:
             counts = {split: [0, 0, 0, 0] for split in splits}
         for packed in kept if kept is not None else packed_batches():
             for split, (ids, lengths, text_bytes, mask) in packed.items():
                 writers[split].add(ids, lengths, text_bytes, mask)
         template_bytes = template.text.encode("utf-8")
-        write_file(out_dir / CHAT_TEMPLATE_FILE, template_bytes)
+        write_file(target / CHAT_TEMPLATE_FILE, template_bytes)
         loss_mask = {"chat_template": {"file": CHAT_TEMPLATE_FILE, "source": template.source,
                                        "sha256": hashlib.sha256(template_bytes).hexdigest()},
                      "variables": template.variables, "trained_role": ASSISTANT}
-        corpus = finish(out_dir, tokenizer_path, dtype, (eos_token, eos_id), vocab_size, writers, loss_mask)
+        finish(target, tokenizer_path, dtype, (eos_token, eos_id), vocab_size, writers, loss_mask)
+    corpus = PreparedCorpus.open(str(out_dir), field="--out")
     return SftReport(corpus, written, template.source, time.perf_counter() - started)
