@@ -360,3 +360,22 @@ def test_overwrite_writes_beside_the_old_corpus_and_swaps_it_in(corpus, tmp_path
     assert main([*command, "--overwrite", "--val-fraction", "0.1"]) == 0
     assert set(PreparedCorpus.open(str(out)).splits) == {"train", "val"} and (out / "notes.md").read_text() == "mine"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("command", ["prepare", "prepare-sft"])
+def test_a_word_level_tokenizer_without_its_unknown_token_is_one_line(tmp_path, capsys, command):
+    """Issue 53, item 10: the tokenizers library raises on the first word outside the vocabulary."""
+    from tokenizers import pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "b": 1, "</s>": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    source = tmp_path / ("docs.txt" if command == "prepare" else "chat.jsonl")
+    source.write_text("a b c\n" if command == "prepare" else json.dumps({"prompt": "a", "response": "c"}) + "\n")
+    assert main([command, "--tokenizer", str(path), "--input", str(source), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --tokenizer: {path}: its WordLevel model's unk_token '[UNK]' is not in its vocabulary, so "
+                   "a word outside the vocabulary cannot be encoded (the tokenizers library raises); add that token "
+                   "to the vocabulary\n"), err
+    assert not (tmp_path / "out").exists()

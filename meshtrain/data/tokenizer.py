@@ -47,10 +47,16 @@ def load_tokenizer(path: str | pathlib.Path, field: str) -> Tokenizer:
         where = f"{path} has no {TOKENIZER_FILE}" if pathlib.Path(path).is_dir() else f"{path} does not exist"
         raise ConfigError(field, f"{where}; give a Hugging Face tokenizer.json or a directory holding one")
     try:
-        return Tokenizer.from_file(str(file))
+        tokenizer = Tokenizer.from_file(str(file))
     except Exception as err:  # noqa: BLE001 - the Rust side raises plain Exception for every parse failure
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(field, f"{file} is not a Hugging Face tokenizer.json ({reason[:120]})") from None
+    unknown = getattr(tokenizer.model, "unk_token", None)
+    if isinstance(tokenizer.model, models.WordLevel) and tokenizer.token_to_id(unknown or "") is None:
+        raise ConfigError(field, f"{file}: its WordLevel model's unk_token {unknown!r} is not in its vocabulary, so "
+                          "a word outside the vocabulary cannot be encoded (the tokenizers library raises); add "
+                          "that token to the vocabulary")
+    return tokenizer
 
 
 def file_sha256(path: str | pathlib.Path) -> str:
