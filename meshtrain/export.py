@@ -19,6 +19,7 @@ import sys
 import jax
 
 from meshtrain.checkpoint import RunCheckpoints, UnreadableCheckpoint, resolve_restore_path, save_params
+from meshtrain.data.chat_template import CHAT_TEMPLATE_FILE
 from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.cli import ArgumentParser, add_trust_plugin_argument, run, use_host_devices
 from meshtrain.config import to_dict
@@ -72,9 +73,10 @@ def export(run: str, out: str, step: int | None = None, *, trust_plugin: bool = 
     with new_output(out_dir, "--out"):
         written = save_params(out_dir, restored.state.params, {"step": restored.step, "source": str(restored.path),
                                                                "model": config["model"], "config": config})
-        tokenizer = restored.path.parent.parent / TOKENIZER_FILE  # the run's, when its data recorded one
-        if jax.process_index() == 0 and tokenizer.is_file():
-            shutil.copyfile(tokenizer, written / TOKENIZER_FILE)
+        for name in (TOKENIZER_FILE, CHAT_TEMPLATE_FILE):  # the run's, when its data recorded them
+            recorded = restored.path.parent.parent / name
+            if jax.process_index() == 0 and recorded.is_file():
+                shutil.copyfile(recorded, written / name)
     if jax.process_index() == 0:
         print(f"exported the parameters of {restored.path} (step {restored.step}, {cfg.model.num_params:,} "
               f"parameters) to {written}; fine-tune with checkpoint.init_from={written}", file=sys.stderr)

@@ -40,7 +40,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Files copied along with the weights (tokenizer and generation defaults) when present.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-              "generation_config.json", "tokenizer.model")
+              "generation_config.json", "tokenizer.model", "chat_template.jinja")
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
 # safetensors dtypes an import refuses (``SafetensorsFiles.dtype`` spells them so).
 NON_FLOAT_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",

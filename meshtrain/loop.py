@@ -29,6 +29,7 @@ from meshtrain.config import Config, to_dict
 from meshtrain.data import Packing, global_batch, make_dataset
 from meshtrain.data.sources import DataChanged
 from meshtrain.data.dataset import TokenDataset
+from meshtrain.data.chat_template import CHAT_TEMPLATE_FILE
 from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.errors import ConfigError, writable_directory
 from meshtrain.evaluation import Evaluator
@@ -182,14 +183,17 @@ def _refuse_linked_files(run_dir: pathlib.Path) -> None:
 
 def _record_tokenizer(dataset: TokenDataset, run_dir: pathlib.Path) -> None:
     """Copies the tokenizer the data was made with to ``run_dir/tokenizer.json`` (where
-    ``meshtrain.generate --tokenizer auto`` looks), replacing an older copy only by a new file."""
+    ``meshtrain.generate --tokenizer auto`` looks), and the chat template beside it (a corpus
+    ``prepare-sft`` made: what ``generate --chat`` renders), replacing an older copy only by a new file."""
     if dataset.tokenizer_file is None:
         return
-    target = run_dir / TOKENIZER_FILE
-    if not target.is_file() or target.read_bytes() != pathlib.Path(dataset.tokenizer_file).read_bytes():
-        partial = target.with_name(target.name + ".tmp")
-        shutil.copyfile(dataset.tokenizer_file, partial)
-        os.replace(partial, target)
+    source = pathlib.Path(dataset.tokenizer_file)
+    for name, origin in ((TOKENIZER_FILE, source), (CHAT_TEMPLATE_FILE, source.parent / CHAT_TEMPLATE_FILE)):
+        target = run_dir / name
+        if origin.is_file() and (not target.is_file() or target.read_bytes() != origin.read_bytes()):
+            partial = target.with_name(target.name + ".tmp")
+            shutil.copyfile(origin, partial)
+            os.replace(partial, target)
 
 
 def _open_trackers(cfg: Config, run_dir: pathlib.Path, *, resumed: bool) -> list:

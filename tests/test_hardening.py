@@ -554,10 +554,11 @@ def test_issue38_items4_11_locks_no_live_process_can_hold_are_taken_over(tmp_pat
 
 # --- issue 38 items 5, 6, 9: HF imports, file names inside indexes, JSON nesting ----------------------
 
-def _tiny_hf(path, *, config=None, edit=None):
+def _tiny_hf(path, *, config=None, edit=None, model=()):
     """An HF directory (config.json, model.safetensors) of the Llama that TINY runs here train
-    (``overrides()``: embed_dim 32), every weight 0.02 and every norm 1, written without transformers.
-    ``config``: keys to set in config.json; ``edit(tensors)``: changes the tensors before they are saved."""
+    (``overrides()``: embed_dim 32; ``model``: more ``model.*`` overrides), every weight 0.02 and every
+    norm 1, written without transformers. ``config``: keys to set in config.json; ``edit(tensors)``:
+    changes the tensors before they are saved."""
     import json
 
     from safetensors.numpy import save_file
@@ -567,7 +568,7 @@ def _tiny_hf(path, *, config=None, edit=None):
     from meshtrain.parallel.layout import abstract_model
     from models.api import family_of
 
-    cfg = load_config(TINY, ["model.embed_dim=32"]).model
+    cfg = load_config(TINY, ["model.embed_dim=32", *model]).model
     _, abstract = abstract_model(cfg)
     tensors = {name: np.full(tensor_map.hf_shape, 1.0 if "norm" in name else 0.02, np.float32)
                for tensor_map in hf.tensor_maps(family_of(cfg).hf, cfg, abstract)

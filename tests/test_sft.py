@@ -679,6 +679,8 @@ def test_held_out_evaluation_reports_the_response_only_loss(data, tmp_path):
             "model.embed_dim=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
             "model.head_dim=8", "model.mlp_dim=64", f"model.seq_len={SEQ}"]
     assert train_main(argv) == 0
+    # The run records the corpus' chat template beside its tokenizer (what generate --chat renders).
+    assert (run / "chat_template.jinja").read_text() == (prepared / "chat_template.jinja").read_text()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evaluated = [r for r in records if "eval_loss" in r][-1]
     split = PreparedCorpus.open(str(prepared)).split("val")
@@ -717,3 +719,35 @@ def test_the_make_sft_instruction_set_is_valid_input(tmp_path):
     assert len(records) > 1000
     assert {len(chat) for chat in chats} == {2, 5}  # pairs, and system + two turns
     assert all(chat[-1]["role"] == "assistant" and chat[-1]["content"] for chat in chats)
+
+
+def test_generate_chat_renders_the_prompt_as_prepare_sft_does(data, tmp_path, monkeypatch):
+    """Issue 52, item 3: ``generate --chat`` sends transformers' apply_chat_template ids (with the
+    generation prompt) of the tokenizer directory's template, and stops at its eos_token."""
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    from meshtrain import generate
+    from test_hardening import _tiny_hf
+
+    model_dir = _tiny_hf(tmp_path / "hf", model=[f"model.vocab_size={SFT_MODEL.vocab_size}"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(data["chatml"] / name, model_dir / name)
+    sent = {}
+    real = generate.continue_ids
+
+    def recording(model, tokenizer, ids, *args, **kwargs):
+        sent.update(ids=list(ids), eos_id=tokenizer.eos_id)
+        return real(model, tokenizer, ids, *args, **kwargs)
+
+    monkeypatch.setattr(generate, "continue_ids", recording)
+    printed = []
+    assert generate.main(["--hf", str(model_dir), "--prompt", "one two", "--system", "be brief", "--chat",
+                          "--max-new-tokens", "2"], print_fn=printed.append) == 0
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"), chat_template=CHATML)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "one two"}]
+    expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert sent["ids"] == list(expected)
+    assert sent["eos_id"] == reference.convert_tokens_to_ids("<|im_end|>") and len(printed) == 1
+    assert generate.main(["--hf", str(model_dir), "--prompt", "x", "--system", "s"]) == 2  # --chat only

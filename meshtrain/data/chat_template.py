@@ -23,6 +23,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from meshtrain.data.tokenizer import MAX_PIECE_CHARS
 from meshtrain.errors import ConfigError, cut
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # in a tokenizer directory (transformers >= 4.43) and a prepared one
+
 MAX_INT_BITS = 1 << 16  # the largest integer a template's * or ** may make
 CHARGED_FILTER = "_charged"  # the filter that charges what a {% set %} block makes
 

@@ -63,14 +63,13 @@ from meshtrain import jsonio
 from meshtrain.data.corpus import (BATCH_TEXT_BYTES, DEFAULT_SHARD_TOKENS, TRAIN, VAL,
                                    PreparedCorpus, _Progress, _SplitWriter, _val_selector, check_out, claimed,
                                    finish, split_input_files, token_dtype)
-from meshtrain.data.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from meshtrain.data.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from meshtrain.data.columnar import is_columnar
 from meshtrain.data.files import write_file
 from meshtrain.data.tokenizer import end_of_document_id, load_tokenizer, tokenizer_file
 from meshtrain.errors import ConfigError, cut, shown, writable_directory
 from meshtrain.run_lock import RunLock
 
-CHAT_TEMPLATE_FILE = "chat_template.jinja"  # in a tokenizer directory (transformers >= 4.43) and a prepared one
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 ASSISTANT = "assistant"  # the role whose messages are trained on
 DEFAULT_TEMPLATE_SOURCE = "the built-in default"
@@ -120,6 +119,32 @@ def _check_special_tokens(template: ChatTemplate, tokenizer: Tokenizer, config_p
             raise ConfigError("--tokenizer", f"{config_path}: {name} {token!r} is not a token of the tokenizer, so "
                               f"the chat template would write it as text ({count} tokens){effect}; set it to "
                               f"{valid}, or remove it")
+
+
+def rendered_text_tokenizer(tokenizer_path: str) -> Tokenizer:
+    """The tokenizer at ``tokenizer_path`` as ``prepare-sft`` tokenizes a rendered conversation: the
+    template's special tokens are tokens, nothing added, truncated or padded."""
+    tokenizer = load_tokenizer(tokenizer_path, "--tokenizer")
+    tokenizer.encode_special_tokens = False
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    tokenizer.post_processor = None  # adds nothing without special tokens, but would trim the tokens' characters
+    return tokenizer
+
+
+def chat_prompt(tokenizer_path: str, messages: list[dict], template_path: str | None = None
+                ) -> tuple[list[int], int]:
+    """The token ids of ``messages`` rendered by the chat template ``prepare-sft`` uses with this
+    tokenizer (``load_chat_template``) followed by the assistant's header (``add_generation_prompt``),
+    which a model fine-tuned on such data continues; and the id that ends its reply: the template's
+    ``eos_token`` (tokenizer_config.json's, else the end-of-document token prepare-sft appends)."""
+    tokenizer = rendered_text_tokenizer(tokenizer_path)
+    eos_token, eos_id = end_of_document_id(tokenizer, None, "--tokenizer")
+    template = load_chat_template(tokenizer_path, tokenizer, eos_token, template_path)
+    budget = RENDER_STEPS + RENDER_STEPS_PER_BYTE * sum(len(m["content"].encode("utf-8")) for m in messages)
+    text = "".join(template.stream(messages, True, budget, "--prompt", "--prompt"))
+    reply_end = tokenizer.token_to_id(template.variables["eos_token"])
+    return tokenizer.encode(text).ids, eos_id if reply_end is None else reply_end
 
 
 def load_chat_template(tokenizer_path: str, tokenizer: Tokenizer, eos_token: str,
@@ -446,16 +471,12 @@ def prepare_sft(inputs: Sequence[str], tokenizer_path: str, out: str, *, val_fra
     is_val = _val_selector(val_fraction)
     if shard_tokens < 1:
         raise ConfigError("--shard-tokens", f"must be a positive number of tokens, got {shard_tokens}")
-    tokenizer = load_tokenizer(tokenizer_path, "--tokenizer")
-    tokenizer.encode_special_tokens = False  # the template's special tokens are tokens
-    tokenizer.no_truncation()
-    tokenizer.no_padding()
-    tokenizer.post_processor = None  # adds nothing without special tokens, but would trim the tokens' characters
+    tokenizer = rendered_text_tokenizer(tokenizer_path)
     eos_token, eos_id = end_of_document_id(tokenizer, eos, "--eos")
     template = load_chat_template(tokenizer_path, tokenizer, eos_token, chat_template)
     if template.source == DEFAULT_TEMPLATE_SOURCE:
         console.print(f"chat template: {DEFAULT_TEMPLATE_SOURCE} (the tokenizer has none; see "
-                      "meshtrain/data/sft.py DEFAULT_CHAT_TEMPLATE)", markup=False)
+                      "meshtrain/data/chat_template.py DEFAULT_CHAT_TEMPLATE)", markup=False)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab_size)
     out_dir = pathlib.Path(out).absolute()
