@@ -379,3 +379,30 @@ def test_a_word_level_tokenizer_without_its_unknown_token_is_one_line(tmp_path, 
                    "a word outside the vocabulary cannot be encoded (the tokenizers library raises); add that token "
                    "to the vocabulary\n"), err
     assert not (tmp_path / "out").exists()
+
+
+def test_train_tokenizer_onto_a_full_disk_is_one_line_and_leaves_no_file(corpus, tmp_path, capsys, monkeypatch):
+    """Issue 53, item 7: the write fails part-way; neither tokenizer.json nor its .tmp stays."""
+    import errno
+    import io
+
+    real_open = open
+
+    class FullDisk(io.FileIO):
+        def write(self, data):
+            super().write(data[:10])
+            raise OSError(errno.ENOSPC, "No space left on device", self.name)
+
+    def opening(file, mode="r", *args, **kwargs):
+        if str(file).endswith(".json.tmp") and "w" in mode:
+            return FullDisk(file, "w")
+        return real_open(file, mode, *args, **kwargs)
+
+    from meshtrain.data import files
+
+    monkeypatch.setattr(files, "open", opening, raising=False)
+    out = tmp_path / "tok"
+    assert main(["train-tokenizer", "--input", corpus["inputs"][0], "--vocab-size", "300", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.endswith(f"error: {out / 'tokenizer.json.tmp'}: cannot write it: No space left "
+                                            "on device; free some space and run again\n")
+    assert list(out.iterdir()) == []

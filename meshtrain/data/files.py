@@ -17,7 +17,12 @@ def commit_file(stream: BinaryIO, path: pathlib.Path) -> None:
 
 
 def write_file(path: pathlib.Path, data: bytes) -> None:
-    """``data`` as the whole content of ``path``, through ``path.tmp``."""
+    """``data`` as the whole content of ``path``, through ``path.tmp`` (removed if the write fails)."""
     stream = open(f"{path}.tmp", "wb")  # noqa: SIM115 - commit_file closes it
-    stream.write(data)
-    commit_file(stream, path)
+    try:
+        stream.write(data)
+        commit_file(stream, path)
+    except BaseException:
+        stream.close()
+        pathlib.Path(stream.name).unlink(missing_ok=True)
+        raise
