@@ -10,7 +10,7 @@ norms and routers stay wide.
 
 In the step: attach -> forward/backward per microbatch (the gradient of each weight's ``observed``
 is the amax of its matmul's input, weight and output gradient; microbatches and pipeline chunks
-combine them by maximum: ``add_gradients``) -> ``split`` into the parameters' gradients and the
+combine them by maximum: ``Fp8Weight.plus``) -> ``split`` into the parameters' gradients and the
 step's amaxes -> the update, and with delayed scaling the histories shifted by one step with the
 step's amaxes first (``updated``), both only when the loss, the gradient norm and every amax are
 finite. A history is fp32 [stacked layer axes..., 3, train.fp8.history] per tagged weight, in a tree
@@ -90,20 +90,6 @@ def _name(path: tuple) -> str:
 
 def _is_fp8(x: Any) -> bool:
     return isinstance(x, Fp8Weight)
-
-
-def add_gradients(total: Any, grads: Any) -> Any:
-    """``total + grads`` leaf by leaf, but the amaxes of ``Fp8Weight`` nodes (``observed``) by
-    maximum: what a sum over microbatches or pipeline chunks must do."""
-
-    def add(a, b):
-        if isinstance(a, Fp8Weight):
-            history = None if a.history is None else a.history + b.history
-            return a.replace(weight=a.weight + b.weight.astype(a.weight.dtype),
-                             observed=jnp.maximum(a.observed, b.observed), history=history)
-        return a + b.astype(a.dtype)
-
-    return jax.tree.map(add, total, grads, is_leaf=_is_fp8)
 
 
 def shifted(history: jax.Array, observed: jax.Array) -> jax.Array:

@@ -36,7 +36,7 @@ from meshtrain.evaluation import Evaluator
 from meshtrain.memory_model import layout_estimate
 from meshtrain.mesh import device_memory_bytes, make_mesh, mesh_shape
 from meshtrain.metrics import MetricsLogger, format_bytes, peak_bf16_tflops
-from meshtrain.parallel.accumulate import Batch
+from meshtrain.loss import Batch
 from meshtrain.parallel.sharding import parameter_table, replicated_parameters
 from meshtrain.policies import (PROFILE_DIR, AppliedStateCheck, Evaluation, NonFiniteGuard, Policy, Preemption,
                                 Profiler, Reporter, Run, Saver, SkipLimit, StepOutput, any_process, data_changed, log)

@@ -16,13 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from meshtrain.parallel.accumulate import Batch
+from flax import nnx
+
+from meshtrain.precision import LossScale, cast_floating
 from models.api import AUX_LOSS, MTP_LOSS, Documents, LayerAux, PredictsAhead
 from models.common import ActivationSharding
+
+Batch = dict[str, jax.Array]  # the step's arrays by name: inputs, targets, mask [rows, length], ...
+# params (in the compute dtype, possibly one stage's slice of the layers) -> the model on them.
+ModelOf = Callable[[nnx.State], Any]
+# (params, microbatch) -> (its loss, the layers' aux terms).
+Loss = Callable[[nnx.State, Batch], tuple[jax.Array, LayerAux]]
 
 # The head's input: whole positions, as ``DecoderModel.logits`` takes them.
 HEAD_AXES = ("batch", "length", "embed")
@@ -58,6 +67,29 @@ class Objective:
     loss_chunk: int = 0
     length_ways: int = 1
     predicts_ahead: bool = False
+
+    @classmethod
+    def training(cls, target_count: jax.Array, rows: int, loss_scale: LossScale, loss_chunk: int,
+                 length_ways: int) -> Objective:
+        """The train step's objective on a global batch of ``rows`` rows and ``target_count`` target
+        tokens: the token cross-entropy summed over a microbatch's tokens / ``target_count``, the
+        layers' aux losses as a mean over rows, multi-token prediction included, all scaled by
+        ``loss_scale`` (fp16); so the microbatches' terms sum to the step's loss."""
+        def of_logits(logits: jax.Array, microbatch: Batch) -> jax.Array:
+            loss = cross_entropy_sum(logits, microbatch["targets"], microbatch["mask"]) / target_count
+            return loss_scale.scale_loss(loss)
+
+        def of_aux(aux_sum: jax.Array) -> jax.Array:
+            return loss_scale.scale_loss(aux_sum.astype(jnp.float32) / rows)
+
+        return cls(of_logits, of_aux, loss_chunk, length_ways, predicts_ahead=True)
+
+    @classmethod
+    def evaluation(cls, loss_chunk: int, length_ways: int) -> Objective:
+        """The evaluation's objective: the summed token cross-entropy alone (no aux terms, no
+        multi-token prediction)."""
+        return cls(lambda logits, mb: cross_entropy_sum(logits, mb["targets"], mb["mask"]),
+                   lambda aux_sum: jnp.zeros((), jnp.float32), loss_chunk, length_ways)
 
     def of_layers(self, aux: LayerAux) -> jax.Array:
         """The share of the loss of the layers' aux terms ``aux``."""
@@ -109,6 +141,25 @@ def head_loss(logits_of: Callable[[jax.Array, ActivationSharding], jax.Array], x
     _, losses = jax.lax.scan(lambda _, chunk: (None, remat_loss(*chunk)), None,
                              (x_chunks, jax.tree.map(lambda a: _strided(a, chunks), batch)))
     return jnp.sum(losses)
+
+
+def documents_of(batch: Batch) -> Documents | None:
+    """The batch's document layout (``positions`` and ``segments`` [rows, length]) when its rows are
+    packed from several documents, else None."""
+    return Documents(batch["positions"], batch["segments"]) if "segments" in batch else None
+
+
+def sequential_loss(model_of: ModelOf, objective: Objective, shard: ActivationSharding, compute_dtype) -> Loss:
+    """No pipeline: the whole model's loss (the head's in the objective's chunks of positions)."""
+
+    def loss(params: nnx.State, batch: Batch) -> tuple[jax.Array, LayerAux]:
+        model, documents = model_of(cast_floating(params, compute_dtype)), documents_of(batch)
+        x, aux = model.run_layers(model.embed(batch["inputs"], shard, documents), shard, documents)
+        ahead, ahead_aux = ahead_loss(model, x, batch, shard, objective, documents)
+        loss = head_loss(model.logits, x, batch, shard, objective) + objective.of_layers(aux) + ahead
+        return loss, {**aux, **ahead_aux}
+
+    return loss
 
 
 def ahead_key(name: str, depth: int) -> str:

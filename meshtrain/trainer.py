@@ -14,7 +14,6 @@ norm and the FP8 amaxes are finite -> the new parameters and moments checked for
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +23,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
 from meshtrain.fp8 import Fp8Training
-from meshtrain.loss import Objective, cross_entropy_sum, with_ahead_targets
+from meshtrain.loss import Batch, Objective, with_ahead_targets
 from meshtrain.optim import OptimizerConfig, descended_gradients, make_optimizer, sign_descent_rates
-from meshtrain.parallel.accumulate import Batch, accumulate_gradients, split_microbatches
+from meshtrain.parallel.accumulate import accumulate_gradients, split_microbatches
 from meshtrain.parallel.experts import describe_exchange
 from meshtrain.parallel.offload import DEVICE, HOST, check_host_memory, with_memory_kind
 from meshtrain.parallel.layout import Layout
@@ -190,21 +189,13 @@ class Trainer:
         weights once per step and differentiates through the cast)."""
         return nnx.merge(self.graphdef, params)
 
-    def _objective(self, of_logits: Callable[[jax.Array, Batch], jax.Array],
-                   of_aux: Callable[[jax.Array], jax.Array], predicts_ahead: bool = False) -> Objective:
-        """The objective of these token and aux terms, its head run in ``train.loss_chunk`` chunks
-        that keep the rules' split of ``length``; with a model's multi-token prediction when
-        ``predicts_ahead`` (training)."""
-        return Objective(of_logits, of_aux, self.layout.train.loss_chunk, self.layout.length_ways, predicts_ahead)
-
     def evaluate(self, params: nnx.State, batch: Batch) -> Metrics:
         """Forward only: the summed token cross-entropy of a global batch (``loss_sum``, fp32) and its
         target count (``target_tokens``), in ``train.grad_accum`` microbatches like a train step and
         through the same pipeline schedule's forward. Aux losses are not part of it."""
         compute_dtype = self.layout.train.compute_dtype
         batch = self._ordered(batch)
-        objective = self._objective(lambda logits, mb: cross_entropy_sum(logits, mb["targets"], mb["mask"]),
-                                    lambda aux_sum: jnp.zeros((), jnp.float32))
+        objective = Objective.evaluation(self.layout.train.loss_chunk, self.layout.length_ways)
         loss = make_loss(self.layout.pipeline, self.mesh, self._model_of, objective,
                          activation_sharding(self.rules, self.mesh), compute_dtype)
 
@@ -229,17 +220,10 @@ class Trainer:
         target_count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
         rows = batch["mask"].shape[0]
 
-        def of_logits(logits: jax.Array, microbatch: Batch) -> jax.Array:
-            loss = cross_entropy_sum(logits, microbatch["targets"], microbatch["mask"]) / target_count
-            return state.loss_scale.scale_loss(loss)
-
-        def of_aux(aux_sum: jax.Array) -> jax.Array:  # the layers' aux losses, a mean over rows
-            return state.loss_scale.scale_loss(aux_sum.astype(jnp.float32) / rows)
-
-        value_and_grad = make_value_and_grad(self.layout.pipeline, self.mesh, self._model_of,
-                                             self._objective(of_logits, of_aux, predicts_ahead=True),
-                                             activation_sharding(self.rules, self.mesh),
-                                             compute_dtype)
+        objective = Objective.training(target_count, rows, state.loss_scale, self.layout.train.loss_chunk,
+                                       self.layout.length_ways)
+        value_and_grad = make_value_and_grad(self.layout.pipeline, self.mesh, self._model_of, objective,
+                                             activation_sharding(self.rules, self.mesh), compute_dtype)
 
         params, grad_shardings = state.params, self.state_layout.grads
         if self.fp8:

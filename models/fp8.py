@@ -72,6 +72,13 @@ class Fp8Weight:
             raise TypeError(f"an Fp8Weight is read whole ([...]), not at {index!r}")
         return self
 
+    def plus(self, other: Fp8Weight) -> Fp8Weight:
+        """This gradient node and ``other`` (another microbatch's or pipeline chunk's) combined: the
+        weight gradients and histories summed, the amaxes (``observed``) by maximum."""
+        history = None if self.history is None else self.history + other.history
+        return self.replace(weight=self.weight + other.weight.astype(self.weight.dtype),
+                            observed=jnp.maximum(self.observed, other.observed), history=history)
+
 
 def largest(dtype: jnp.dtype) -> float:
     """The largest finite value of an FP8 ``dtype``."""

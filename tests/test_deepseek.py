@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from meshtrain.data import DataConfig, global_batch, make_dataset
-from meshtrain.parallel.executor import documents_of
+from meshtrain.loss import documents_of
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.sharding import activation_sharding

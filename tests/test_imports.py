@@ -22,9 +22,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("meshtrain.errors", "meshtrain.precision", "meshtrain.mesh", "meshtrain.train_config", "meshtrain.optim",
      "meshtrain.flops", "meshtrain.metrics", "meshtrain.run_lock", "meshtrain.distributed",
      "meshtrain.cli", "meshtrain.hlo", "meshtrain.jsonio", "meshtrain.yamlio", "meshtrain.trackers", "meshtrain.fp8"),
-    # One file per parallelism concern; the data pipeline; the objective and the chunked head's loss
-    # (the pipeline's head runs it).
-    ("meshtrain.parallel", "meshtrain.data", "meshtrain.loss"),
+    # The objective: the batch, the chunked head's loss, the whole model's loss without a pipeline.
+    ("meshtrain.loss",),
+    # One file per parallelism concern (a pipeline's head runs the objective); the data pipeline.
+    ("meshtrain.parallel", "meshtrain.data"),
     # What is built from a layout: the step, checkpoints, HF files, evaluation, the memory model,
     # sampling with the KV cache, the XLA flags (combine thresholds from a layout's layer bytes).
     ("meshtrain.trainer", "meshtrain.checkpoint", "meshtrain.hf", "meshtrain.evaluation", "meshtrain.memory_model",
@@ -120,7 +121,8 @@ def test_the_graph_is_read_for_real():
     """The readers above see the edges that exist (a reader that saw nothing would pass them all)."""
     graph = _graph()
     assert "meshtrain.trainer" in graph["meshtrain.loop"] and "meshtrain.config" in graph["meshtrain.loop"]
-    assert _layer("meshtrain.parallel.layout") == 2 and _layer("meshtrain.train") == len(LAYERS) - 1
+    assert _layer("meshtrain.parallel.layout") == 3 and _layer("meshtrain.train") == len(LAYERS) - 1
+    assert "meshtrain.loss" in graph["meshtrain.parallel.pipeline"]  # the objective sits below the pipeline
 
 
 def test_scripts_and_tests_do_not_import_each_other():

@@ -14,7 +14,8 @@ from flax import nnx
 
 from meshtrain.data import global_batch
 from meshtrain.data.sources import ArrayStream, FileDataset, StreamInfo
-from meshtrain.parallel.pipeline import PipelineConfig, Schedule, documents_of
+from meshtrain.loss import documents_of
+from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.sharding import activation_sharding
 from models.api import forward

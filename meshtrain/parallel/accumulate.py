@@ -8,15 +8,34 @@ moves no data. The gradient accumulator is constrained to the gradients' layout 
 
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
-from meshtrain.fp8 import add_gradients
+from meshtrain.loss import Batch
 
-Batch = dict[str, jax.Array]
+
+class Accumulates(Protocol):
+    """A gradient node that adds up by its own rule (``models.fp8.Fp8Weight``: its amaxes combine
+    by maximum, not by sum)."""
+
+    def plus(self, other: Any) -> Any:
+        """This node and ``other`` (the same node of another microbatch or chunk) combined."""
+
+
+def _accumulates(node: Any) -> bool:
+    """Whether ``node``'s own class defines ``Accumulates.plus`` (an ``nnx.Variable`` forwards
+    attribute reads to its value, so an instance check would also take the variable holding one)."""
+    return callable(getattr(type(node), "plus", None))
+
+
+def add_gradients(total: Any, grads: Any) -> Any:
+    """``total + grads`` leaf by leaf (in ``total``'s dtypes), ``Accumulates`` nodes by their own rule:
+    what a sum over microbatches or pipeline chunks must do."""
+    return jax.tree.map(lambda a, b: a.plus(b) if _accumulates(a) else a + b.astype(a.dtype),
+                        total, grads, is_leaf=_accumulates)
 
 
 def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:

@@ -36,9 +36,9 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh, PartitionSpec
 
-from meshtrain.fp8 import add_gradients
 from meshtrain.loss import Objective, ahead_loss, head_loss
-from meshtrain.parallel.accumulate import Batch, split_microbatches
+from meshtrain.loss import Batch, ModelOf, documents_of
+from meshtrain.parallel.accumulate import add_gradients, split_microbatches
 from meshtrain.parallel.backward_split import split_backward
 from meshtrain.parallel.layer_order import with_layers
 from meshtrain.parallel.schedules import (BackwardTasks, Buffers, Columns, ForwardTasks, InputGradTasks,
@@ -50,16 +50,8 @@ from models.common import varying_axes
 
 STAGE = "stage"
 
-# params (in the compute dtype, possibly one stage's slice of the layers) -> the model on them.
-ModelOf = Callable[[nnx.State], Any]
 # Values crossing stages are fp32; each stage computes in the compute dtype.
 CROSSING_DTYPE = jnp.float32
-
-
-def documents_of(batch: Batch) -> Documents | None:
-    """The batch's document layout (``positions`` and ``segments`` [rows, length]) when its rows are
-    packed from several documents, else None."""
-    return Documents(batch["positions"], batch["segments"]) if "segments" in batch else None
 
 
 def _stage_specs(params: nnx.State) -> nnx.State:

@@ -39,12 +39,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshtrain.errors import ConfigError, Infeasible
-from meshtrain.parallel.accumulate import Batch
-from meshtrain.loss import Objective, ahead_loss, head_loss
-from meshtrain.parallel.executor import STAGE, ModelOf, documents_of, run_table
+from meshtrain.loss import Batch, Loss, ModelOf, Objective, sequential_loss
+from meshtrain.parallel.executor import STAGE, run_table
 from meshtrain.parallel.rules import AxisRule, ShardingRules
 from meshtrain.parallel.schedules import ScheduleTable, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
-from meshtrain.precision import cast_floating
 from models.api import LayerAux
 from models.common import coerce_enums
 
@@ -52,7 +50,6 @@ from models.common import coerce_enums
 # have the structure of params.
 ValueAndGrad = Callable[[nnx.State, Batch], tuple[tuple[jax.Array, LayerAux], nnx.State]]
 # (params, microbatch) -> (its scaled loss, the layers' aux terms), forward only.
-Loss = Callable[[nnx.State, Batch], tuple[jax.Array, LayerAux]]
 
 
 class Schedule(str, enum.Enum):
@@ -153,19 +150,6 @@ class PipelineConfig:
 def pipeline_rules(rules: ShardingRules) -> ShardingRules:
     """``rules`` with the stacked ``layers`` axis of parameters split over ``stage``."""
     return rules.overridden({"layers": AxisRule(params=STAGE)})
-
-
-def sequential_loss(model_of: ModelOf, objective: Objective, shard, compute_dtype) -> Loss:
-    """No pipeline: the whole model's loss (the head's in the objective's chunks of positions)."""
-
-    def loss(params: nnx.State, batch: Batch) -> tuple[jax.Array, LayerAux]:
-        model, documents = model_of(cast_floating(params, compute_dtype)), documents_of(batch)
-        x, aux = model.run_layers(model.embed(batch["inputs"], shard, documents), shard, documents)
-        ahead, ahead_aux = ahead_loss(model, x, batch, shard, objective, documents)
-        loss = head_loss(model.logits, x, batch, shard, objective) + objective.of_layers(aux) + ahead
-        return loss, {**aux, **ahead_aux}
-
-    return loss
 
 
 def make_value_and_grad(cfg: PipelineConfig, mesh: Mesh, model_of: ModelOf, objective: Objective,
