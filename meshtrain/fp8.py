@@ -4,8 +4,8 @@ histories delayed scaling keeps in the train state.
 Under ``fp8`` the master weights and moments stay fp32 and everything else computes in
 ``train.fp8.wide`` (bf16, as under ``bf16``; fp32 isolates the FP8 matmuls); the weights a family
 tags with one of the recipe's ``MatmulGroup``s (``train.fp8.matmuls``) reach the model as
-``models.fp8.Fp8Weight`` values (``Fp8Training.attach``, after the cast), so their matmuls take
-E4M3 operands forward and E5M2 gradients backward (``models.fp8``). The head, the embedding,
+``models.kernels.fp8.Fp8Weight`` values (``Fp8Training.attach``, after the cast), so their matmuls take
+E4M3 operands forward and E5M2 gradients backward (``models.kernels.fp8``). The head, the embedding,
 norms and routers stay wide.
 
 In the step: attach -> forward/backward per microbatch (the gradient of each weight's ``observed``
@@ -33,7 +33,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshtrain.errors import ConfigError
 from meshtrain.precision import Precision
 from models.api import LAYERS_KEY, AxisRole, ModelFamily
-from models.common import MATMUL_GROUP, OPERANDS, Fp8Weight, MatmulGroup, coerce_enums
+from models.common import MATMUL_GROUP, coerce_enums
+from models.kernels.fp8 import OPERANDS, Fp8Weight, MatmulGroup
 
 
 class Scaling(str, enum.Enum):

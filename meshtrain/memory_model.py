@@ -48,7 +48,8 @@ from meshtrain.parallel.ring_attention import sub_block_length
 from meshtrain.parallel.rules import Preset, mesh_axes_of
 from meshtrain.parallel.schedules import SENDS_GRADIENT, ScheduleTable, Work
 from meshtrain.parallel.sharding import ring_axis
-from models.common import AttentionKernel, RematPolicy
+from models.common import RematPolicy
+from models.kernels.attention import AttentionKernel
 FP32 = 4
 BATCH_BYTES_PER_TOKEN = 3 * 4  # inputs, targets (int32) and mask (f32)
 STATE_SCALAR_BYTES = 64  # step, skipped_steps, loss scale, Adam/schedule counts (rounded up)
@@ -371,7 +372,7 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     # The layers' backward: one layer's ZeRO-gathered weights (fp32) and one layer's working set.
     gathered = terms.layer_gathered * FP32
     # And one layer's experts, which no gather counts: their weight gradients in fp32 as the backward
-    # sums them (the blocked kernel's accumulators ``dw``, models/grouped_matmul.py; the one-hot
+    # sums them (the blocked kernel's accumulators ``dw``, models/kernels/grouped_matmul.py; the one-hot
     # dispatch's einsums likewise sum in fp32), those cast to the compute dtype, and the layer's
     # expert weights in the compute dtype (XLA:CPU's buffers of DeepSeek-V3's 8-layer dropless step
     # at EP 8: 5.6 + 2.8 + 2.8 GB).

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.common import Fp8Weight
+from models.kernels.fp8 import Fp8Weight
 
 
 class Precision(str, enum.Enum):

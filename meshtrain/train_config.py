@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from meshtrain.errors import ConfigError
 from meshtrain.fp8 import Fp8Recipe
 from meshtrain.precision import Precision
-from models.common import MatmulGroup, coerce_enums
+from models.common import coerce_enums
+from models.kernels.fp8 import MatmulGroup
 
 
 class NonFinitePolicy(str, enum.Enum):

@@ -32,11 +32,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.attention import AttentionKernel, AttentionSpec, attention_mask
+from models.kernels.attention import AttentionKernel, AttentionSpec, attention_mask
 from models.api import RESIDUAL_AXES, Documents, LayerAux, forward, no_aux, positions_of
 from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, logical_param, matmul,
                            stacked_layers, unconstrained)
-from models.fp8 import MatmulGroup
+from models.kernels.fp8 import MatmulGroup
 
 # Activations the blocks tag with ``checkpoint_name``, which a NAMED remat policy may keep.
 BLOCK_CHECKPOINT_NAMES = ("query", "key", "value", "attention", "mlp_hidden")
@@ -290,7 +290,7 @@ class Attention(nnx.Module):
         """x: [batch, length, embed] -> [batch, length, embed]: causal attention over the row (by
         ``positions``, int [batch or 1, length]), within each document of ``segments`` (int [batch,
         length]) when given and the sliding window if any, by the framework's scheme
-        (``shard.attend``: ``models.attention.attend`` or ring attention)."""
+        (``shard.attend``: ``models.kernels.attention.attend`` or ring attention)."""
         q, k, v = self._project(x, rotary, shard)
         return self._output(shard.attend(q, k, v, positions, segments, self.spec), shard)
 

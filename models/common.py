@@ -19,20 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.attention import AttentionSpec, attend, cudnn_refusal
-from models.fp8 import Fp8Weight, MatmulGroup, fp8_matmul
-from models.fp8 import OPERANDS as OPERANDS  # the FP8 amaxes' order, for the framework (meshtrain.fp8)
-from models.attention import AttentionKernel as AttentionKernel  # for the framework (the planner's memory model)
-from models.attention import varying_axes as varying_axes  # for the framework's shard_map code
-# The attention kernel's pieces the framework runs itself: context parallelism's all-gather scheme
-# (meshtrain/parallel/sharding.py) and its ring over the blockwise kernel's tiles (ring_attention.py).
-from models.attention import (all_pairs as all_pairs, attend_pairs as attend_pairs,
-                              attend_pairs_backward as attend_pairs_backward,
-                              blockwise_attention as blockwise_attention, finish as finish,
-                              initial_state as initial_state, input_gradients as input_gradients,
-                              output_cotangent as output_cotangent, split_keys as split_keys,
-                              split_queries as split_queries, ungroup_heads as ungroup_heads,
-                              zero_gradients as zero_gradients)
+from models.kernels.attention import AttentionSpec, attend, cudnn_refusal
+from models.kernels.fp8 import Fp8Weight, MatmulGroup, fp8_matmul
 
 LogicalAxes = tuple[str | None, ...]
 
@@ -85,7 +73,7 @@ def matmul(equation: str, x: jax.Array, w: jax.Array | Fp8Weight, result_dtype: 
     as it keeps a plain matmul's output. ``result_dtype=float32`` keeps the fp32 sums (e.g. logits
     for a fp32 loss) instead of rounding them to bf16 and converting back. fp32 operands: a plain
     einsum. An ``Fp8Weight`` (what the framework passes for a weight tagged with a ``MatmulGroup``
-    when it trains in FP8): ``models.fp8.fp8_matmul``.
+    when it trains in FP8): ``models.kernels.fp8.fp8_matmul``.
     """
     inputs, out = equation.replace(" ", "").split("->")
     lhs, rhs = inputs.split(",")
@@ -127,7 +115,7 @@ _mixed_precision_einsum.defvjp(_mixed_precision_forward, _mixed_precision_backwa
 class ActivationSharding(Protocol):
     """What the framework hands a model for its layout: constraints on activations (identity
     off-mesh), the lookup of token embeddings, the causal self-attention its rules imply
-    (``models.attention.attend``, or ring attention where the rules keep the keys split along the
+    (``models.kernels.attention.attend``, or ring attention where the rules keep the keys split along the
     sequence), and ``platform``: the platform of the devices that run the model ("cpu", "gpu",
     "tpu"), from which every kernel is chosen (a compile-only GPU mesh on a CPU host says "gpu")."""
 
@@ -141,7 +129,7 @@ class ActivationSharding(Protocol):
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                segments: jax.Array | None, spec: AttentionSpec) -> jax.Array:
-        """Causal self-attention as ``spec`` asks (``models.attention.attend``): q [batch, length,
+        """Causal self-attention as ``spec`` asks (``models.kernels.attention.attend``): q [batch, length,
         heads, head_dim], k [batch, length, kv_heads, head_dim], v [batch, length, kv_heads,
         value_dim] (value_dim <= head_dim) -> [batch, length, heads, value_dim], within ``segments``
         (int [batch, length]) when given; ``positions`` (int [batch
@@ -229,7 +217,7 @@ MATMUL_GROUP = "matmul_group"
 def logical_param(value: jax.Array, axes: LogicalAxes, group: MatmulGroup | None = None) -> nnx.Param:
     """A parameter annotated with logical axis names (one per dimension) and, for a weight that one
     matmul of a layer consumes (through ``matmul``, once per forward pass), its ``MatmulGroup``: the
-    framework may then pass it as an ``Fp8Weight`` (``models.fp8``).
+    framework may then pass it as an ``Fp8Weight`` (``models.kernels.fp8``).
 
     Flax's eager sharding is off: where the parameter lives is decided by the framework's rules
     when the whole state is created under ``jit(..., out_shardings=...)``.

@@ -44,7 +44,7 @@
    simulated devices, ZB-H1 and interleaved 1F1B against the sequential model (fp32,
    ``--pipeline-tol``; not in the dry run, which the test suite's pipeline tests cover).
 
-8. attention kernels: the blockwise kernel (models/attention.py; also each step of ring attention)
+8. attention kernels: the blockwise kernel (models/kernels/attention.py; also each step of ring attention)
    against the dense XLA reference at seq 4096 for causal rows, packed documents (one of 1 token)
    and a sliding window (forward and gradients, fp32, ``--attention-tol``), and packed rows against
    each document alone; then forward + backward timed in bf16 at 8,192 and 32,768 tokens (32/8
@@ -202,7 +202,7 @@ def attention_check(dry_run: bool, tol: float) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from models.attention import blockwise_attention, cudnn_attention, dense_attention
+    from models.kernels.attention import blockwise_attention, cudnn_attention, dense_attention
 
     gpu = jax.devices()[0].platform == "gpu"
     length, heads, kv_heads, head_dim, block = (256, 4, 2, 16, 64) if dry_run else (4096, 16, 8, 128, 512)
@@ -275,7 +275,7 @@ def moe_check(tol: float, dry_run: bool) -> dict:
     from flax import nnx
 
     from models.common import unconstrained
-    from models.grouped_matmul import GroupedKernel
+    from models.kernels.grouped_matmul import GroupedKernel
     from models.moe import FAMILY, Dispatch, MoEConfig
     from models.moe.model import SparseMoE
 
@@ -374,7 +374,7 @@ def deepseek_check(tol: float, dry_run: bool) -> dict:
     from flax import nnx
 
     from models.api import forward
-    from models.attention import AttentionKernel, AttentionSpec, attend
+    from models.kernels.attention import AttentionKernel, AttentionSpec, attend
     from models.blocks import RopeScaling, RopeScalingConfig
     from models.common import unconstrained
     from models.deepseek import FAMILY, DeepSeekConfig

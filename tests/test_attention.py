@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from meshtrain.flops import count_flops
-from models.attention import AttentionKernel, blockwise_attention, causal_pairs, dense_attention
+from models.kernels.attention import AttentionKernel, blockwise_attention, causal_pairs, dense_attention
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
 
@@ -81,7 +81,7 @@ def test_values_narrower_than_queries_need_no_padding_in_the_blockwise_kernel():
     """Multi-head latent attention's values (v width 5 < q/k width 8) through the blockwise kernel
     equal the dense reference through ``attend``'s padded path, outputs and gradients, and the
     blockwise kernel's output is 5 wide."""
-    from models.attention import AttentionSpec, attend
+    from models.kernels.attention import AttentionSpec, attend
 
     q, k, v = qkv(48)
     v = v[..., :5]
@@ -183,7 +183,7 @@ def test_the_start_up_line_names_the_kernel_and_refuses_what_cannot_run():
     from meshtrain.mesh import MeshConfig, make_mesh
     from meshtrain.parallel.rules import Preset
     from meshtrain.parallel.sharding import activation_sharding
-    from models.attention import AttentionSpec
+    from models.kernels.attention import AttentionSpec
 
     one = activation_sharding(Preset.FSDP_TP.rules, make_mesh(MeshConfig(1, 1, 1, 1), jax.devices()[:1]))
     bf16 = jnp.bfloat16
@@ -204,7 +204,7 @@ def test_the_start_up_line_names_the_kernel_and_refuses_what_cannot_run():
 def test_off_the_mesh_fp32_attention_never_asks_for_cudnn():
     """A model run outside any mesh (``models.common.unconstrained``) resolves the kernel for its inputs'
     dtype too: cuDNN's refusal of fp32 is the same line the mesh gives."""
-    from models.attention import cudnn_refusal
+    from models.kernels.attention import cudnn_refusal
 
     assert cudnn_refusal(jnp.float32) == "on fp32 inputs (it takes fp16 and bf16)"
     assert cudnn_refusal(jnp.bfloat16) == cudnn_refusal(jnp.float16) == ""

@@ -340,7 +340,7 @@ def test_model_attention_picks_the_kernel():
     import numpy as np
     from flax import nnx
 
-    from models.attention import AttentionKernel
+    from models.kernels.attention import AttentionKernel
     from models.llama import Llama, LlamaConfig
 
     tokens = jnp.arange(8, dtype=jnp.int32)[None] % 5

@@ -376,9 +376,9 @@ def test_the_traced_step_counts_the_analytic_flops_plus_the_value_padding():
     plus the values' zero padding to the query/key width: 6 * T * heads * (qk - v) per token and
     layer (8.4% here, with v 16 < qk 24; none with v = qk)."""
     from meshtrain.flops import count_flops
-    from models.attention import AttentionKernel
+    from models.kernels.attention import AttentionKernel
     from models.deepseek import FAMILY
-    from models.grouped_matmul import GroupedKernel
+    from models.kernels.grouped_matmul import GroupedKernel
 
     base = DeepSeekConfig(vocab_size=256, embed_dim=64, num_layers=2, num_dense_layers=1, num_heads=4, q_lora_rank=32,
                           kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, mlp_dim=128,

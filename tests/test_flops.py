@@ -22,7 +22,7 @@ from meshtrain.flops import count_flops
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.layout import abstract_model
 from meshtrain.parallel.schedules import OpCosts
-from models.attention import AttentionKernel
+from models.kernels.attention import AttentionKernel
 from models.common import RematPolicy
 from models.llama import FAMILY, LlamaConfig
 from utils import make_trainer

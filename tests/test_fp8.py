@@ -29,7 +29,7 @@ from meshtrain.loop import train
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
 from meshtrain.precision import Precision
-from models.fp8 import Fp8Weight, MatmulGroup, fp8_matmul
+from models.kernels.fp8 import Fp8Weight, MatmulGroup, fp8_matmul
 from models.moe import Dispatch, MoEConfig
 from utils import MODEL, loss_and_grads, make_trainer, relative_l2, trainer_of_config
 

@@ -24,9 +24,9 @@ from meshtrain.parallel.experts import Exchange, describe_exchange, exchange_row
 from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.sharding import activation_sharding
 from meshtrain.train import main
-from models.attention import AttentionKernel
+from models.kernels.attention import AttentionKernel
 from models.common import unconstrained
-from models.grouped_matmul import BlockLayout, GroupedKernel, blocked_matmul
+from models.kernels.grouped_matmul import BlockLayout, GroupedKernel, blocked_matmul
 from models.moe import FAMILY, Dispatch, MoEConfig
 from models.moe.model import SparseMoE, grouped_swiglu
 from test_moe import MOE, MOE_YAML, _assert_matches, _trainer

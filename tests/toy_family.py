@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import AttentionKernel, AttentionSpec
+from models.kernels.attention import AttentionKernel, AttentionSpec
 from models.api import AUX_LOSS, AxisRole, Documents, ModelFamily, positions_of, register
 from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
                            palm_train_flops_per_token, stacked_layers, unconstrained)
-from models.fp8 import MatmulGroup
+from models.kernels.fp8 import MatmulGroup
 
 BLE = ("batch", "length", "embed")
 

@@ -18,7 +18,7 @@ from meshtrain.loss import Batch
 
 
 class Accumulates(Protocol):
-    """A gradient node that adds up by its own rule (``models.fp8.Fp8Weight``: its amaxes combine
+    """A gradient node that adds up by its own rule (``models.kernels.fp8.Fp8Weight``: its amaxes combine
     by maximum, not by sum)."""
 
     def plus(self, other: Any) -> Any:

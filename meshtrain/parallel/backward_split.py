@@ -43,7 +43,7 @@ import jax
 from jax.extend import core
 from jax.extend.core import primitives
 
-from models.common import varying_axes
+from models.kernels.attention import varying_axes
 
 
 class UnsupportedBackward(ValueError):

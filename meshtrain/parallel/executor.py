@@ -45,7 +45,7 @@ from meshtrain.parallel.schedules import (BackwardTasks, Buffers, Columns, Forwa
                                           ScheduleTable, WeightGradTasks, Work)
 from meshtrain.precision import cast_floating
 from models.api import MTP_LOSS, RESIDUAL_AXES, Documents, LayerAux, PredictsAhead
-from models.common import varying_axes
+from models.kernels.attention import varying_axes
 
 
 STAGE = "stage"

@@ -30,7 +30,7 @@ Two exchanges (``Exchange``, chosen from the devices' platform at start-up, said
   ``all_to_all``s of per-peer counts and offsets come first; the results return by the reverse
   ragged exchange.
 
-FP8 experts (``models.fp8.Fp8Weight``, ``train.precision: fp8``) carry the mesh's axes as their
+FP8 experts (``models.kernels.fp8.Fp8Weight``, ``train.precision: fp8``) carry the mesh's axes as their
 ``amax_axes``, so that each amax inside the ``shard_map`` is the maximum over every device: the
 quantisation is the one-device run's.
 
@@ -50,7 +50,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
-from models.common import ExpertCompute, Fp8Weight, LogicalAxes, choice_rows, varying_axes
+from models.common import ExpertCompute, LogicalAxes, choice_rows
+from models.kernels.attention import varying_axes
+from models.kernels.fp8 import Fp8Weight
 
 TOKEN_AXES: LogicalAxes = ("batch", "length")
 
@@ -120,7 +122,7 @@ def run_experts(compute: ExpertCompute, x: jax.Array, choices: jax.Array, params
                           f"computed where the tokens are split (over {list(token_axes)})")
     peers = math.prod(mesh.shape[a] for a in experts)
     exchange = _ragged_exchange if Exchange.of(mesh) is Exchange.RAGGED else _exchange
-    # FP8 weights (models.fp8): amaxes are maxima over the mesh, their amaxes and histories whole.
+    # FP8 weights (models.kernels.fp8): amaxes are maxima over the mesh, their amaxes and histories whole.
     params = tuple(p.replace(amax_axes=tuple(mesh.axis_names)) if isinstance(p, Fp8Weight) else p for p in params)
     specs = [p.replace(weight=spec, observed=PartitionSpec(), history=None if p.history is None else PartitionSpec())
              if isinstance(p, Fp8Weight) else spec for p, spec in zip(params, specs)]

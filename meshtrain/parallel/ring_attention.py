@@ -4,7 +4,7 @@ Rank ``i`` of the ring axis (size N) holds block ``i`` of the queries, keys and 
 each token's position (``i * T .. (i+1) * T - 1`` in sequence order; any order when the sequence was
 permuted for load balancing, see ``balanced_order``). In N steps every rank attends its queries to
 each key/value block in turn while the key/value blocks travel one rank along the ring
-(``lax.ppermute``) per step. Each step is the blockwise kernel of ``models.attention`` (online
+(``lax.ppermute``) per step. Each step is the blockwise kernel of ``models.kernels.attention`` (online
 softmax over sub-blocks of ``block`` positions, fp32 statistics) over the block the rank holds: a
 key is visible to a query when its position is not later, within the sliding window if any, and
 in the same document (segments travel with their keys); a sub-block pair no query of which sees
@@ -37,8 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models.common import (all_pairs, attend_pairs, attend_pairs_backward, finish, initial_state, input_gradients,
-                           output_cotangent, split_keys, split_queries, ungroup_heads, zero_gradients)
+from models.kernels.attention import (all_pairs, attend_pairs, attend_pairs_backward, finish, initial_state,
+                                     input_gradients, output_cotangent, split_keys, split_queries, ungroup_heads,
+                                     zero_gradients)
 
 
 def balanced_order(length: int, ring: int) -> np.ndarray:

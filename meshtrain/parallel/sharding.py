@@ -21,8 +21,8 @@ from meshtrain.parallel import experts
 from meshtrain.parallel.rules import ShardingRules, drop_axes, mesh_axes_of
 from meshtrain.parallel.ring_attention import ring_attention, ring_attention_in_stage
 from meshtrain.errors import ConfigError
-from models.common import (ActivationSharding, AttentionKernel, AttentionSpec, ExpertCompute, LogicalAxes, attend,
-                           blockwise_attention, cudnn_refusal, logical_axes_of)
+from models.common import ActivationSharding, ExpertCompute, LogicalAxes, logical_axes_of
+from models.kernels.attention import AttentionKernel, AttentionSpec, attend, blockwise_attention, cudnn_refusal
 
 BATCH_AXES: LogicalAxes = ("batch", None)  # token arrays: rows split, each row whole on its devices
 

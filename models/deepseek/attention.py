@@ -22,7 +22,7 @@ splits over tensor parallelism as Llama's)::
 Training expands the latent into per-head keys and values and calls the framework's attention
 (``shard.attend``: any kernel, ring attention, packed documents), so it works wherever Llama's does.
 Values keep ``v_head_dim`` (DeepSeek-V3's 128 < the queries' 192) in the blockwise and ring
-kernels; the dense and cuDNN kernels pad them to the query width (``models/attention.py``), which
+kernels; the dense and cuDNN kernels pad them to the query width (``models/kernels/attention.py``), which
 costs ``(qk - v) / (qk + v)`` more score-and-value FLOPs than the ideal there. Generation keeps only the
 latent and the rotary key per position (``kv_lora_rank + qk_rope_head_dim`` values per token and
 layer) and attends in the latent space, the key and value up-projections absorbed into the query and
@@ -41,10 +41,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.attention import attention_mask
+from models.kernels.attention import attention_mask
 from models.blocks import KV_AXES, RMSNorm, apply_rotary, normal
 from models.common import ActivationSharding, logical_param, matmul
-from models.fp8 import MatmulGroup
+from models.kernels.fp8 import MatmulGroup
 
 QUERY_AXES = ("batch", "length", "heads", "head_dim")
 

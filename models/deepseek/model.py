@@ -40,14 +40,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import AttentionSpec
+from models.kernels.attention import AttentionSpec
 from models.blocks import (AttentionKernel, RMSNorm, RopeScalingConfig, SwiGLU, rotary_tables, score_bytes)
 from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, palm_train_flops_per_token,
                            stacked_layers, unconstrained)
 from models.deepseek.attention import LatentAttention
 from models.deepseek.mtp import PredictionDepth, predict_ahead
-from models.fp8 import MatmulGroup
-from models.grouped_matmul import GroupedKernel, GroupedSpec
+from models.kernels.fp8 import MatmulGroup
+from models.kernels.grouped_matmul import GroupedKernel, GroupedSpec
 from models.llama.model import DecoderLayer
 from models.moe.model import CHECKPOINT_NAMES as MOE_CHECKPOINT_NAMES
 from models.moe.model import Dispatch, MoE, MoELayer, RouterScore, SparseMoE, check_routing_groups, expert_terms

@@ -33,11 +33,11 @@ import jax
 from flax import nnx
 
 from models.api import RESIDUAL_AXES
-from models.attention import AttentionSpec
+from models.kernels.attention import AttentionSpec
 from models.blocks import (BLOCK_CHECKPOINT_NAMES, AttentionKernel, Decoder, PreNormLayer, QKNormAttention, RMSNorm,
                            RopeScalingConfig, SwiGLU, check_attention_fields, score_bytes)
 from models.common import ActivationSharding, InvalidField, RematPolicy, coerce_enums, palm_train_flops_per_token
-from models.fp8 import MatmulGroup
+from models.kernels.fp8 import MatmulGroup
 
 # Activations a NAMED remat policy may keep: the blocks' (tagged with ``checkpoint_name``).
 CHECKPOINT_NAMES = BLOCK_CHECKPOINT_NAMES

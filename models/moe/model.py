@@ -60,9 +60,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.api import AUX_LOSS, RESIDUAL_AXES, Documents, LayerAux
-from models.attention import AttentionSpec
-from models.fp8 import Fp8Weight, MatmulGroup
-from models.grouped_matmul import (BlockLayout, GroupedKernel, GroupedSpec, auto_block, grouped_product,
+from models.kernels.attention import AttentionSpec
+from models.kernels.fp8 import Fp8Weight, MatmulGroup
+from models.kernels.grouped_matmul import (BlockLayout, GroupedKernel, GroupedSpec, auto_block, grouped_product,
                                    ragged_matmul)
 from models.blocks import (BLOCK_CHECKPOINT_NAMES, AttentionKernel, Decoder, PreNormLayer, QKNormAttention, RMSNorm,
                            RopeScalingConfig, SwiGLU, check_attention_fields, normal, score_bytes)
@@ -133,7 +133,7 @@ class MoEConfig:
     # Expert parallelism under DROPLESS: rows per peer buffer, as a multiple of an even share
     # (a device's token choices / the number of expert ranks); 0: the worst case, never dropping.
     exchange_buffer_factor: float = 0.0
-    grouped_matmul: GroupedKernel = GroupedKernel.AUTO  # DROPLESS's kernel (models/grouped_matmul.py)
+    grouped_matmul: GroupedKernel = GroupedKernel.AUTO  # DROPLESS's kernel (models/kernels/grouped_matmul.py)
     expert_block: int = 0  # rows per block of the blocked kernel (0: auto_block)
     group_size: int = 0  # positions per routing group (0: the whole row)
     load_balancing_coef: float = 0.01
@@ -320,7 +320,7 @@ def _one_hot_terms(cfg: MoEConfig, tensor: int) -> tuple[float, float, float, fl
 
 
 # Rows a grouped matmul's blocks hold per row routed to it: each expert's rows padded to whole blocks
-# adds at most 1/8 with ``auto_block``'s block size (models/grouped_matmul.py).
+# adds at most 1/8 with ``auto_block``'s block size (models/kernels/grouped_matmul.py).
 BLOCK_PADDING = 9 / 8
 
 
@@ -438,11 +438,11 @@ def grouped_swiglu(rows: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Arr
     """The SwiGLU experts over exactly their rows (``models.common.ExpertCompute``): rows [m, embed],
     int ``ids`` [m] (an id >= the experts held: no expert, a zero result), gate, up [experts, embed,
     mlp], down [experts, mlp, embed] -> [m, embed], by ``spec``'s grouped-matmul kernel, resolved for
-    the devices (``GroupedSpec.resolved``; ``models/grouped_matmul.py``: ``2 * m * embed * mlp`` FLOPs
+    the devices (``GroupedSpec.resolved``; ``models/kernels/grouped_matmul.py``: ``2 * m * embed * mlp`` FLOPs
     per matmul, plus the blocked kernel's padding, for any number of experts). Each matmul's result
     is tagged ``CHECKPOINT_DOT``
     (no batch dimension: ``RematPolicy.DOTS`` keeps it as a plain matmul's). FP8 weights
-    (``models.fp8.Fp8Weight``) always run the blocked kernel (``fp8_blocked_matmul``)."""
+    (``models.kernels.fp8.Fp8Weight``) always run the blocked kernel (``fp8_blocked_matmul``)."""
     tagged = lambda y: checkpoint_name(y, CHECKPOINT_DOT)
     fp8 = isinstance(gate, Fp8Weight)
     if spec.kernel is GroupedKernel.AUTO:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.attention import varying_axes
+from models.kernels.attention import varying_axes
 
 
 class MatmulGroup(str, enum.Enum):

@@ -21,7 +21,7 @@ Two kernels (``GroupedKernel``):
 ``GroupedKernel.AUTO`` is ``ragged`` on TPUs and ``blocked`` elsewhere (on GPUs XLA's ragged_dot is
 reported to expand like XLA:CPU's; scripts/gpu_check.sh times both there).
 
-FP8 (``models.fp8.Fp8Weight`` weights): ``fp8_blocked_matmul``, the blocked kernel with E4M3 rows and
+FP8 (``models.kernels.fp8.Fp8Weight`` weights): ``fp8_blocked_matmul``, the blocked kernel with E4M3 rows and
 weights forward and an E5M2 output gradient backward, one per-tensor scale for all the groups'
 weights (the layer's expert stack), amaxes over the mesh axes ``Fp8Weight.amax_axes`` names.
 """
@@ -37,8 +37,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.attention import varying_axes
-from models.fp8 import Fp8Weight, observed_cotangents, quantize_gradient, quantize_operands
+from models.kernels.attention import varying_axes
+from models.kernels.fp8 import Fp8Weight, observed_cotangents, quantize_gradient, quantize_operands
 
 
 class GroupedKernel(str, enum.Enum):
@@ -147,7 +147,7 @@ blocked_matmul.defvjp(_blocked_forward, _blocked_backward)
 def fp8_blocked_matmul(x: jax.Array, w: Fp8Weight, block_group: jax.Array) -> jax.Array:
     """``blocked_matmul`` with FP8 operands (module docstring): x [blocks, block, in], w.weight
     [groups, in, out] -> [blocks, block, out] in x's dtype; the gradient of ``w.observed`` is the
-    amaxes of the rows, the weights and the output gradient (``models.fp8.OPERANDS``)."""
+    amaxes of the rows, the weights and the output gradient (``models.kernels.fp8.OPERANDS``)."""
     return _fp8_blocked(w.margin, w.amax_axes, jnp.dtype(x.dtype), jnp.dtype(w.weight.dtype), x, w.weight,
                         block_group, w.observed, w.history)
 
