@@ -38,8 +38,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.kernels.attention import (all_pairs, attend_pairs, attend_pairs_backward, finish, initial_state,
-                                     input_gradients, output_cotangent, split_keys, split_queries, ungroup_heads,
-                                     zero_gradients)
+                                      input_gradients, output_cotangent, split_keys, split_queries, ungroup_heads,
+                                      zero_gradients)
 
 
 def balanced_order(length: int, ring: int) -> np.ndarray:

@@ -63,7 +63,7 @@ from models.api import AUX_LOSS, RESIDUAL_AXES, Documents, LayerAux
 from models.kernels.attention import AttentionSpec
 from models.kernels.fp8 import Fp8Weight, MatmulGroup
 from models.kernels.grouped_matmul import (BlockLayout, GroupedKernel, GroupedSpec, auto_block, grouped_product,
-                                   ragged_matmul)
+                                           ragged_matmul)
 from models.blocks import (BLOCK_CHECKPOINT_NAMES, AttentionKernel, Decoder, PreNormLayer, QKNormAttention, RMSNorm,
                            RopeScalingConfig, SwiGLU, check_attention_fields, normal, score_bytes)
 from models.common import (CHECKPOINT_DOT, ActivationSharding, InvalidField, RematPolicy, coerce_enums,
