@@ -33,7 +33,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.kernels.attention import AttentionKernel, AttentionSpec, attention_mask
-from models.api import RESIDUAL_AXES, Documents, LayerAux, forward, no_aux, positions_of
+from models.api import RESIDUAL_AXES, AxisRole, Documents, LayerAux, forward, no_aux, positions_of
 from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, logical_param, matmul,
                            stacked_layers, unconstrained)
 from models.kernels.fp8 import MatmulGroup
@@ -488,3 +488,34 @@ class Decoder(nnx.Module):
 
         x, (keys, values) = jax.lax.scan(run_layer, x, (layer_state, keys, values))
         return x, keys, values
+
+
+def key_value_width(cfg, tensor: int) -> float:
+    """Elements per token of one layer's keys and values on one device (``ModelFamily.key_value_width``):
+    ``kv_heads * head_dim`` each, the heads split ``tensor`` ways."""
+    return 2 * cfg.num_kv_heads * cfg.head_dim / tensor
+
+
+class DecoderLayer(PreNormLayer):
+    """Pre-norm residual layer: x + attention(norm(x)) (``attention_class``: by default queries and
+    keys normed per head when ``qk_norm``), then + mlp(norm(x))."""
+
+    attention_class: type[nnx.Module] = QKNormAttention  # built as attention_class(cfg, rngs)
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.attention = self.attention_class(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg, cfg.mlp_dim, rngs)
+
+    def feed_forward(self, x: jax.Array, shard: ActivationSharding, generating: bool = False
+                     ) -> tuple[jax.Array, dict]:
+        """-> (x + mlp(mlp_norm(x)), this layer's statistics: none)."""
+        del generating
+        return shard(x + self.mlp(self.mlp_norm(x), shard), RESIDUAL_AXES), {}
+
+
+# How the shared blocks' logical axes map to mesh axes (``models.api.AxisRole``): attention heads and
+# MLP units split by tensor parallelism, the head width kept whole.
+BLOCK_AXIS_ROLES = {"heads": AxisRole.TENSOR, "kv_heads": AxisRole.TENSOR, "head_dim": AxisRole.REPLICATED,
+                    "mlp": AxisRole.TENSOR}

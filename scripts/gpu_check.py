@@ -277,7 +277,7 @@ def moe_check(tol: float, dry_run: bool) -> dict:
     from models.common import unconstrained
     from models.kernels.grouped_matmul import GroupedKernel
     from models.moe import FAMILY, Dispatch, MoEConfig
-    from models.moe.model import SparseMoE
+    from models.experts import SparseMoE
 
     cfg = MoEConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                     num_experts=8, top_k=2, expert_mlp_dim=96, seq_len=64, group_size=32)

@@ -26,7 +26,7 @@ from models.api import family_named, forward
 from models.blocks import RopeScaling, RopeScalingConfig, rotary_tables
 from models.common import InvalidField, unconstrained
 from models.deepseek import DeepSeek, DeepSeekConfig
-from models.moe.model import route, RouterScore
+from models.experts import RouterScore, route
 from test_packing import _alone, _packed_dataset
 from utils import loss_grads_and_statistics, make_trainer, one_line_error, relative_l2
 

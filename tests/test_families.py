@@ -190,3 +190,21 @@ def test_no_command_line_module_imports_another_and_config_does_not_import_the_t
     found = [(p.name, name) for p in package.rglob("*.py") for name in _imports(p) & cli_modules]
     assert found == []
     assert "meshtrain.trainer" not in _imports(package / "config.py")
+
+
+def test_a_familys_model_code_imports_no_other_family():
+    """A family's model modules build on the shared floors (api, common, blocks, experts, kernels) and
+    its own package, never on another family (issue 49; the HF adapters still share Llama's tensor
+    tables through models/llama/hf.py)."""
+    shared = {"models", "models.api", "models.common", "models.blocks", "models.experts"}
+    found = []
+    for family in ("llama", "moe", "deepseek"):
+        for path in sorted((REPO / "models" / family).glob("*.py")):
+            if path.name == "hf.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("models"):
+                    module = node.module
+                    if not (module in shared or module.startswith(("models.kernels", f"models.{family}"))):
+                        found.append(f"{path.relative_to(REPO)}: {module}")
+    assert found == []

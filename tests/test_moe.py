@@ -25,7 +25,7 @@ from meshtrain.train import main
 from meshtrain.trainer import Trainer
 from models.common import RematPolicy, unconstrained
 from models.moe import Dispatch, MoEConfig
-from models.moe.model import SparseMoE
+from models.experts import SparseMoE
 from utils import loss_grads_and_statistics, make_trainer, relative_l2
 
 # Distinct sizes so that a swapped axis cannot pass: 8 experts, expert hidden 24, embed 40.

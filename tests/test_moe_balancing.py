@@ -19,7 +19,7 @@ from meshtrain.config import load_config
 from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.loop import train
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
-from models.moe.model import RouterScore, route
+from models.experts import RouterScore, route
 from test_checkpoint import restore
 from test_moe import MOE, _assert_matches, _trainer
 from utils import loss_grads_and_statistics, relative_l2, trainer_of_config

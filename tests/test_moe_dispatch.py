@@ -28,7 +28,7 @@ from models.kernels.attention import AttentionKernel
 from models.common import unconstrained
 from models.kernels.grouped_matmul import BlockLayout, GroupedKernel, blocked_matmul
 from models.moe import FAMILY, Dispatch, MoEConfig
-from models.moe.model import SparseMoE, grouped_swiglu
+from models.experts import SparseMoE, grouped_swiglu
 from test_moe import MOE, MOE_YAML, _assert_matches, _trainer
 from utils import loss_grads_and_statistics
 

@@ -49,7 +49,7 @@ from meshtrain.loop import train
 from models.api import AUX_LOSS
 from models.moe import FAMILY as MOE
 from models.moe import Dispatch, MoEConfig
-from models.moe.model import load_balancing_loss, route
+from models.experts import load_balancing_loss, route
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RULES = Preset.FSDP_TP.rules

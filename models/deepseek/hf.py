@@ -43,7 +43,7 @@ from models.common import InvalidField
 from models.deepseek.model import DENSE_LAYERS, DeepSeekConfig
 from models.llama.hf import GLOBAL_TENSORS, LAYER_TENSORS, LlamaHF, rope_parameters
 from models.moe.hf import sparse_tensors
-from models.moe.model import Dispatch, RouterScore
+from models.experts import Dispatch, RouterScore
 
 _NORMS = {path: spec for path, spec in LAYER_TENSORS.items() if path[-1] == "scale"}
 _DENSE_MLP = {path: spec for path, spec in LAYER_TENSORS.items() if path[0] == "mlp"}

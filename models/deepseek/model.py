@@ -16,7 +16,7 @@ Parameters (logical axes in brackets)::
     layers.attn_norm.scale       [layers, embed]
     layers.attention.*           [layers, ...]  LatentAttention's
     layers.mlp_norm.scale        [layers, embed]
-    layers.moe.*                 [layers, ...]  models/moe's SparseMoE (router, routing_bias, experts)
+    layers.moe.*                 [layers, ...]  models/experts.py's SparseMoE (router, routing_bias, experts)
     layers.shared.gate, .up      [layers, embed, mlp]  the shared experts (num_shared_experts *
         .down                    [layers, mlp, embed]   expert_mlp_dim hidden units)
     final_norm.scale             [embed]
@@ -41,18 +41,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.kernels.attention import AttentionSpec
-from models.blocks import (AttentionKernel, RMSNorm, RopeScalingConfig, SwiGLU, rotary_tables, score_bytes)
+from models.blocks import AttentionKernel, RopeScalingConfig, rotary_tables, score_bytes
 from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, palm_train_flops_per_token,
                            stacked_layers, unconstrained)
 from models.deepseek.attention import LatentAttention
 from models.deepseek.mtp import PredictionDepth, predict_ahead
 from models.kernels.fp8 import MatmulGroup
 from models.kernels.grouped_matmul import GroupedKernel, GroupedSpec
-from models.llama.model import DecoderLayer
-from models.moe.model import CHECKPOINT_NAMES as MOE_CHECKPOINT_NAMES
-from models.moe.model import Dispatch, MoE, MoELayer, RouterScore, SparseMoE, check_routing_groups, expert_terms
+from models.blocks import DecoderLayer
+from models.experts import CHECKPOINT_NAMES as EXPERT_CHECKPOINT_NAMES
+from models.experts import Dispatch, ExpertsDecoder, MoELayer, RouterScore, check_routing_groups, expert_terms
 
-CHECKPOINT_NAMES = MOE_CHECKPOINT_NAMES
+CHECKPOINT_NAMES = EXPERT_CHECKPOINT_NAMES
 # The leading axis of the dense layers' stack (kept whole: the pipeline splits ``layers`` only).
 DENSE_LAYERS = "dense_layers"
 # The leading axis of the multi-token prediction modules' stack.
@@ -292,23 +292,14 @@ def activation_bytes(cfg: DeepSeekConfig, tensor: int, remat: RematPolicy, compu
 class DenseLayer(DecoderLayer):
     """A dense layer: x + latent attention(norm(x)), then + SwiGLU(norm(x)) (``mlp_dim`` units)."""
 
-    def __init__(self, cfg: DeepSeekConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.attention = LatentAttention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, cfg.mlp_dim, rngs)
+    attention_class = LatentAttention
 
 
 class SparseLayer(MoELayer):
     """A mixture-of-experts layer: x + latent attention(norm(x)), then + (experts + shared
     experts)(norm(x)), with the MoE family's statistics."""
 
-    def __init__(self, cfg: DeepSeekConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.attention = LatentAttention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.moe = SparseMoE(cfg, rngs)
-        self.shared = SwiGLU(cfg, cfg.shared_mlp_dim, rngs) if cfg.shared_mlp_dim else None
+    attention_class = LatentAttention
 
 
 @jax.tree_util.register_dataclass
@@ -326,7 +317,7 @@ class LatentCache:
     dense_rope_keys: jax.Array
 
 
-class DeepSeek(MoE):
+class DeepSeek(ExpertsDecoder):
     """Token ids [batch, length] -> logits [batch, length, vocab]: the embedding and the dense
     layers (``embed``), the mixture-of-experts layers (``run_layers``, the MoE family's auxiliary
     terms), the final norm and head (``logits``)."""

@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-from flax import nnx
 
-from models.api import RESIDUAL_AXES
 from models.kernels.attention import AttentionSpec
-from models.blocks import (BLOCK_CHECKPOINT_NAMES, AttentionKernel, Decoder, PreNormLayer, QKNormAttention, RMSNorm,
-                           RopeScalingConfig, SwiGLU, check_attention_fields, score_bytes)
-from models.common import ActivationSharding, InvalidField, RematPolicy, coerce_enums, palm_train_flops_per_token
+from models.blocks import (BLOCK_CHECKPOINT_NAMES, AttentionKernel, Decoder, DecoderLayer, RopeScalingConfig,
+                           check_attention_fields, score_bytes)
+from models.common import InvalidField, RematPolicy, coerce_enums, palm_train_flops_per_token
 from models.kernels.fp8 import MatmulGroup
 
 # Activations a NAMED remat policy may keep: the blocks' (tagged with ``checkpoint_name``).
@@ -174,29 +171,6 @@ def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_
              RematPolicy.FULL: d * c}.get(remat, everything)
     return saved, working
 
-
-
-def key_value_width(cfg: LlamaConfig, tensor: int) -> float:
-    """Elements per token of one layer's keys and values on one device (``ModelFamily.key_value_width``):
-    ``kv_heads * head_dim`` each, the heads split ``tensor`` ways."""
-    return 2 * cfg.num_kv_heads * cfg.head_dim / tensor
-
-
-class DecoderLayer(PreNormLayer):
-    """Pre-norm residual layer: x + attention(norm(x)) (queries and keys normed per head when
-    ``qk_norm``), then + mlp(norm(x))."""
-
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.attention = QKNormAttention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, cfg.mlp_dim, rngs)
-
-    def feed_forward(self, x: jax.Array, shard: ActivationSharding, generating: bool = False
-                     ) -> tuple[jax.Array, dict]:
-        """-> (x + mlp(mlp_norm(x)), this layer's statistics: none)."""
-        del generating
-        return shard(x + self.mlp(self.mlp_norm(x), shard), RESIDUAL_AXES), {}
 
 
 class Llama(Decoder):

@@ -32,7 +32,8 @@ import dataclasses
 from models.api import LAYERS_KEY, TensorSpec
 from models.common import InvalidField
 from models.llama.hf import LAYER_TENSORS, QK_NORM_TENSORS, LlamaHF
-from models.moe.model import Dispatch, MoEConfig, RouterScore
+from models.experts import Dispatch, RouterScore
+from models.moe.model import MoEConfig
 
 _ATTENTION_TENSORS = {path: spec for path, spec in LAYER_TENSORS.items() if path[0] != "mlp"}
 
