@@ -26,10 +26,6 @@ class ConfigError(ValueError):
         self.field = field
         self.message = message
 
-    def within(self, section: str) -> "ConfigError":
-        """The same error with its field prefixed by ``section`` (``"train"`` + ``"steps"``)."""
-        return ConfigError(f"{section}.{self.field}", self.message)
-
 
 def shown(value: Any, limit: int = 80) -> str:
     """``repr(value)`` cut to ``limit`` characters, for error messages."""

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 
 
 from meshtrain.mesh import LAYOUT_ORDER, MESH_AXES
-from meshtrain.parallel.executor import tick_runs
+from meshtrain.parallel.executor import Signature, tick_runs
 from meshtrain.param_terms import SpecTables, param_terms, spec_tables
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.pipeline import Schedule
@@ -220,7 +220,6 @@ def _schedule_table(layout: Layout) -> ScheduleTable | None:
     return None if table.problems() else table
 
 
-Signature = tuple[tuple[Work, ...], bool]
 _LOOPS: dict[int, tuple[ScheduleTable, list[Signature]]] = {}
 
 

@@ -13,7 +13,7 @@ from flax import nnx
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.rules import mesh_axes_of
 from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
-from models.api import AxisRole
+from models.api import LAYERS_KEY, AxisRole
 from models.common import MATMUL_GROUP, logical_axes_of
 
 SpecTables = tuple[dict, ...]
@@ -103,10 +103,10 @@ def param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
             if group in fp8_groups:
                 sums["fp8_gathered"] += c
         axes = logical_axes_of(variable)
-        if path[0] == "layers" or (axes and axes[0] in other_stacks):
+        if path[0] == LAYERS_KEY or (axes and axes[0] in other_stacks):
             sums["layer_copy"] += p if gathering and zero_split else c
             sums["layer_loop_grads"] += g if layout.zero.stage >= ZeroStage.GRADIENTS and zero_split else c
-        if path[0] == "layers":
+        if path[0] == LAYERS_KEY:
             per_layer = c / (variable.shape[0] / (stages if stages > 1 else 1))
             if gathering and zero_split:
                 sums["layer_gathered"] += per_layer

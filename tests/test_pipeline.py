@@ -136,10 +136,10 @@ def test_interleaved_layer_order_round_trips_and_puts_chunks_round_robin():
 
 
 def test_bubble_fractions_come_from_the_tables():
-    assert PipelineConfig(4, Schedule.GPIPE).bubble_fraction(4) == pytest.approx(3 / 7)
-    assert PipelineConfig(8, Schedule.ONE_F_ONE_B).bubble_fraction(4) == pytest.approx(3 / 11)
-    assert PipelineConfig(4, Schedule.INTERLEAVED, 2).bubble_fraction(4) == pytest.approx(3 / 11)
-    assert PipelineConfig(8, Schedule.ZB_H1).bubble_fraction(4) == pytest.approx(6 / 30)
+    assert PipelineConfig(4, Schedule.GPIPE).schedule_table(4).bubble() == pytest.approx(3 / 7)
+    assert PipelineConfig(8, Schedule.ONE_F_ONE_B).schedule_table(4).bubble() == pytest.approx(3 / 11)
+    assert PipelineConfig(4, Schedule.INTERLEAVED, 2).schedule_table(4).bubble() == pytest.approx(3 / 11)
+    assert PipelineConfig(8, Schedule.ZB_H1).schedule_table(4).bubble() == pytest.approx(6 / 30)
 
 
 @pytest.mark.parametrize("overrides,field,hint", [

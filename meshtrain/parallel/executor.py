@@ -44,7 +44,7 @@ from meshtrain.parallel.layer_order import with_layers
 from meshtrain.parallel.schedules import (BackwardTasks, Buffers, Columns, ForwardTasks, InputGradTasks,
                                           ScheduleTable, WeightGradTasks, Work)
 from meshtrain.precision import cast_floating
-from models.api import MTP_LOSS, RESIDUAL_AXES, Documents, LayerAux, PredictsAhead
+from models.api import LAYERS_KEY, MTP_LOSS, RESIDUAL_AXES, Documents, LayerAux, PredictsAhead
 from models.kernels.attention import varying_axes
 
 
@@ -57,7 +57,7 @@ CROSSING_DTYPE = jnp.float32
 def _stage_specs(params: nnx.State) -> nnx.State:
     """shard_map specs: the layers' leading axis over ``stage``; everything else replicated."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: PartitionSpec(STAGE) if path[0].key == "layers" else PartitionSpec(), params)
+        lambda path, _: PartitionSpec(STAGE) if path[0].key == LAYERS_KEY else PartitionSpec(), params)
 
 
 def _stage_varying(x: jax.Array) -> jax.Array:
@@ -74,7 +74,7 @@ def _shift(x: jax.Array, stages: int, step: int) -> jax.Array:
 
 def _without_layers(params: nnx.State) -> tuple[Any, nnx.State]:
     """(the stacked layers, the rest of ``params`` with ``layers`` None)."""
-    return params["layers"], with_layers(params, None)
+    return params[LAYERS_KEY], with_layers(params, None)
 
 
 def _select(which: jax.Array, if_true: Callable[[], Any], if_false: Callable[[], Any], lockstep: bool) -> Any:

@@ -107,10 +107,6 @@ class PipelineConfig:
                               "JSON a table's to_json writes") from None
         return ScheduleTable.from_json(text)
 
-    def bubble_fraction(self, stages: int) -> float:
-        """The idle share of the lock-step time of this schedule's table (F = 1, B = 2, I = W = 1)."""
-        return 0.0 if stages == 1 else self.schedule_table(stages).bubble()
-
     def problems(self, stages: int, num_layers: int, rows: int, seq_len: int) -> list[Infeasible]:
         """Why this schedule cannot run ``num_layers`` layers of ``seq_len`` tokens on ``stages``
         stages with ``rows`` rows per data-parallel shard and accumulation step (empty when it can)."""
