@@ -41,8 +41,7 @@ from collections.abc import Collection
 from models.api import LAYERS_KEY, TensorSpec
 from models.common import InvalidField
 from models.deepseek.model import DENSE_LAYERS, DeepSeekConfig
-from models.llama.hf import GLOBAL_TENSORS, LAYER_TENSORS, LlamaHF, rope_parameters
-from models.moe.hf import sparse_tensors
+from models.hf_decoder import GLOBAL_TENSORS, LAYER_TENSORS, DecoderHF, rope_parameters, sparse_tensors
 from models.experts import Dispatch, RouterScore
 
 _NORMS = {path: spec for path, spec in LAYER_TENSORS.items() if path[-1] == "scale"}
@@ -82,7 +81,7 @@ _ROUTING_DEFAULTS = {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5
 _MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
 
 
-class DeepSeekHF(LlamaHF):
+class DeepSeekHF(DecoderHF):
     """The ``models.api.HFAdapter`` of the DeepSeek-V3 family."""
 
     model_types = ("deepseek_v3",)

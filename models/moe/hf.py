@@ -1,6 +1,6 @@
 """Hugging Face mixture-of-experts checkpoints (``MixtralForCausalLM``, ``Qwen3MoeForCausalLM``) <-> ``MoEConfig``.
 
-Attention, norms, embedding and head are stored as Llama's (``models/llama/hf.py``). The sparse
+Attention, norms, embedding and head are stored as Llama's (``models/hf_decoder.py``). The sparse
 block (``L`` = layer, ``E`` = expert; HF ``nn.Linear`` weights are ``[out_features, in_features]``),
 Mixtral's names first, then Qwen3-MoE's::
 
@@ -31,23 +31,11 @@ import dataclasses
 
 from models.api import LAYERS_KEY, TensorSpec
 from models.common import InvalidField
-from models.llama.hf import LAYER_TENSORS, QK_NORM_TENSORS, LlamaHF
+from models.hf_decoder import LAYER_TENSORS, QK_NORM_TENSORS, DecoderHF, sparse_tensors
 from models.experts import Dispatch, RouterScore
 from models.moe.model import MoEConfig
 
 _ATTENTION_TENSORS = {path: spec for path, spec in LAYER_TENSORS.items() if path[0] != "mlp"}
-
-
-def sparse_tensors(block: str, gate: str, up: str, down: str) -> dict[tuple[str, ...], TensorSpec]:
-    """The router and the per-expert SwiGLU weights under ``block`` (with their HF names)."""
-    experts = f"{block}.experts.{{experts}}"
-    into, out_of = (("expert_mlp",), ("expert_embed",)), (("expert_embed",), ("expert_mlp",))
-    return {
-        ("moe", "router"): TensorSpec(f"{block}.gate.weight", (("expert_logits",), ("embed",))),
-        ("moe", "gate"): TensorSpec(f"{experts}.{gate}.weight", into, ("experts",)),
-        ("moe", "up"): TensorSpec(f"{experts}.{up}.weight", into, ("experts",)),
-        ("moe", "down"): TensorSpec(f"{experts}.{down}.weight", out_of, ("experts",)),
-    }
 
 
 _MIXTRAL_TENSORS = {**_ATTENTION_TENSORS, **sparse_tensors("block_sparse_moe", "w1", "w3", "w2")}
@@ -76,7 +64,7 @@ _QWEN3 = _Architecture("Qwen3MoeForCausalLM", "qwen3_moe", ("num_experts", "num_
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 
 
-class MoEHF(LlamaHF):
+class MoEHF(DecoderHF):
     """The ``models.api.HFAdapter`` of the MoE family."""
 
     model_types = (_MIXTRAL.model_type, _QWEN3.model_type)
@@ -114,7 +102,7 @@ class MoEHF(LlamaHF):
 
     def hf_config(self, cfg: MoEConfig, *, dtype: str, base: dict | None = None) -> dict:
         """A ``config.json`` for ``cfg``: ``Qwen3MoeForCausalLM`` when ``qk_norm``, else ``MixtralForCausalLM``.
-        Fields of ``base`` that do not describe the architecture are kept (see ``LlamaHF.hf_config``).
+        Fields of ``base`` that do not describe the architecture are kept (see ``DecoderHF.decoder_config``).
 
         Raises:
           InvalidField: naming the model field that neither architecture can express.
