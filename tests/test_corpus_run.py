@@ -14,7 +14,7 @@ from meshtrain import generate, logits
 from meshtrain.config import load_config
 from meshtrain.data import DataConfig, DataSource, MixtureEntry, Packing, global_batch, make_dataset
 from meshtrain.data.__main__ import main as data_main
-from meshtrain.data.corpus import PreparedCorpus
+from meshtrain.data.prepared import PreparedCorpus
 from meshtrain.errors import ConfigError
 from meshtrain.train import main as train_main
 

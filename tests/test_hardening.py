@@ -712,7 +712,7 @@ def test_issue38_item6_a_prepared_index_naming_a_file_outside_its_directory_is_r
     import json
     import shutil
 
-    from meshtrain.data.corpus import INDEX_FILE
+    from meshtrain.data.prepared import INDEX_FILE
 
     good = prepared["good"]
     bad = tmp_path / "bad"
@@ -743,7 +743,7 @@ def test_issue38_item9_deeply_nested_json_is_one_line_in_every_reader(prepared, 
     from meshtrain import convert, hf
     from meshtrain.checkpoint import EXPORT_META, PARAMS_DIR
     from meshtrain.data import __main__ as data_cli
-    from meshtrain.data.corpus import INDEX_FILE
+    from meshtrain.data.prepared import INDEX_FILE
 
     jsonl = tmp_path / "deep.jsonl"
     jsonl.write_text('{"text": "one fine document"}\n' + DEEP + "\n")
@@ -807,7 +807,7 @@ def test_issue38_item8_a_second_prepare_into_a_running_ones_out_refuses_and_remo
     import socket
 
     from meshtrain.data.__main__ import main as data_main
-    from meshtrain.data.corpus import INCOMPLETE_MARKER
+    from meshtrain.data.prepared import INCOMPLETE_MARKER
     from meshtrain.run_lock import LOCK_FILE
 
     out = tmp_path / "out"

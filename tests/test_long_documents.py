@@ -23,7 +23,8 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from meshtrain.data import tokenizer as tokenizer_module
-from meshtrain.data.corpus import INCOMPLETE_MARKER, PreparedCorpus, prepare
+from meshtrain.data.corpus import prepare
+from meshtrain.data.prepared import INCOMPLETE_MARKER, PreparedCorpus
 from meshtrain.data.tokenizer import (MAX_PIECE_CHARS, PIECE_CHARS, Cuts, load_tokenizer, piece_bounds,
                                       tokenizer_cuts, train_bpe)
 from meshtrain.errors import ConfigError

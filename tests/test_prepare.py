@@ -18,7 +18,8 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from meshtrain.data.__main__ import main
-from meshtrain.data.corpus import INCOMPLETE_MARKER, INDEX_FILE, PreparedCorpus, is_prepared_dir, prepare
+from meshtrain.data.corpus import prepare
+from meshtrain.data.prepared import INCOMPLETE_MARKER, INDEX_FILE, PreparedCorpus, is_prepared_dir
 from meshtrain.data.tokenizer import load_tokenizer, train_bpe
 from meshtrain.errors import ConfigError
 

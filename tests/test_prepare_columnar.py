@@ -24,7 +24,8 @@ import pytest
 
 from meshtrain.data import columnar
 from meshtrain.data.__main__ import main
-from meshtrain.data.corpus import INCOMPLETE_MARKER, DocumentReader, PreparedCorpus, input_files, prepare
+from meshtrain.data.corpus import DocumentReader, input_files, prepare
+from meshtrain.data.prepared import INCOMPLETE_MARKER, PreparedCorpus
 from meshtrain.data.sft import prepare_sft
 from meshtrain.data.tokenizer import load_tokenizer, train_bpe
 from meshtrain.errors import ConfigError

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 from meshtrain import logits as logits_cli
 from meshtrain.data import DataConfig, DataSource, Packing, global_batch, make_dataset, make_held_out_dataset
 from meshtrain.data.__main__ import main as data_main
-from meshtrain.data.corpus import INDEX_FILE, PreparedCorpus
+from meshtrain.data.prepared import INDEX_FILE, PreparedCorpus
 from meshtrain.data.chat_template import DEFAULT_CHAT_TEMPLATE
 from meshtrain.data.sft import DEFAULT_TEMPLATE_SOURCE, prepare_sft
 from meshtrain.data.tokenizer import train_bpe

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from meshtrain.data.corpus import is_prepared_dir
+from meshtrain.data.prepared import is_prepared_dir
 from meshtrain.data.dataset import TokenDataset
 from meshtrain.data.markov import MarkovDataset
 from meshtrain.data.sources import (TOKEN_DTYPES, TRAIN_SPLIT, FileDataset, MixtureDataset, StreamInfo,

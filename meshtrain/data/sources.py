@@ -33,7 +33,7 @@ from collections.abc import Callable
 import grain
 import numpy as np
 
-from meshtrain.data.corpus import CorpusSplit, PreparedCorpus
+from meshtrain.data.prepared import CorpusSplit, PreparedCorpus
 from meshtrain.data.dataset import SHUFFLE_STREAM, TokenDataset, as_rows, check_indices
 from meshtrain.data.tokenizer import file_sha256, load_tokenizer, tokenizer_file
 from meshtrain.errors import ConfigError
