@@ -22,6 +22,7 @@ from meshtrain.data.corpus import prepare
 from meshtrain.data.prepared import INCOMPLETE_MARKER, INDEX_FILE, PreparedCorpus, is_prepared_dir
 from meshtrain.data.tokenizer import load_tokenizer, train_bpe
 from meshtrain.errors import ConfigError
+from utils import shard_writes_fill_the_disk
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "déjà", "vu", "日本語", "naïve", "über", "shard", "token",
@@ -330,26 +331,13 @@ def test_overwrite_writes_beside_the_old_corpus_and_swaps_it_in(corpus, tmp_path
     """--overwrite leaves the old corpus alone until the new one is complete beside it: a full disk
     midway (ENOSPC) is one line and the old corpus and a file beside it are intact, with no
     temporary directory left; the next run replaces the corpus and keeps the file."""
-    import errno
-    import os
-
-    from meshtrain.data import corpus as corpus_module
-
     out = tmp_path / "out"
     command = ["prepare", "--tokenizer", corpus["tokenizer"], "--input", corpus["inputs"][0], "--out", str(out),
                "--no-progress", "--shard-tokens", str(SHARD_TOKENS)]
     assert main(command) == 0
     (out / "notes.md").write_text("mine")
     before = _files(out)
-    write, calls = corpus_module._SplitWriter._write, []
-
-    def filling(self, *args):
-        calls.append(self.split)
-        if len(calls) == 4:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.out / "train-00003.bin.tmp"))
-        return write(self, *args)
-
-    monkeypatch.setattr(corpus_module._SplitWriter, "_write", filling)
+    shard_writes_fill_the_disk(monkeypatch, 4, "train-00003.bin")
     capsys.readouterr()
     assert main([*command, "--overwrite", "--val-fraction", "0.1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -357,7 +345,7 @@ def test_overwrite_writes_beside_the_old_corpus_and_swaps_it_in(corpus, tmp_path
         f"train-00003.bin.tmp: No space left on device; {out} is left as it was"), err
     assert _files(out) == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
-    monkeypatch.setattr(corpus_module._SplitWriter, "_write", write)
+    monkeypatch.undo()
     assert main([*command, "--overwrite", "--val-fraction", "0.1"]) == 0
     assert set(PreparedCorpus.open(str(out)).splits) == {"train", "val"} and (out / "notes.md").read_text() == "mine"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]

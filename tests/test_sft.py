@@ -43,7 +43,7 @@ from meshtrain.parallel.rules import Preset
 from meshtrain.train import main as train_main
 from models.api import forward
 from models.common import unconstrained
-from utils import MODEL, make_trainer
+from utils import MODEL, make_trainer, shard_writes_fill_the_disk
 
 WORDS = ["what", "is", "the", "capital", "of", "france", "paris", "name", "a", "color", "blue", "red", "fruit",
          "apple", "say", "hi", "again", "be", "brief", "yes", "no", "python", "list", "sort", "return", "value"]
@@ -486,11 +486,6 @@ def test_overwrite_onto_a_full_disk_keeps_the_old_corpus(data, tmp_path, monkeyp
     """prepare-sft --overwrite writes the new corpus beside the old one and swaps it in when complete:
     a write failing midway (ENOSPC) is one line, the old corpus (and a file beside it) is intact and
     no temporary directory is left; once there is room, the new corpus replaces it."""
-    import errno
-    import os
-
-    from meshtrain.data import corpus as corpus_module
-
     out = tmp_path / "out"
     command = ["prepare-sft", "--tokenizer", str(data["plain"]), "--input", str(data["inputs"]), "--out", str(out),
                "--no-progress", "--shard-tokens", "200"]
@@ -498,15 +493,7 @@ def test_overwrite_onto_a_full_disk_keeps_the_old_corpus(data, tmp_path, monkeyp
     (out / "notes.md").write_text("mine")
     before = {path.name: path.read_bytes() for path in out.iterdir()}
     other = _write_jsonl(tmp_path / "other.jsonl", _examples(5, 40))
-    write, calls = corpus_module._SplitWriter._write, []
-
-    def filling(self, *args):
-        calls.append(self.split)
-        if len(calls) == 3:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.out / "train-00001.bin.tmp"))
-        return write(self, *args)
-
-    monkeypatch.setattr(corpus_module._SplitWriter, "_write", filling)
+    shard_writes_fill_the_disk(monkeypatch, 3, "train-00001.bin")
     capsys.readouterr()
     command[command.index(str(data["inputs"]))] = str(other)
     assert data_main([*command, "--overwrite"]) == 2
@@ -515,7 +502,7 @@ def test_overwrite_onto_a_full_disk_keeps_the_old_corpus(data, tmp_path, monkeyp
         f"train-00001.bin.tmp: No space left on device; {out} is left as it was"), err
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["other.jsonl", "out"]
-    monkeypatch.setattr(corpus_module._SplitWriter, "_write", write)
+    monkeypatch.undo()
     assert data_main([*command, "--overwrite"]) == 0
     assert PreparedCorpus.open(str(out)).splits["train"].num_documents == 40
     assert (out / "notes.md").read_text() == "mine" and not (out / ".meshtrain.lock").exists()

@@ -105,3 +105,23 @@ def one_line_error(rc: int, err: str, field: str, *hints: str) -> str:
         assert hint in lines[0], (hint, lines[0])
     return lines[0]
 
+
+
+def shard_writes_fill_the_disk(monkeypatch, at_write: int, shard: str) -> None:
+    """A prepared corpus' shard writer (``corpus._SplitWriter._write``) that finds the disk full at
+    its ``at_write``-th call, naming ``shard`` (its .tmp file) in the OSError; undone by
+    ``monkeypatch.undo()`` or at the test's end."""
+    import errno
+    import os
+
+    from meshtrain.data import corpus
+
+    write, calls = corpus._SplitWriter._write, []
+
+    def filling(self, *args):
+        calls.append(self.split)
+        if len(calls) == at_write:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.out / f"{shard}.tmp"))
+        return write(self, *args)
+
+    monkeypatch.setattr(corpus._SplitWriter, "_write", filling)

@@ -26,3 +26,12 @@ def write_file(path: pathlib.Path, data: bytes) -> None:
         stream.close()
         pathlib.Path(stream.name).unlink(missing_ok=True)
         raise
+
+
+def fsync_dir(path: pathlib.Path) -> None:
+    """Makes the entries of directory ``path`` (renames, new files) durable."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -61,7 +61,8 @@ from tokenizers import Tokenizer
 
 from meshtrain import jsonio
 from meshtrain.data.corpus import (BATCH_TEXT_BYTES, DEFAULT_SHARD_TOKENS, _Progress, _SplitWriter, _val_selector,
-                                   check_out, claimed, finish, split_input_files, token_dtype)
+                                   finish, split_input_files, token_dtype)
+from meshtrain.data.out_dir import check_out, claimed
 from meshtrain.data.prepared import TRAIN, VAL, PreparedCorpus
 from meshtrain.data.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from meshtrain.data.columnar import is_columnar
