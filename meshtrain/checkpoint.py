@@ -163,7 +163,7 @@ def config_differences(old: dict, new: dict, sections: tuple[str, ...], defaults
 
 # What decides the saved state's arrays (named when a checkpoint does not fit): the model, the
 # optimizer's moments, and FP8's amax histories (train.precision, train.fp8).
-SHAPING_FIELDS = ("model", "optimizer", "train.precision", "train.fp8")
+SHAPING_FIELDS = ("model", "optimizer", "train.precision", "train.fp8", "train.lora")
 
 
 def check_compatible(saved: dict[str, tuple], wanted: dict[str, tuple], *, field: str, where: str,

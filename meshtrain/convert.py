@@ -1,16 +1,19 @@
-"""``python -m meshtrain.convert from-hf --hf DIR --out DIR`` and ``to-hf --from DIR --out DIR``
+"""``python -m meshtrain.convert from-hf --hf DIR --out DIR``, ``to-hf --from DIR --out DIR`` and ``to-peft``
 
 ``from-hf`` imports a Hugging Face checkpoint of a family with an HF adapter (``config.json`` + safetensors) into a
 meshtrain parameter export (``DIR/params`` + ``DIR/meshtrain.json``, as ``python -m
 meshtrain.export`` writes; fine-tune with ``checkpoint.init_from=DIR``, or skip this step with
 ``checkpoint.init_from=hf:HF_DIR``). ``to-hf`` writes a run directory, a step directory or an export
-as an HF checkpoint that ``transformers``' ``from_pretrained`` loads.
+as an HF checkpoint that ``transformers``' ``from_pretrained`` loads (a ``train.lora`` run's adapters merged
+into its weights). ``to-peft`` writes a ``train.lora`` run's adapters as a PEFT adapter directory
+(``meshtrain.peft``) that ``peft.PeftModel.from_pretrained`` loads onto the HF base.
 
 Options::
 
     from-hf --hf DIR --out DIR [--host-devices N] [mesh.*=... sharding.preset=...]
     to-hf --from DIR --out DIR [--step N] [--dtype auto|float32|bfloat16|float16]
           [--max-shard-size 5GB] [--host-devices N] [mesh.*=... sharding.preset=...]
+    to-peft --run DIR --out DIR [--step N] [--base NAME] [--host-devices N] [mesh.*=... sharding.preset=...]
 
 The weights are read straight into the shardings of the mesh (default: ``fsdp`` over every
 device) by ``meshtrain.loading``. Bad input prints one ``error: field: what is wrong`` line and exits 2.
@@ -25,12 +28,12 @@ import sys
 
 import jax
 
-from meshtrain import hf
+from meshtrain import hf, peft
 from meshtrain.checkpoint import save_params
 from meshtrain.cli import ArgumentParser, add_mesh_arguments, add_trust_plugin_argument, run
 from meshtrain.errors import ConfigError, new_output, writable_directory
 from meshtrain.config import model_dict
-from meshtrain.loading import SourceKind, load_model, mesh_from_args, source_kind
+from meshtrain.loading import SourceKind, load_model, mesh_from_args, restore_run, source_kind
 from meshtrain.parallel.rules import ShardingRules
 from jax.sharding import Mesh
 
@@ -100,6 +103,24 @@ def to_hf(source: str, out: str, mesh: Mesh, rules: ShardingRules, *, step: int 
         return written + _copy_side_files(model.path, out_dir)
 
 
+def to_peft(run: str, out: str, mesh: Mesh, rules: ShardingRules, *, step: int | None = None,
+            base_model: str | None = None, trust_plugin: bool = False) -> list[str]:
+    """Writes the LoRA adapters of checkpoint ``step`` (default latest) of the run ``run`` as a PEFT
+    adapter directory ``out``; ``base_model`` (default: the run's ``checkpoint.init_from``) is recorded
+    as its ``base_model_name_or_path``."""
+    out_dir = _new_dir(out)
+    if source_kind(run, field="--run") is not SourceKind.RUN:
+        raise ConfigError("--run", f"{run} is not a run directory; give the run.dir of a train.lora run")
+    cfg, trainer, restored = restore_run(run, mesh, rules, step=step, field="--run", trust_plugin=trust_plugin)
+    if trainer.lora is None:
+        raise ConfigError("--run", f"{run} trained without train.lora (rank 0), so it has no adapter; write its "
+                          "whole model with to-hf")
+    base = base_model or (cfg.checkpoint.init_from or "").removeprefix(hf.INIT_PREFIX) or None
+    with new_output(out_dir, "--out"):
+        return peft.save_adapter(out_dir, trainer.lora, cfg.model, trainer.abstract_params, restored.state.adapters,
+                                 base_model=base)
+
+
 def _parse_args(argv: list[str] | None):
     parser = ArgumentParser(prog="python -m meshtrain.convert", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
@@ -113,7 +134,12 @@ def _parse_args(argv: list[str] | None):
                           "float32, bfloat16 or float16")
     exporter.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     add_trust_plugin_argument(exporter)
-    for command in (importer, exporter):
+    adapter = commands.add_parser("to-peft", help="a train.lora run's adapters -> PEFT adapter directory")
+    adapter.add_argument("--run", required=True, help="run directory of a train.lora run")
+    adapter.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    adapter.add_argument("--base", help="base_model_name_or_path to record (default: the run's checkpoint.init_from)")
+    add_trust_plugin_argument(adapter)
+    for command in (importer, exporter, adapter):
         command.add_argument("--out", required=True, help="new directory to write")
         add_mesh_arguments(command)
     return parser.parse_args(argv)
@@ -126,6 +152,11 @@ def _convert(argv: list[str] | None) -> None:
         written = from_hf(args.hf, args.out, mesh, rules)
         message = (f"imported {args.hf} to {written}; fine-tune with checkpoint.init_from={written} "
                    f"(or checkpoint.init_from={hf.INIT_PREFIX}{args.hf})")
+    elif args.command == "to-peft":
+        files = to_peft(args.run, args.out, mesh, rules, step=args.step, base_model=args.base,
+                        trust_plugin=args.trust_plugin)
+        message = (f"wrote {args.out}: {', '.join(files)}; load it with "
+                   f"peft.PeftModel.from_pretrained(base, {args.out!r})")
     else:
         files = to_hf(args.source, args.out, mesh, rules, step=args.step, dtype=args.dtype,
                       max_shard_bytes=parse_size(args.max_shard_size), trust_plugin=args.trust_plugin)

@@ -17,6 +17,7 @@ import shutil
 import sys
 
 import jax
+import jax.numpy as jnp
 
 from meshtrain.checkpoint import RunCheckpoints, UnreadableCheckpoint, resolve_restore_path, save_params
 from meshtrain.data.chat_template import CHAT_TEMPLATE_FILE
@@ -67,11 +68,11 @@ def export(run: str, out: str, step: int | None = None, *, trust_plugin: bool = 
     out_dir = pathlib.Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError("--out", f"{out} exists and is not empty; choose a new directory")
-    cfg, _, restored = restore_run(run, _written_mesh(run, step, trust_plugin), step=step, field="--run",
-                                   trust_plugin=trust_plugin)
+    cfg, trainer, restored = restore_run(run, _written_mesh(run, step, trust_plugin), step=step, field="--run",
+                                         trust_plugin=trust_plugin)
     config = to_dict(cfg)
     with new_output(out_dir, "--out"):
-        written = save_params(out_dir, restored.state.params, {"step": restored.step, "source": str(restored.path),
+        written = save_params(out_dir, trainer.model_params(restored.state, jnp.float32), {"step": restored.step, "source": str(restored.path),
                                                                "model": config["model"], "config": config})
         for name in (TOKENIZER_FILE, CHAT_TEMPLATE_FILE):  # the run's, when its data recorded them
             recorded = restored.path.parent.parent / name

@@ -83,7 +83,7 @@ class Fp8Recipe:
             raise ConfigError("fp8.margin", f"must be between 0 and 8 (powers of two of headroom), got {self.margin}")
 
 
-def _name(path: tuple) -> str:
+def dotted_name(path: tuple) -> str:
     """A parameter's path as ``layers.attention.query`` (the Variable's ``value`` attribute dropped)."""
     keys = [key for key in path if not isinstance(key, jax.tree_util.GetAttrKey)]
     return ".".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in keys)
@@ -114,7 +114,7 @@ def nested(flat: Mapping[str, Any]) -> nnx.State:
 def flat(tree: Any) -> dict[str, Any]:
     """The inverse of ``nested``: leaves by dotted path."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {_name(path): leaf for path, leaf in leaves}
+    return {dotted_name(path): leaf for path, leaf in leaves}
 
 
 class Fp8Training:
@@ -141,7 +141,7 @@ class Fp8Training:
             if group is not None and (recipe.matmuls is None or group in recipe.matmuls):
                 axes = tuple(metadata.get("out_sharding") or ())
                 stacked = next((i for i, axis in enumerate(axes) if axis not in stacked_axes), len(axes))
-                name = _name(path)
+                name = dotted_name(path)
                 self.leading[name], self.shapes[name] = stacked, tuple(variable.get_value().shape[:stacked])
             return variable
 
@@ -198,7 +198,7 @@ class Fp8Training:
         histories, observed = flat(histories), None if observed is None else flat(observed)
 
         def wrap(path, leaf):
-            name = _name(path)
+            name = dotted_name(path)
             if name not in self.leading:
                 return leaf
             seen = (jnp.zeros((*self.shapes[name], len(OPERANDS)), jnp.float32) if observed is None
@@ -214,7 +214,7 @@ class Fp8Training:
 
         def unwrap(path, leaf):
             if isinstance(leaf, Fp8Weight):
-                observed[_name(path)] = leaf.observed
+                observed[dotted_name(path)] = leaf.observed
                 return leaf.weight
             return leaf
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.kernels.fp8 import Fp8Weight
+from models.kernels.lora import LoraWeight
 
 
 class Precision(str, enum.Enum):
@@ -75,11 +76,13 @@ class LossScale:
 
 def cast_floating(tree, dtype: jnp.dtype):
     """``tree`` with floating-point leaves cast to ``dtype``; of an ``Fp8Weight``, the weight only
-    (its amaxes stay fp32)."""
+    (its amaxes stay fp32); of a ``LoraWeight``, the base and adapter (its dropout seeds stay fp32)."""
 
     def cast(x):
         if isinstance(x, Fp8Weight):
             return x.replace(weight=cast(x.weight))
+        if isinstance(x, LoraWeight):
+            return x.cast(dtype)
         return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
-    return jax.tree.map(cast, tree, is_leaf=lambda x: isinstance(x, Fp8Weight))
+    return jax.tree.map(cast, tree, is_leaf=lambda x: isinstance(x, Fp8Weight | LoraWeight))

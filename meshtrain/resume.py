@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from meshtrain import hf
+from meshtrain import hf, peft
 from meshtrain.checkpoint import (CHECKPOINT_DIR, PARAMS_DIR, Restored, RunCheckpoints, UnreadableCheckpoint,
                                   check_params, config_differences, load_params, reorder_layers,
                                   resolve_restore_path, warn)
@@ -146,11 +146,24 @@ def initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | N
         target = check_params(init_from, trainer.abstract_params, trainer.param_shardings,
                               model_config=config["model"])
         load = functools.partial(load_params, init_from, target)
+    adapters_from = cfg.train.lora.init_from
+    load_adapters = (peft.adapter_loader(adapters_from, trainer.lora, cfg.model, trainer.abstract_params)
+                     if adapters_from is not None else None)  # checked before anything compiles
     state = trainer.init_state(cfg.train.seed)
-    if load is None:
-        return Start(state, 0, None, None)
-    jax.tree.map(lambda array: array.delete(), state.params)  # free the fresh ones before loading
-    nnx.replace_by_pure_dict(state.params, load())
-    # Exported parameters are in model order; an interleaved pipeline stores stage order.
-    state = reorder_layers(state, LayerOrder(num_layers=cfg.model.num_layers), trainer.layer_order)
-    return Start(state, 0, None, f"parameters initialised from {init_from}")
+    # What a file gives is in model layer order; an interleaved pipeline stores stage order.
+    model_order = LayerOrder(num_layers=cfg.model.num_layers)
+    notes = []
+    if load is not None:
+        jax.tree.map(lambda array: array.delete(), state.params)  # free the fresh ones before loading
+        nnx.replace_by_pure_dict(state.params, load())
+        # Under LoRA the parameters are frozen in the compute dtype.
+        state = state.replace(params=reorder_layers(trainer.held(state.params), model_order, trainer.layer_order))
+        notes.append(f"parameters initialised from {init_from}")
+    if load_adapters is not None:
+        loaded = load_adapters()
+        nnx.replace_by_pure_dict(state.adapters, loaded)
+        adapters = jax.tree.map(lambda value, sharding: jax.make_array_from_callback(
+            value.shape, sharding, lambda index: value[index]), state.adapters, trainer.state_shardings.adapters)
+        state = state.replace(adapters=reorder_layers(adapters, model_order, trainer.layer_order))
+        notes.append(f"LoRA adapters initialised from {adapters_from}")
+    return Start(state, 0, None, "; ".join(notes) or None)

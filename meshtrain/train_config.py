@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from meshtrain.errors import ConfigError
 from meshtrain.fp8 import Fp8Recipe
+from meshtrain.lora import LoraConfig
 from meshtrain.precision import Precision
 from models.common import coerce_enums
 from models.kernels.fp8 import MatmulGroup
@@ -32,6 +33,8 @@ class TrainConfig:
     precision: Precision = Precision.FP32
     dynamic_loss_scale: bool | None = None  # None: on for fp16 only
     fp8: Fp8Recipe = dataclasses.field(default_factory=Fp8Recipe)  # the recipe of precision: fp8
+    # Low-rank adapters on the layers' matmuls, every other parameter frozen (rank 0: off; meshtrain.lora).
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     seed: int = 0
     log_every: int = 10
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.SKIP
@@ -86,6 +89,9 @@ class TrainConfig:
         if self.precision is not Precision.FP8 and self.fp8 != Fp8Recipe():
             raise ConfigError("fp8", f"is set, but train.precision is {self.precision.value}: the recipe applies "
                               "under train.precision: fp8 only (set it, or drop train.fp8)")
+        if self.lora.enabled and self.precision is Precision.FP8:
+            raise ConfigError("lora", "with train.precision fp8 is not supported (FP8 frozen bases are not "
+                              "implemented); use bf16 or fp32 with train.lora")
         if self.max_consecutive_skips < 0:
             raise ConfigError("max_consecutive_skips", f"must be >= 0 (0: no limit), got {self.max_consecutive_skips}")
         if self.loss_chunk < 0:

@@ -14,6 +14,7 @@ norm and the FP8 amaxes are finite -> the new parameters and moments checked for
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
 from meshtrain.fp8 import Fp8Training
+from meshtrain.lora import LoraTraining
 from meshtrain.loss import Batch, Objective, with_ahead_targets
 from meshtrain.optim import OptimizerConfig, descended_gradients, make_optimizer, sign_descent_rates
 from meshtrain.parallel.accumulate import accumulate_gradients, split_microbatches
@@ -34,7 +36,7 @@ from meshtrain.parallel.ring_attention import balanced_order
 from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, named_shardings, optimizer_shardings,
                                          ring_axis)
 from meshtrain.parallel.zero import StateLayout
-from meshtrain.precision import LossScale, Precision, initial_loss_scale
+from meshtrain.precision import LossScale, Precision, cast_floating, initial_loss_scale
 from meshtrain.xla_flags import step_compiler_options
 from models.api import AUX_LOSS, MTP_LOSS, BlockedExperts, DecoderModel, PredictsAhead, RoutedExperts
 
@@ -43,7 +45,8 @@ Metrics = dict[str, jax.Array]
 
 @struct.dataclass
 class TrainState:
-    """Everything that changes from step to step. Parameters and moments are fp32."""
+    """Everything that changes from step to step. Parameters and moments are fp32; under
+    ``train.lora`` the parameters are frozen in the compute dtype and the adapters train."""
 
     step: jax.Array  # i32 []
     params: nnx.State
@@ -53,6 +56,8 @@ class TrainState:
     # train.precision fp8 with delayed scaling: each FP8 weight's amax history (meshtrain.fp8, nested
     # as the parameters); else empty.
     fp8: nnx.State = struct.field(default_factory=lambda: nnx.State({}))
+    # train.lora: the low-rank adapters, which the optimizer trains (meshtrain.lora); else empty.
+    adapters: nnx.State = struct.field(default_factory=lambda: nnx.State({}))
 
 
 def check_expert_block(layout: Layout) -> None:
@@ -91,26 +96,32 @@ class Trainer:
         model = nnx.merge(self.graphdef, self.abstract_params)
         # Multi-token prediction's depths (models.api.PredictsAhead): the batch carries their targets.
         self.ahead_depths = model.ahead_depths if isinstance(model, PredictsAhead) else 0
-        specs = layout.state_specs()
-        self.state_layout = StateLayout(*(named_shardings(part, mesh) for part in (specs.params, specs.grads,
-                                                                                   specs.optimizer)))
+        self.state_layout = sharded_layout(layout.state_specs(), mesh)
         self.param_shardings = self.state_layout.params
         self.fp8 = (Fp8Training(layout.train.fp8, self.abstract_params, self.family)
                     if layout.train.precision is Precision.FP8 else None)
-        self.tx, self.schedule = make_optimizer(optimizer, layout.train.steps, self.abstract_params)
-        self.sign_rates = sign_descent_rates(self.abstract_params)
+        self.lora = (LoraTraining(layout.train.lora, self.abstract_params, self.family)
+                     if layout.train.lora.enabled else None)
+        # What the optimizer trains (the parameters, or under LoRA the adapters) and its layout.
+        self.abstract_trainable = (jax.eval_shape(self.lora.initial_adapters, 0) if self.lora
+                                   else self.abstract_params)
+        self.trainable_layout = (sharded_layout(layout.state_specs(params=self.abstract_trainable), mesh)
+                                 if self.lora else self.state_layout)
+        self.tx, self.schedule = make_optimizer(optimizer, layout.train.steps, self.abstract_trainable)
+        self.sign_rates = sign_descent_rates(self.abstract_trainable)
         replicated = NamedSharding(mesh, PartitionSpec())
-        abstract_opt_state = jax.eval_shape(self.tx.init, self.abstract_params)
+        abstract_opt_state = jax.eval_shape(self.tx.init, self.abstract_trainable)
         # Where the optimizer state is updated (device memory) and where it rests between steps.
-        self.optimizer_compute_shardings = optimizer_shardings(abstract_opt_state, self.abstract_params,
-                                                               self.state_layout.optimizer, mesh)
+        self.optimizer_compute_shardings = optimizer_shardings(abstract_opt_state, self.abstract_trainable,
+                                                               self.trainable_layout.optimizer, mesh)
         self.state_shardings = TrainState(
             step=replicated, params=self.param_shardings,
             opt_state=with_memory_kind(self.optimizer_compute_shardings,
                                        HOST if layout.offload.optimizer else DEVICE),
             loss_scale=jax.tree.map(lambda _: replicated, initial_loss_scale(layout.train.uses_dynamic_loss_scale)),
             skipped_steps=replicated,
-            fp8=self.fp8.history_shardings(self.param_shardings) if self.fp8 else nnx.State({}))
+            fp8=self.fp8.history_shardings(self.param_shardings) if self.fp8 else nnx.State({}),
+            adapters=self.trainable_layout.params if self.lora else nnx.State({}))
         self.batch_sharding = batch_sharding(self.rules, mesh)
         self.metrics_sharding = replicated
         self.train_step = jax.jit(
@@ -126,6 +137,7 @@ class Trainer:
         (the lines that apply). ``ConfigError`` on ``model.attention`` for a kernel that cannot run here."""
         model, precision = self.layout.model, self.layout.train.precision
         lines = [self.fp8 and self.fp8.describe(),
+                 self.lora and self.lora.describe(self.layout.train.compute_dtype),
                  activation_sharding(self.rules, self.mesh).describe_attention(model.attention_spec, packed,
                                                                                precision.compute_dtype),
                  *[describe_exchange(self.rules, self.mesh, axis, isinstance(model, RoutedExperts)
@@ -145,9 +157,25 @@ class Trainer:
 
     def _fresh_state(self, seed: int) -> TrainState:
         params = self.layer_order.to_storage(nnx.state(self.family.build(self.layout.model, seed)))
-        return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params),
+        adapters = self.layer_order.to_storage(self.lora.initial_adapters(seed)) if self.lora else nnx.State({})
+        return TrainState(step=jnp.int32(0), params=self.held(params),
+                          opt_state=self.tx.init(adapters if self.lora else params),
                           loss_scale=initial_loss_scale(self.layout.train.uses_dynamic_loss_scale),
-                          skipped_steps=jnp.int32(0), fp8=self.fp8.initial_histories() if self.fp8 else nnx.State({}))
+                          skipped_steps=jnp.int32(0), fp8=self.fp8.initial_histories() if self.fp8 else nnx.State({}),
+                          adapters=adapters)
+
+    def held(self, params: nnx.State) -> nnx.State:
+        """The parameters as the state holds them: fp32 masters, or under LoRA frozen in the compute dtype."""
+        return cast_floating(params, self.layout.train.compute_dtype) if self.lora else params
+
+    def model_params(self, state: TrainState, dtype: jnp.dtype | None = None) -> nnx.State:
+        """The model's parameters of ``state`` as one tree (evaluation, sampling, export): its
+        parameters, or under LoRA the frozen ones with the adapters merged in, in ``dtype`` (default:
+        as held: the compute dtype; the tools ask for fp32)."""
+        if not self.lora:
+            return state.params
+        merge = jax.jit(functools.partial(self.lora.merged, dtype=dtype), out_shardings=self.param_shardings)
+        return merge(state.params, state.adapters)
 
     def init_state(self, seed: int) -> TrainState:
         """A fresh state created directly in its shardings (no full copy on any device)."""
@@ -186,8 +214,9 @@ class Trainer:
 
     def _model_of(self, params: nnx.State) -> DecoderModel:
         """The model on ``params`` (already in the compute dtype: the pipeline casts the fp32 master
-        weights once per step and differentiates through the cast)."""
-        return nnx.merge(self.graphdef, params)
+        weights once per step and differentiates through the cast); under LoRA only the adapters
+        carry gradients."""
+        return nnx.merge(self.graphdef, self.lora.frozen(params) if self.lora else params)
 
     def evaluate(self, params: nnx.State, batch: Batch) -> Metrics:
         """Forward only: the summed token cross-entropy of a global batch (``loss_sum``, fp32) and its
@@ -208,9 +237,10 @@ class Trainer:
 
     def gradients(self, state: TrainState, batch: Batch
                   ) -> tuple[jax.Array, nnx.State, jax.Array, Metrics, nnx.State]:
-        """Mean loss and its fp32 gradients (unscaled) on a global batch, the target count, the
-        layers' statistics (every aux term of ``DecoderModel.run_layers`` but the loss, as a mean
-        over the batch's rows) and, under fp8, the step's amaxes per FP8 weight (else an empty tree).
+        """Mean loss and its fp32 gradients (unscaled; of the adapters under LoRA) on a global batch,
+        the target count, the layers' statistics (every aux term of ``DecoderModel.run_layers`` but the
+        loss, as a mean over the batch's rows) and, under fp8, the step's amaxes per FP8 weight (else an
+        empty tree).
 
         Microbatches of ``train.grad_accum`` are scanned; each runs through the pipeline schedule
         when ``mesh.stage`` > 1. Gradients of interleaved layers are in storage order.
@@ -226,6 +256,12 @@ class Trainer:
                                              activation_sharding(self.rules, self.mesh), compute_dtype)
 
         params, grad_shardings = state.params, self.state_layout.grads
+        if self.lora:
+            key = jax.random.fold_in(jax.random.key(self.layout.train.seed), state.step)
+            params = self.lora.attach(state.params, state.adapters,
+                                      self.lora.dropout_seeds(key, self.layer_order.to_storage))
+            grad_shardings = self.lora.attach(grad_shardings, self.trainable_layout.grads,
+                                              self.lora.seed_shardings(self.param_shardings))
         if self.fp8:
             params = self.fp8.attach(state.params, state.fp8)
             grad_shardings = self.fp8.attach(grad_shardings, self.fp8.history_shardings(self.param_shardings),
@@ -237,6 +273,8 @@ class Trainer:
         scaled_loss, aux, scaled_grads = accumulate_gradients(
             value_and_grad, params, split_microbatches(batch, self.layout.train.grad_accum), constrain_grads)
         scaled_grads, observed = self.fp8.split(scaled_grads) if self.fp8 else (scaled_grads, nnx.State({}))
+        if self.lora:
+            scaled_grads = self.lora.split(scaled_grads, state.adapters)
         # MTP_LOSS is already a share of the (scaled) loss; the rest are sums over rows.
         statistics = {name: state.loss_scale.unscale(value) if name == MTP_LOSS else value / rows
                       for name, value in aux.items() if name != AUX_LOSS}
@@ -268,16 +306,23 @@ class Trainer:
             updates, opt_state = self.tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
 
-        params, opt_state = jax.lax.cond(inputs_finite, apply_update, lambda *old: old, state.params, old_opt_state)
+        trainable = state.adapters if self.lora else state.params
+        trained, opt_state = jax.lax.cond(inputs_finite, apply_update, lambda *old: old, trainable, old_opt_state)
         new_state = TrainState(
-            step=state.step + 1, params=params, opt_state=opt_state,
+            step=state.step + 1, params=state.params if self.lora else trained, opt_state=opt_state,
             loss_scale=state.loss_scale.adjust(inputs_finite),
-            skipped_steps=state.skipped_steps + (~inputs_finite).astype(jnp.int32), fp8=histories)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "state_finite": all_finite((params, opt_state)),
+            skipped_steps=state.skipped_steps + (~inputs_finite).astype(jnp.int32), fp8=histories,
+            adapters=trained if self.lora else state.adapters)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "state_finite": all_finite((trained, opt_state)),
                    "lr": self.schedule(state.step), "loss_scale": state.loss_scale.scale,
                    "skipped_steps": new_state.skipped_steps, "update_skipped": ~inputs_finite,
                    "target_tokens": target_count, **statistics}
         return new_state, metrics
+
+
+def sharded_layout(specs: StateLayout, mesh: Mesh) -> StateLayout:
+    """``specs`` (PartitionSpecs) as NamedShardings on ``mesh``."""
+    return StateLayout(*(named_shardings(part, mesh) for part in (specs.params, specs.grads, specs.optimizer)))
 
 
 def all_finite(tree) -> jax.Array:

@@ -21,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.kernels.attention import AttentionSpec, attend, cudnn_refusal
 from models.kernels.fp8 import Fp8Weight, MatmulGroup, fp8_matmul
+from models.kernels.lora import LoraWeight, low_rank_equations
 
 LogicalAxes = tuple[str | None, ...]
 
@@ -59,7 +60,8 @@ def _enum_fields(cls: type) -> tuple[tuple[str, type[enum.Enum]], ...]:
                  if isinstance(hints.get(field.name), type) and issubclass(hints[field.name], enum.Enum))
 
 
-def matmul(equation: str, x: jax.Array, w: jax.Array | Fp8Weight, result_dtype: jnp.dtype | None = None) -> jax.Array:
+def matmul(equation: str, x: jax.Array, w: jax.Array | Fp8Weight | LoraWeight,
+           result_dtype: jnp.dtype | None = None) -> jax.Array:
     """``jnp.einsum(equation, x, w)`` (two operands, no index repeated in one) summed in fp32 and
     returned in ``result_dtype`` (default: ``x``'s dtype), in the forward and in both backward
     matmuls (whose results take the operands' dtypes).
@@ -73,10 +75,16 @@ def matmul(equation: str, x: jax.Array, w: jax.Array | Fp8Weight, result_dtype: 
     as it keeps a plain matmul's output. ``result_dtype=float32`` keeps the fp32 sums (e.g. logits
     for a fp32 loss) instead of rounding them to bf16 and converting back. fp32 operands: a plain
     einsum. An ``Fp8Weight`` (what the framework passes for a weight tagged with a ``MatmulGroup``
-    when it trains in FP8): ``models.kernels.fp8.fp8_matmul``.
+    when it trains in FP8): ``models.kernels.fp8.fp8_matmul``. A ``LoraWeight`` (a tagged weight under
+    ``train.lora``): the frozen base's product (no gradient to the base) plus the low-rank update's.
     """
     inputs, out = equation.replace(" ", "").split("->")
     lhs, rhs = inputs.split(",")
+    if isinstance(w, LoraWeight):
+        down, up = low_rank_equations(equation, w.inputs)
+        y = matmul(equation, x, jax.lax.stop_gradient(w.base), result_dtype)
+        low = matmul(down, w.dropped(x), w.a) * jnp.asarray(w.scale, x.dtype)
+        return y + matmul(up, low, w.b, y.dtype)
     if isinstance(w, Fp8Weight):
         y = fp8_matmul(equation, x, w, result_dtype or x.dtype)
     elif x.dtype == jnp.float32 and w.dtype == jnp.float32:

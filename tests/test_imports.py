@@ -21,7 +21,8 @@ LAYERS: list[tuple[str, ...]] = [
     # and what every command line shares.
     ("meshtrain.errors", "meshtrain.precision", "meshtrain.mesh", "meshtrain.train_config", "meshtrain.optim",
      "meshtrain.flops", "meshtrain.metrics", "meshtrain.run_lock", "meshtrain.distributed",
-     "meshtrain.cli", "meshtrain.hlo", "meshtrain.jsonio", "meshtrain.yamlio", "meshtrain.trackers", "meshtrain.fp8"),
+     "meshtrain.cli", "meshtrain.hlo", "meshtrain.jsonio", "meshtrain.yamlio", "meshtrain.trackers", "meshtrain.fp8",
+     "meshtrain.lora"),
     # The objective: the batch, the chunked head's loss, the whole model's loss without a pipeline.
     ("meshtrain.loss",),
     # One file per parallelism concern (a pipeline's head runs the objective); the data pipeline.
@@ -29,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     # What is built from a layout: the step, checkpoints, HF files, evaluation, the memory model,
     # sampling with the KV cache, the XLA flags (combine thresholds from a layout's layer bytes).
     ("meshtrain.trainer", "meshtrain.checkpoint", "meshtrain.hf", "meshtrain.evaluation", "meshtrain.memory_model",
-     "meshtrain.param_terms", "meshtrain.sampling", "meshtrain.xla_flags"),
+     "meshtrain.param_terms", "meshtrain.sampling", "meshtrain.xla_flags", "meshtrain.peft"),
     # The config of every section.
     ("meshtrain.config",),
     # What a run and the tools are made of (gpu_compile: the step compiled for compile-only GPUs).

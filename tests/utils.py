@@ -35,6 +35,7 @@ class RunResult:
     losses: np.ndarray  # [steps]
     params: dict  # flat {path: np.ndarray}
     trainer: Trainer
+    state: object = None  # the final TrainState
 
 
 def make_trainer(mesh_shape: tuple[int, int, int, int], model=MODEL, *, rules: ShardingRules = Preset.FSDP_TP.rules,
@@ -66,7 +67,7 @@ def run_steps(trainer: Trainer) -> RunResult:
         losses.append(float(metrics["loss"]))
     params = {".".join(map(str, path)): np.asarray(v.get_value())
               for path, v in nnx.to_flat_state(state.params)}
-    return RunResult(np.array(losses), params, trainer)
+    return RunResult(np.array(losses), params, trainer, state)
 
 
 def loss_grads_and_statistics(trainer: Trainer, batch=None) -> tuple[float, dict, dict]:

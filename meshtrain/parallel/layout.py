@@ -114,9 +114,11 @@ class Layout:
         rows = self.data_parallel_size * self.train.grad_accum
         return self.train.batch_size // rows if self.train.batch_size % rows == 0 else 0
 
-    def param_specs(self) -> nnx.State:
-        """The at-rest PartitionSpec of every parameter under the rules (before the ZeRO stage)."""
-        return _map_variables(self.abstract_params, lambda v: self.rules.param_spec(logical_axes_of(v)))
+    def param_specs(self, params: nnx.State | None = None) -> nnx.State:
+        """The at-rest PartitionSpec of every parameter (of ``params``, variables with logical axes;
+        default the model's) under the rules (before the ZeRO stage)."""
+        params = self.abstract_params if params is None else params
+        return _map_variables(params, lambda v: self.rules.param_spec(logical_axes_of(v)))
 
     @property
     def expert_axes(self) -> tuple[str, ...]:
@@ -124,11 +126,12 @@ class Layout:
         parallelism's, not ZeRO's, and stays at every ZeRO stage."""
         return tuple(axis for axis, role in self.family.axis_roles.items() if role is AxisRole.EXPERT)
 
-    def state_specs(self, stage: ZeroStage | None = None) -> StateLayout:
+    def state_specs(self, stage: ZeroStage | None = None, params: nnx.State | None = None) -> StateLayout:
         """PartitionSpecs of parameters, gradients and optimizer moments after the ZeRO stage (this
-        layout's, or ``stage``: ``ZeroStage.NONE`` gives every part the layout it has in compute)."""
+        layout's, or ``stage``: ``ZeroStage.NONE`` gives every part the layout it has in compute), of
+        the model's parameters or of ``params`` (variables with logical axes: LoRA's adapters)."""
         stage = self.zero.stage if stage is None else stage
-        return zero_layout(stage, self.param_specs(), keep=self.expert_axes)
+        return zero_layout(stage, self.param_specs(params), keep=self.expert_axes)
 
     def problems(self, parameters: bool = True) -> list[Infeasible]:
         """Every reason this layout cannot be built (empty when it can); without ``parameters``, all
