@@ -133,6 +133,18 @@ def run(tool: Callable[[list[str] | None], int | None], argv: list[str] | None) 
 TRUST_PLUGIN_FLAG = "--trust-plugin"
 
 
+def output_file(path: str, suffix: str, why: str = "") -> pathlib.Path:
+    """``--out`` as a new file path ending in ``suffix`` in an existing directory (a ConfigError
+    otherwise; ``why`` adds the reason the suffix matters)."""
+    out = pathlib.Path(path)
+    if out.is_dir() or out.suffix != suffix:
+        raise ConfigError("--out", f"{out} is {'a directory' if out.is_dir() else f'not a {suffix} path'}; give the "
+                          f"{suffix} file to write{why}")
+    if not out.parent.is_dir():
+        raise ConfigError("--out", f"directory {out.parent} does not exist")
+    return out
+
+
 def add_trust_plugin_argument(parser: argparse.ArgumentParser) -> None:
     """``--trust-plugin``: a tool that loads a run or an export may import the ``model.plugin`` it
     records (running that Python code); without it, it refuses in one line."""

@@ -16,6 +16,10 @@ With ``eval.sample_prompts``, each evaluation also continues every prompt with t
 ``sample_temperature`` 0) for up to ``sample_tokens`` tokens, encoded and decoded by the run's
 tokenizer: bytes for ``data.source: text``, the prepared corpus's (or ``data.tokenizer``'s)
 ``tokenizer.json`` for ``tokens``; the markov source has none.
+
+With ``eval.harness.tasks``, lm-evaluation-harness tasks are scored on the training state too
+(``meshtrain.harness``, on the training mesh), at every evaluation or every ``eval.harness.every``
+steps and after the last: each number of lm-eval's results as ``harness/TASK/METRIC``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,39 @@ from models.api import CachedDecoder
 
 
 @dataclasses.dataclass(frozen=True)
+class HarnessConfig:
+    """The ``eval.harness`` entry: lm-evaluation-harness tasks scored during training.
+
+    Attributes:
+      tasks: lm-eval task names (its own, or YAML tasks under ``include_path``); empty: none.
+      include_path: a directory of lm-eval YAML tasks added to lm-eval's own.
+      every: score every this many steps and after the last one; 0: at every evaluation (``eval.every``).
+      limit: at most this many documents per task; 0: all.
+      batch_size: rows per forward (rounded up to the data-parallel size).
+    """
+
+    tasks: tuple[str, ...] = ()
+    include_path: str = ""
+    every: int = 0
+    limit: int = 0
+    batch_size: int = 8
+
+    def __post_init__(self):
+        if isinstance(self.tasks, str) or not all(isinstance(t, str) and t.strip() for t in self.tasks):
+            raise ConfigError("harness.tasks", f"must be a list of lm-eval task names, got {self.tasks!r}")
+        object.__setattr__(self, "tasks", tuple(self.tasks))
+        for name, least in (("every", 0), ("limit", 0), ("batch_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"harness.{name}", f"got {value!r}; must be an integer >= {least}")
+
+    def due(self, done: int, steps: int, eval_every: int) -> bool:
+        """Whether to score the tasks after step ``done`` of ``steps``."""
+        every = self.every or eval_every
+        return bool(self.tasks) and every > 0 and (done % every == 0 or done == steps)
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """The ``eval`` section.
 
@@ -49,6 +86,7 @@ class EvalConfig:
         ``split`` of ``data.path``'s prepared directory; the markov source's other sample
         stream); else a prepared directory (its ``split``), or files read like ``data.path``.
       split: the prepared directory's split to evaluate on.
+      harness: lm-evaluation-harness tasks scored during training (``HarnessConfig``).
     """
 
     every: int = 0
@@ -58,6 +96,7 @@ class EvalConfig:
     sample_prompts: tuple[str, ...] = ()
     sample_tokens: int = 32
     sample_temperature: float = 0.0
+    harness: HarnessConfig = dataclasses.field(default_factory=HarnessConfig)
 
     def __post_init__(self):
         for name in ("every", "batches", "sample_tokens"):
@@ -75,6 +114,8 @@ class EvalConfig:
                 and self.sample_temperature >= 0):
             raise ConfigError("sample_temperature", f"must be a finite number >= 0 (0: greedy), got "
                               f"{self.sample_temperature!r}")
+        if self.harness.tasks and self.every == 0:
+            raise ConfigError("harness", "runs with the evaluations: set eval.every > 0")
 
     def due(self, done: int, steps: int) -> bool:
         """Whether to evaluate after step ``done`` of ``steps``."""
@@ -97,16 +138,20 @@ class Evaluator:
                                   f"{self.batch_size}; hold out more (prepare --val-fraction) or lower "
                                   "train.batch_size")
         self.sharding = trainer.batch_sharding
+        self.model_params = trainer.model_params  # a state's parameters as one tree (train.lora: merged)
         documents = data_cfg.packing is Packing.DOCUMENTS
         self.step = trainer.eval_step.lower(trainer.abstract_state().params,
                                             trainer.abstract_batch(documents)).compile()
         self.sampler = Sampler(cfg, data_cfg, train_data, trainer, vocab_size) if cfg.sample_prompts else None
+        self.harness = Harness(cfg, train_data, trainer, seq_len) if cfg.harness.tasks else None
 
     def describe(self) -> str:
         source = (self.dataset.info.label if isinstance(self.dataset, FileDataset)
                   else "the markov chain's held-out sample stream")
+        harness = (f"; lm-eval tasks {', '.join(self.harness.cfg.tasks)} every {self.harness.cfg.every or self.every} "
+                   "steps and after the last" if self.harness is not None else "")
         return (f"eval: every {self.every} steps and after the last, {self.batches} batches of "
-                f"{self.batch_size} windows from {source}")
+                f"{self.batch_size} windows from {source}{harness}")
 
     def run(self, params) -> dict[str, float]:
         """The held-out metrics of ``params`` (see the module docstring)."""
@@ -163,3 +208,39 @@ class Sampler:
                 new = new[:new.index(self.tokenizer.eos_id)]
             samples.append({"prompt": prompt, "text": self.tokenizer.decode(new)})
         return samples
+
+
+class Harness:
+    """``eval.harness``: lm-eval's tasks scored on the training state (``meshtrain.harness`` on the
+    training mesh, the run's tokenizer), checked at start-up."""
+
+    def __init__(self, cfg: EvalConfig, train_data: TokenDataset, trainer, seq_len: int):
+        self.cfg, self.eval_every = cfg.harness, cfg.every
+        if trainer.mesh.shape["stage"] != 1:
+            raise ConfigError("eval.harness", "scores the model outside a pipeline schedule: use mesh.stage 1")
+        if train_data.tokenizer_file is None:
+            raise ConfigError("eval.harness", "the tasks are text: the run's data needs a tokenizer.json (a prepared "
+                              "corpus, or data.tokenizer)")
+        try:
+            from meshtrain import harness
+        except ImportError as err:
+            raise ConfigError("eval.harness", f"lm-evaluation-harness is not installed ({err.msg}): pip install -e "
+                              "'.[harness]'") from None
+        self.module = harness
+        self.manager = harness.task_manager(self.cfg.include_path, field="eval.harness.include_path")
+        harness.check_tasks(self.manager, self.cfg.tasks, field="eval.harness.tasks")
+        tokenizer = harness.TextTokenizer(train_data.tokenizer_file, field="data.tokenizer")
+        self.lm = harness.MeshtrainLM(trainer.graphdef, trainer.abstract_params, trainer.mesh, trainer.rules,
+                                      tokenizer, max_length=seq_len, batch_size=self.cfg.batch_size,
+                                      field="eval.harness.batch_size")
+
+    def due(self, done: int, steps: int) -> bool:
+        return self.cfg.due(done, steps, self.eval_every)
+
+    def run(self, params) -> dict[str, float]:
+        """``harness/TASK/METRIC`` scores of the model on ``params`` (python's, numpy's and torch's global
+        random states left alone)."""
+        self.lm.params = params
+        results = self.module.evaluate_tasks(self.lm, self.cfg.tasks, self.manager, limit=self.cfg.limit or None,
+                                             bootstrap_iters=0, reseed=False)
+        return self.module.scores(results)

@@ -72,8 +72,8 @@ def export(run: str, out: str, step: int | None = None, *, trust_plugin: bool = 
                                          trust_plugin=trust_plugin)
     config = to_dict(cfg)
     with new_output(out_dir, "--out"):
-        written = save_params(out_dir, trainer.model_params(restored.state, jnp.float32), {"step": restored.step, "source": str(restored.path),
-                                                               "model": config["model"], "config": config})
+        meta = {"step": restored.step, "source": str(restored.path), "model": config["model"], "config": config}
+        written = save_params(out_dir, trainer.model_params(restored.state, jnp.float32), meta)
         for name in (TOKENIZER_FILE, CHAT_TEMPLATE_FILE):  # the run's, when its data recorded them
             recorded = restored.path.parent.parent / name
             if jax.process_index() == 0 and recorded.is_file():

@@ -110,7 +110,8 @@ def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, st
     if kind is SourceKind.RUN:
         _check_no_stages(mesh)
         cfg, trainer, restored = restore_run(root, mesh, rules, step=step, field=field, trust_plugin=trust_plugin)
-        return LoadedModel(cfg.model, trainer.graphdef, trainer.model_params(restored.state, jnp.float32), mesh, trainer.rules,
+        params = trainer.model_params(restored.state, jnp.float32)  # a train.lora run's adapters merged in
+        return LoadedModel(cfg.model, trainer.graphdef, params, mesh, trainer.rules,
                            SourceKind.RUN, restored.path, hf_config=_hf_source_config(cfg),
                            home=restored.path.parent.parent, trained_on_bytes=_trained_on_bytes(to_dict(cfg)))
     if kind is SourceKind.HF:

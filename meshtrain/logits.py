@@ -9,7 +9,6 @@ prints one ``error: field: what is wrong`` line and exits 2.
 
 from __future__ import annotations
 
-import pathlib
 import sys
 
 import jax
@@ -21,7 +20,7 @@ from jax.sharding import NamedSharding
 from meshtrain.loading import LoadedModel, load_model, mesh_from_args
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.sharding import BATCH_AXES, data_parallel_size
-from meshtrain.cli import ArgumentParser, add_mesh_arguments, add_trust_plugin_argument, run
+from meshtrain.cli import ArgumentParser, add_mesh_arguments, add_trust_plugin_argument, output_file, run
 from models.api import forward
 
 
@@ -78,12 +77,7 @@ def _parse_args(argv: list[str] | None):
 def _write_logits(argv: list[str] | None) -> None:
     args = _parse_args(argv)
     mesh, rules = mesh_from_args(args)
-    out = pathlib.Path(args.out)
-    if out.is_dir() or out.suffix != ".npy":
-        raise ConfigError("--out", f"{out} is {'a directory' if out.is_dir() else 'not a .npy path'}; give the "
-                          ".npy file to write (numpy would otherwise write to another name)")
-    if not out.parent.is_dir():
-        raise ConfigError("--out", f"directory {out.parent} does not exist")
+    out = output_file(args.out, ".npy", " (numpy would otherwise write to another name)")
     model = load_model(args.model, mesh, rules, step=args.step, trust_plugin=args.trust_plugin)
     tokens = read_tokens(args.tokens, model.cfg.vocab_size)
     logits = compute_logits(model, tokens)

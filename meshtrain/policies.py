@@ -244,8 +244,9 @@ def data_changed(err: DataChanged, done: int) -> Stop:
 
 
 class Evaluation(Policy):
-    """Held-out evaluation when ``eval.every`` says, on the state step N left (the step's own train
-    line is logged first; the evaluation's time is left out of the step times)."""
+    """Held-out evaluation when ``eval.every`` says, and lm-eval's tasks when ``eval.harness`` says, on
+    the state step N left (the step's own train line is logged first; the evaluation's time is left
+    out of the step times). ``metrics``: the last value of each."""
 
     def __init__(self, evaluator: Evaluator, cfg: Config, reporter: Reporter, logger: MetricsLogger):
         self.evaluator, self.cfg, self.reporter, self.logger = evaluator, cfg, reporter, logger
@@ -253,20 +254,27 @@ class Evaluation(Policy):
 
     def after_step(self, run: Run) -> None:
         done = run.current.done
-        if run.stop is not None or not self.cfg.eval.due(done, run.steps):
+        held_out = self.cfg.eval.due(done, run.steps)
+        harness = self.evaluator.harness is not None and self.evaluator.harness.due(done, run.steps)
+        if run.stop is not None or not (held_out or harness):
             return
+        params = self.evaluator.model_params(run.current.state)
         self.reporter.report(run.current)
         start = time.perf_counter()
-        try:
-            metrics = self.evaluator.run(run.current.state.params)
-        except DataChanged as err:
-            run.request_stop(data_changed(err, done))
-            return
-        if self.evaluator.sampler is not None:
-            self.logger.log_samples(done, self.evaluator.sampler.run(run.current.state.params, seed=done))
+        metrics: dict[str, float] = {}
+        if held_out:
+            try:
+                metrics = self.evaluator.run(params)
+            except DataChanged as err:
+                run.request_stop(data_changed(err, done))
+                return
+            if self.evaluator.sampler is not None:
+                self.logger.log_samples(done, self.evaluator.sampler.run(params, seed=done))
+        if harness:
+            metrics |= self.evaluator.harness.run(params)
         self.reporter.exclude(time.perf_counter() - start)
         self.logger.log(done, metrics)
-        self.metrics = metrics
+        self.metrics = {**self.metrics, **metrics}
 
 
 class Preemption(Policy):

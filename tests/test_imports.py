@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, ...]] = [
     # What is built from a layout: the step, checkpoints, HF files, evaluation, the memory model,
     # sampling with the KV cache, the XLA flags (combine thresholds from a layout's layer bytes).
     ("meshtrain.trainer", "meshtrain.checkpoint", "meshtrain.hf", "meshtrain.evaluation", "meshtrain.memory_model",
-     "meshtrain.param_terms", "meshtrain.sampling", "meshtrain.xla_flags", "meshtrain.peft"),
+     "meshtrain.param_terms", "meshtrain.sampling", "meshtrain.xla_flags", "meshtrain.peft",
+     "meshtrain.harness"),  # lm-eval's LM on a model; evaluation imports it only when eval.harness asks
     # The config of every section.
     ("meshtrain.config",),
     # What a run and the tools are made of (gpu_compile: the step compiled for compile-only GPUs).
@@ -39,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("meshtrain.loop",),
     # Command-line modules (``python -m ...``): nothing imports them.
     ("meshtrain.train", "meshtrain.plan", "meshtrain.convert", "meshtrain.export", "meshtrain.logits",
-     "meshtrain.generate", "meshtrain.compile", "meshtrain.data.__main__"),
+     "meshtrain.generate", "meshtrain.compile", "meshtrain.evaluate", "meshtrain.data.__main__"),
 ]
 COMMAND_LINES = set(LAYERS[-1])
 
