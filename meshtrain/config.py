@@ -49,7 +49,7 @@ from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.data import DataConfig
 from meshtrain.distributed import DistributedConfig
 from meshtrain.cli import TRUST_PLUGIN_FLAG
-from meshtrain import yamlio
+from meshtrain import hf, yamlio
 from meshtrain.errors import ConfigError, cut, shown
 from meshtrain.evaluation import EvalConfig
 from meshtrain.mesh import MeshConfig
@@ -66,8 +66,8 @@ from models.api import (DEFAULT_FAMILY, UnknownFamily, families, family_named, f
 from models.common import InvalidField
 
 INT_LIMIT = 2 ** 63  # what numpy and JAX accept as a Python int (seeds, counts, sizes)
-# The model section's own fields; the rest belong to the family's config class.
-FAMILY_FIELD, PLUGIN_FIELD = "family", "plugin"
+# The model section's own fields (from_hf=DIR: the model of DIR/config.json); the rest are the family config's.
+FAMILY_FIELD, PLUGIN_FIELD, FROM_HF_FIELD = "family", "plugin", "from_hf"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,8 +295,11 @@ def resolve_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -
     """``load_config``'s config and where each value came from: a tree mirroring the raw mapping
     whose leaves are ``"from FILE"`` or ``FROM_COMMAND_LINE`` (a field it lacks is a default)."""
     raw, sources = _read_chain(pathlib.Path(path)) if path is not None else ({}, {})
-    for text in overrides:
-        key, value = parse_override(text)
+    parsed = [parse_override(text) for text in overrides]  # model.from_hf first: the other overrides win
+    raw, sources = _with_hf_model(raw, sources, {"model": {k[6:]: v for k, v in parsed if k[:6] == "model."}})
+    for key, value in parsed:
+        if key == f"model.{FROM_HF_FIELD}":
+            continue
         if key.split(".")[0] == BASE_FIELD:
             raise ConfigError(BASE_FIELD, f"names a base config inside a YAML file ({BASE_FIELD}: FILE), "
                               "not as an override")
@@ -342,8 +345,35 @@ def _read_chain(path: pathlib.Path) -> tuple[dict, dict]:
         path, label, field = path.parent / base, os.path.normpath(pathlib.Path(label).parent / base), BASE_FIELD
     raw, sources = {}, {}
     for label, layer in reversed(layers):
-        raw, sources = _merged(raw, sources, layer, f"from {label}", sections=True)
+        raw, sources = _merged(*_with_hf_model(raw, sources, layer), layer, f"from {label}", sections=True)
     return raw, sources
+
+
+def _with_hf_model(raw: dict, sources: dict, layer: dict) -> tuple[dict, dict]:
+    """``raw`` and its provenance under ``layer`` (a config's mapping, merged over them next) that sets
+    ``model.from_hf: DIR`` (taken out of it): the model of ``DIR/config.json`` (its family's HF adapter), the
+    fields of ``raw``'s model that do not describe the architecture (``HFAdapter.architecture_fields``) over it."""
+    model, field = layer.get("model"), f"model.{FROM_HF_FIELD}"
+    if not isinstance(model, dict) or FROM_HF_FIELD not in model:
+        return raw, sources
+    directory = model.pop(FROM_HF_FIELD)
+    if not isinstance(directory, str) or not directory or not pathlib.Path(directory).is_dir():
+        raise ConfigError(field, f"{shown(directory)} is not a directory; give a Hugging Face model directory")
+    try:
+        hf_model = hf.model_config(hf.read_config(directory, field=field))
+    except ConfigError as err:  # read_config's names the field, model_config's a config.json key
+        where = "" if err.field == field else f"{directory}/{err.field}: "
+        raise ConfigError(field, where + err.message) from None
+    ours = model_dict(hf_model)
+    if model.get(FAMILY_FIELD, ours[FAMILY_FIELD]) != ours[FAMILY_FIELD]:
+        raise ConfigError(field, f"{directory} holds a model of family {ours[FAMILY_FIELD]!r}, not model.family "
+                          f"{model[FAMILY_FIELD]!r}; drop model.family (from_hf sets it)")
+    architecture = (FAMILY_FIELD, PLUGIN_FIELD, *family_of(hf_model).hf.architecture_fields)
+    kept = lambda part: {k: v for k, v in part.items() if (k in ours and k not in architecture)
+                         or ("model", k) in _ALIASES} if isinstance(part, dict) else {}
+    origin = f"from {directory}/{hf.CONFIG_FILE}"
+    return ({**raw, "model": {**ours, **kept(raw.get("model"))}},
+            {**sources, "model": {**_labelled(ours, origin), **kept(sources.get("model"))}})
 
 
 def _plugin_file_from(raw: dict, directory: pathlib.Path) -> None:

@@ -23,7 +23,9 @@ Where they write:
   a resumed run whose config differs keeps the first values and says so in one line.
 
 W&B and MLflow are optional extras (``pip install -e '.[wandb]'``, ``'.[mlflow]'``);
-``check_installed`` refuses a config naming a missing one in one line before anything compiles.
+``check_installed`` refuses a config naming a missing one in one line before anything compiles, and
+MLflow's client alone (``mlflow-skinny``, the dev extra's) with a database store (MLflow's default SQLite
+``mlflow.db`` included), which only the full ``mlflow`` opens.
 Only process 0 tracks.
 """
 
@@ -87,13 +89,41 @@ class Tracker(Protocol):
 
 
 def check_installed(loggers: Sequence[Logger]) -> None:
-    """A one-line ConfigError on ``run.loggers`` for a logger whose library is not installed."""
+    """A one-line ConfigError on ``run.loggers`` for a logger whose library is not installed, or (MLflow)
+    whose tracking store needs more of it than is installed."""
     for logger in loggers:
         module = _MODULES.get(logger)
         if module is not None and importlib.util.find_spec(module) is None:
-            raise ConfigError("run.loggers", f"lists {logger.value}, which is not installed: pip install "
-                              f"'meshtrain[{logger.value}]' (in a clone: pip install -e '.[{logger.value}]'), "
+            raise ConfigError("run.loggers", f"lists {logger.value}, which is not installed: {_install(logger)}, "
                               f"or drop {logger.value} from run.loggers")
+        if logger is Logger.MLFLOW:
+            _check_mlflow_store()
+
+
+def _install(logger: Logger) -> str:
+    return f"pip install 'meshtrain[{logger.value}]' (in a clone: pip install -e '.[{logger.value}]')"
+
+
+# What MLflow's database stores (sqlite:, postgresql:, mysql:, mssql:) import: the full ``mlflow``
+# package has them, its client ``mlflow-skinny`` (the dev extra's) does not.
+_MLFLOW_DATABASE_MODULES = ("sqlalchemy", "alembic")
+
+
+def _check_mlflow_store() -> None:
+    """A one-line ConfigError when MLflow's tracking URI (``$MLFLOW_TRACKING_URI``, else MLflow's default,
+    a SQLite file) is a database and only MLflow's client (``mlflow-skinny``) is installed."""
+    import mlflow
+    from mlflow.store.db.db_types import DATABASE_ENGINES
+
+    uri = mlflow.get_tracking_uri()
+    scheme = uri.partition(":")[0].partition("+")[0].lower()  # postgresql+psycopg2 -> postgresql
+    missing = [name for name in _MLFLOW_DATABASE_MODULES if importlib.util.find_spec(name) is None]
+    if scheme in DATABASE_ENGINES and missing:
+        where = "$MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "MLflow's default store"
+        raise ConfigError("run.loggers", f"lists mlflow, whose tracking store {uri} ({where}) is a database that "
+                          f"only the full MLflow opens; this is its client alone (mlflow-skinny, no "
+                          f"{' or '.join(missing)}): {_install(Logger.MLFLOW)}, or set MLFLOW_TRACKING_URI to a "
+                          "tracking server (http://...)")
 
 
 def scalars(metrics: Mapping[str, object]) -> dict[str, float]:

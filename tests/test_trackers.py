@@ -27,7 +27,8 @@ import yaml
 from meshtrain.config import load_config, to_dict
 from meshtrain.errors import ConfigError
 from meshtrain.train import main
-from meshtrain.trackers import TRACKERS_FILE, Logger, Status, flat_params, open_trackers, scalars
+from meshtrain.trackers import (TRACKERS_FILE, Logger, Status, check_installed, flat_params, open_trackers,
+                                scalars)
 from utils import one_line_error
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -127,6 +128,35 @@ def test_a_logger_that_is_not_installed_is_one_line_before_anything_runs(tmp_pat
                    f"pip install 'meshtrain[{logger}]'", f"pip install -e '.[{logger}]'",
                    f"drop {logger} from run.loggers")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("uri", [None, "postgresql+psycopg2://u@db/mlflow"], ids=["default-sqlite", "postgres"])
+def test_mlflow_client_only_with_a_database_store_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch,
+                                                                               no_compile, uri):
+    """Issue 52, item 3: with the dev extra's mlflow-skinny (no SQLAlchemy), MLflow's default store (a
+    SQLite file) or any database URI is one line naming the mlflow extra, before anything runs (it was
+    MLflow's 'Model registry functionality is unavailable; got unsupported URI' after start-up)."""
+    pytest.importorskip("mlflow")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # as mlflow-skinny alone has it (find_spec: None)
+    if uri is None:
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    else:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    rc = main(["--config", TINY, f"run.dir={tmp_path / 'run'}", "run.loggers=[tensorboard, mlflow]"])
+    store = f"sqlite:///{tmp_path / 'mlflow.db'} (MLflow's default store)" if uri is None else \
+        f"{uri} ($MLFLOW_TRACKING_URI)"
+    one_line_error(rc, capsys.readouterr().err, "run.loggers", f"lists mlflow, whose tracking store {store}",
+                   "(mlflow-skinny, no sqlalchemy", "pip install 'meshtrain[mlflow]'",
+                   "or set MLFLOW_TRACKING_URI to a tracking server (http://...)")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_mlflow_client_only_with_a_file_store_passes_the_check(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    check_installed([Logger.MLFLOW])  # no error: a file store (or a server) needs only the client
 
 
 # --- Weights & Biases, offline ----------------------------------------------------------------------
