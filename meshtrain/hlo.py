@@ -1,7 +1,9 @@
 """What scripts and tests read out of a compiled XLA program: its collectives (from the optimized HLO
-text), XLA's own per-device memory and cost figures, and a census of the optimized module (``Module``:
+text), XLA's own per-device memory and cost figures, a census of the optimized module (``Module``:
 matmul FLOPs, kernels and collectives per step, loops counted by their trip counts), which the GPU
-compile tool reads because XLA:GPU's compile-only programs give no cost analysis."""
+compile tool reads because XLA:GPU's compile-only programs give no cost analysis, and what that census
+leaves out of a GPU module: Pallas kernels' custom calls with their matmul FLOPs from shapes
+(``pallas_calls``) and the kernels one step launches (``kernels_launched``)."""
 
 from __future__ import annotations
 
@@ -212,6 +214,15 @@ def cudnn_attention_flops(ins: Instruction) -> float:
     return 2.0 * pairs * ((3 * q_width + 2 * v_width) if backward else (q_width + v_width))
 
 
+def _branch_names(attributes: str) -> list[str]:
+    """The computations a ``conditional`` instruction (its attribute text) chooses between."""
+    branches = _BRANCHES.search(attributes)
+    if branches:
+        return [name.strip().lstrip("%") for name in branches.group(1).split(",")]
+    called = dict(_CALLED.findall(attributes))
+    return [called[key] for key in ("true_computation", "false_computation") if key in called]
+
+
 class Module:
     """An optimized HLO module's text as computations, with a census per step (``census``)."""
 
@@ -252,14 +263,11 @@ class Module:
             if ins.opcode.endswith(("-done", "-update")):
                 continue  # an async op's halves name the same computation as its start
             called = dict(_CALLED.findall(ins.attributes))
-            branches = _BRANCHES.search(ins.attributes)
             if ins.opcode == "while":
                 trips = _TRIP_COUNT.search(ins.attributes)
                 total.add(self.census(called["body"]), float(trips.group(1)) if trips else 1.0)
             elif ins.opcode == "conditional":
-                names = ([n.strip().lstrip("%") for n in branches.group(1).split(",")] if branches else
-                         [called[k] for k in ("true_computation", "false_computation") if k in called])
-                censuses = [self.census(n) for n in names]
+                censuses = [self.census(n) for n in _branch_names(ins.attributes)]
                 if censuses:
                     total.add(censuses[0].costliest(censuses[1:]))
             else:
@@ -304,3 +312,64 @@ class Module:
                 own.async_collectives[opcode] += 1
                 own.async_collective_bytes[opcode] += max(result_bytes, operand_bytes)
         return own
+
+
+# ----- what the census leaves out of a GPU module: Pallas kernels and kernel launches -----
+
+# Custom-call targets of Pallas kernels: Mosaic GPU, Triton (jax-triton's FFI call, Pallas Triton).
+PALLAS_CALLS = ("mosaic_gpu", "triton_kernel_call", "__gpu$xla.gpu.triton")
+# Instructions that launch no kernel.
+_FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "conditional", "call",
+         "after-all", "partition-id", "replica-id", "opt-barrier", "copy-done", "async-done", "async-update"}
+
+
+def _grouped_flops(result: tuple[int, ...], operands: list[tuple[int, ...]]) -> float:
+    """A grouped GEMM's FLOPs from its shapes: out [m, n] from lhs [m, k] is ``2 m k n``; a weight
+    gradient out [g, k, n] from rows [m, n] (or [n, m]) is ``2 m k n`` (each row in one group)."""
+    flat = [s for s in operands if len(s) == 2]
+    if len(result) == 2:
+        lhs = next((s for s in flat if s[0] == result[0]), None)
+        return 2.0 * math.prod(result) * lhs[1] if lhs else 0.0
+    if len(result) == 3:
+        rows = next((s for s in flat if result[2] in s), None)
+        if rows:
+            m = rows[0] if rows[1] == result[2] else rows[1]
+            return 2.0 * m * result[1] * result[2]
+    return 0.0
+
+
+def pallas_calls(hlo: str) -> list[tuple[str, float]]:
+    """(target, FLOPs from shapes) of every Pallas custom call in ``hlo``, once per appearance."""
+    found, shapes = [], {}
+    for line in hlo.splitlines():
+        named = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\([^=]*?\)|\S+) ", line)
+        if named:
+            shapes[named.group(1)] = [dims for _, dims in _arrays(named.group(2))]
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        if "custom-call(" not in line or not target or not target.group(1).startswith(PALLAS_CALLS):
+            continue
+        result = _arrays(line.split(" = ", 1)[1].split(" custom-call(")[0])
+        layouts = re.search(r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}", line)
+        names = re.findall(r"%([\w.\-]+)", line.split(" custom-call(", 1)[1].split(")")[0])
+        operands = ([dims for _, dims in _arrays(layouts.group(1))] if layouts else
+                    [dims for name in names for dims in shapes.get(name, [])])
+        found.append((target.group(1), _grouped_flops(result[0][1], operands) if len(result) == 1 else 0.0))
+    return found
+
+
+def kernels_launched(module: Module, name: str | None = None) -> float:
+    """Kernel-launching instructions of one execution of ``name`` (the entry by default), a loop's
+    body by its known trip count, a conditional as one launch plus its costliest branch."""
+    total = 0.0
+    for ins in module.computations.get(name or module.entry, []):
+        called = dict(_CALLED.findall(ins.attributes))
+        if ins.opcode == "while":
+            trips = _TRIP_COUNT.search(ins.attributes)
+            total += (int(trips.group(1)) if trips else 1) * kernels_launched(module, called["body"])
+        elif ins.opcode == "conditional":
+            total += 1 + max((kernels_launched(module, n) for n in _branch_names(ins.attributes)), default=0)
+        elif ins.opcode == "call":
+            total += kernels_launched(module, called.get("to_apply"))
+        elif ins.opcode not in _FREE:
+            total += 1
+    return total

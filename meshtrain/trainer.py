@@ -142,8 +142,20 @@ class Trainer:
                                                                                precision.compute_dtype),
                  *[describe_exchange(self.rules, self.mesh, axis, isinstance(model, RoutedExperts)
                                      and model.sorted_dispatch) for axis in self.layout.expert_axes],
+                 self.grouped_kernel_line(),
                  self.pipeline_description]
         return [line for line in lines if line]
+
+    def grouped_kernel_line(self) -> str:
+        """The experts' grouped-matmul kernel on this mesh's devices ('' without a sorted dispatch);
+        ``ConfigError`` on ``model.grouped_matmul`` for a kernel that cannot run here."""
+        model = self.layout.model
+        if not (isinstance(model, BlockedExperts) and isinstance(model, RoutedExperts) and model.sorted_dispatch):
+            return ""
+        try:
+            return model.grouped_spec.describe(self.mesh.devices.flat[0].platform, self.layout.train.compute_dtype)
+        except ValueError as err:
+            raise ConfigError("model.grouped_matmul", str(err).removeprefix("model.grouped_matmul=")) from None
 
     @property
     def pipeline_description(self) -> str:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.kernels.attention import AttentionSpec, attention_mask
+from models.kernels.grouped_matmul import GroupedSpec
 from models.common import ActivationSharding, RematPolicy
 
 # Logical axes the framework itself names: batch rows; positions in the residual stream
@@ -279,9 +280,13 @@ class BlockedExperts(Protocol):
     """A model config whose experts may run the blocked kernel: ``expert_block`` rows per block (0:
     ``models.kernels.grouped_matmul.auto_block``). The trainer bounds it by the tokens of one step:
     an expert gets each token's row at most once, so a larger block holds no more of its rows, only
-    padding (a buffer of ``experts x block`` rows, which XLA cannot allocate for a large enough block)."""
+    padding (a buffer of ``experts x block`` rows, which XLA cannot allocate for a large enough block).
+    ``grouped_spec``: the grouped-matmul kernel its sorted dispatch runs (``GroupedSpec``)."""
 
     expert_block: int
+
+    @property
+    def grouped_spec(self) -> GroupedSpec: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,7 @@ from models.common import (CHECKPOINT_DOT, ActivationSharding, InvalidField, log
                            sign_descent_variable, unconstrained)
 from models.kernels.fp8 import Fp8Weight, MatmulGroup
 from models.kernels.grouped_matmul import (BlockLayout, GroupedKernel, GroupedSpec, auto_block, grouped_product,
-                                           ragged_matmul)
+                                           ragged_matmul, tokamax_matmul)
 
 CHECKPOINT_NAMES = BLOCK_CHECKPOINT_NAMES + ("expert_hidden",)
 # Expert inputs and outputs: experts, batch rows (over the batch's axes the experts leave free),
@@ -275,19 +275,21 @@ def grouped_swiglu(rows: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Arr
     the devices (``GroupedSpec.resolved``; ``models/kernels/grouped_matmul.py``: ``2 * m * embed * mlp`` FLOPs
     per matmul, plus the blocked kernel's padding, for any number of experts). Each matmul's result
     is tagged ``CHECKPOINT_DOT``
-    (no batch dimension: ``RematPolicy.DOTS`` keeps it as a plain matmul's). FP8 weights
-    (``models.kernels.fp8.Fp8Weight``) always run the blocked kernel (``fp8_blocked_matmul``)."""
+    (no batch dimension: ``RematPolicy.DOTS`` keeps it as a plain matmul's). ``ragged`` and ``tokamax``
+    run over the rows sorted by expert. FP8 weights (``models.kernels.fp8.Fp8Weight``) always run the
+    blocked kernel (``fp8_blocked_matmul``)."""
     tagged = lambda y: checkpoint_name(y, CHECKPOINT_DOT)
     fp8 = isinstance(gate, Fp8Weight)
     if spec.kernel is GroupedKernel.AUTO:
         raise ValueError("grouped_swiglu needs a resolved kernel: GroupedSpec.resolved(platform) first")
-    if not fp8 and spec.kernel is GroupedKernel.RAGGED:
+    if not fp8 and spec.kernel in (GroupedKernel.RAGGED, GroupedKernel.TOKAMAX):
+        product = ragged_matmul if spec.kernel is GroupedKernel.RAGGED else tokamax_matmul
         order = jnp.argsort(ids, stable=True)
         sizes = jnp.bincount(ids, length=gate.shape[0]).astype(jnp.int32)  # ids past the experts: not counted
         ordered = rows[order]
-        hidden = (jax.nn.silu(tagged(ragged_matmul(ordered, gate, sizes)))
-                  * tagged(ragged_matmul(ordered, up, sizes)))
-        out = tagged(ragged_matmul(checkpoint_name(hidden, "expert_hidden"), down, sizes))
+        hidden = (jax.nn.silu(tagged(product(ordered, gate, sizes)))
+                  * tagged(product(ordered, up, sizes)))
+        out = tagged(product(checkpoint_name(hidden, "expert_hidden"), down, sizes))
         return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
     groups = (gate.weight if fp8 else gate).shape[0]
     layout = BlockLayout.of(ids, groups, spec.block or auto_block(ids.shape[0], groups))
@@ -360,7 +362,7 @@ class SparseMoE(nnx.Module):
         rows, length, _ = x.shape
         choices = routing.experts.reshape(rows, length, self.cfg.top_k)
         params = (self.gate[...], self.up[...], self.down[...])
-        compute = functools.partial(grouped_swiglu, spec=self.cfg.grouped_spec.resolved(shard.platform))
+        compute = functools.partial(grouped_swiglu, spec=self.cfg.grouped_spec.resolved(shard.platform, x.dtype))
         out, dropped = shard.run_experts(compute, x, choices, params, EXPERT_PARAM_AXES,
                                          self.cfg.exchange_buffer_factor)
         weights = routing.weights.reshape(rows, length, self.cfg.top_k, 1).astype(x.dtype)

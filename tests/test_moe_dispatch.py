@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from meshtrain.errors import ConfigError
 from meshtrain.flops import count_flops
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.experts import Exchange, describe_exchange, exchange_rows
@@ -279,5 +280,16 @@ def test_sorted_temporaries_are_a_fraction_of_capacity_modes():
 def test_the_start_up_line_describes_the_configured_dispatch(dispatch, said):
     """Issue 52, item 3: under capacity (one-hot) dispatch it described the sorted one."""
     trainer = _trainer((2, 2, 2, 1), dataclasses.replace(MOE, dispatch=dispatch))
-    lines = [line for line in trainer.describe_kernels(packed=False) if line.startswith("experts:")]
-    assert len(lines) == 1 and said in lines[0], lines
+    lines = [line for line in trainer.describe_kernels(packed=False) if line.startswith("experts")]
+    assert len(lines) == 1 + (dispatch is Dispatch.DROPLESS) and said in lines[0], lines
+    if dispatch is Dispatch.DROPLESS:  # the grouped kernel the CPU runs (tokamax is for GPUs)
+        assert lines[1] == "experts' grouped matmul: blocked", lines
+
+
+def test_a_grouped_kernel_that_cannot_run_here_is_one_line_at_start_up():
+    """tokamax's grouped GEMM runs on NVIDIA GPUs only: on CPU devices the start-up refuses it."""
+    trainer = _trainer((1, 1, 1, 1), dataclasses.replace(MOE, dispatch=Dispatch.DROPLESS,
+                                                         grouped_matmul=GroupedKernel.TOKAMAX))
+    with pytest.raises(ConfigError) as err:
+        trainer.describe_kernels(packed=False)
+    assert err.value.field == "model.grouped_matmul" and "cpu" in str(err.value) and "\n" not in str(err.value)

@@ -102,7 +102,17 @@ def exchange_rows(choices: int, peers: int, buffer_factor: float) -> int:
 def run_experts(compute: ExpertCompute, x: jax.Array, choices: jax.Array, params: tuple[jax.Array, ...],
                 param_axes: tuple[LogicalAxes, ...], buffer_factor: float, *, rules: ShardingRules,
                 mesh: Mesh) -> tuple[jax.Array, jax.Array]:
-    """``models.common.ActivationSharding.run_experts`` on ``mesh`` under ``rules`` (module docstring)."""
+    """``models.common.ActivationSharding.run_experts`` on ``mesh`` under ``rules`` (module docstring).
+    ``compute`` is traced with the mesh's first device as JAX's default device: a kernel that reads the
+    GPU's generation from it (tokamax's grouped GEMM) compiles for the mesh's devices, also where a CPU
+    host compiles for compile-only GPUs."""
+    with jax.default_device(mesh.devices.flat[0]):
+        return _run_experts(compute, x, choices, params, param_axes, buffer_factor, rules=rules, mesh=mesh)
+
+
+def _run_experts(compute: ExpertCompute, x: jax.Array, choices: jax.Array, params: tuple[jax.Array, ...],
+                 param_axes: tuple[LogicalAxes, ...], buffer_factor: float, *, rules: ShardingRules,
+                 mesh: Mesh) -> tuple[jax.Array, jax.Array]:
     top_k, width = choices.shape[-1], x.shape[-1]
     if not jax.sharding.get_abstract_mesh().empty:  # inside a pipeline stage
         return _run_in_stage(compute, x, choices, params, param_axes, buffer_factor, rules)

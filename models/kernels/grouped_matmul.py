@@ -18,8 +18,16 @@ Two kernels (``GroupedKernel``):
   worst-case exchange buffer are padding of no group and cost no matmul); memory is the padded
   buffer. The FLOP counter (``meshtrain/flops.py``) counts every block, an upper bound.
 
-``GroupedKernel.AUTO`` is ``ragged`` on TPUs and ``blocked`` elsewhere (on GPUs XLA's ragged_dot is
-reported to expand like XLA:CPU's; scripts/gpu_check.sh times both there).
+* ``tokamax``: NVIDIA GPUs' grouped GEMM, tokamax's Pallas Mosaic-GPU ``ragged_dot`` (sm90 / sm100
+  kernels; docs/kernels.md for the comparison that chose it): over the rows sorted by group, forward and
+  both backward products (``tokamax_matmul``), each one kernel of exactly the rows' FLOPs, no buffer
+  that grows with the groups. It takes bf16 / fp16 rows (fp32 accumulation) and needs tokamax (jax >=
+  0.11; the ``gpu-compile`` extra has it); it reads the GPU's generation from JAX's default
+  device, which the expert exchange sets to the mesh's (``meshtrain.parallel.experts``).
+
+``GroupedKernel.AUTO`` is ``ragged`` on TPUs, ``tokamax`` on GPUs for bf16 / fp16 rows where tokamax
+is installed, and ``blocked`` elsewhere (XLA:GPU's ragged_dot is a dense GEMM over every group:
+docs/gpu.md; on jax < 0.11, where tokamax does not install, GPUs run ``blocked``).
 
 FP8 (``models.kernels.fp8.Fp8Weight`` weights): ``fp8_blocked_matmul``, the blocked kernel with E4M3 rows and
 weights forward and an E5M2 output gradient backward, one per-tensor scale for all the groups'
@@ -31,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -47,12 +56,29 @@ class GroupedKernel(str, enum.Enum):
     AUTO = "auto"
     RAGGED = "ragged"
     BLOCKED = "blocked"
+    TOKAMAX = "tokamax"
 
-    def resolve(self, platform: str) -> GroupedKernel:
-        """The kernel that runs on ``platform`` ("cpu", "gpu", "tpu")."""
+    def resolve(self, platform: str, dtype: Any = None) -> GroupedKernel:
+        """The kernel that runs on ``platform`` ("cpu", "gpu", "tpu") for rows of ``dtype`` (None: not
+        checked). ``ValueError`` (one line) for ``tokamax`` where it cannot run."""
         if self is GroupedKernel.AUTO:
-            return GroupedKernel.RAGGED if platform == "tpu" else GroupedKernel.BLOCKED
+            if platform == "tpu":
+                return GroupedKernel.RAGGED
+            return GroupedKernel.TOKAMAX if platform == "gpu" and not tokamax_refusal(dtype) else GroupedKernel.BLOCKED
+        if self is GroupedKernel.TOKAMAX and (reason := (
+                "" if platform == "gpu" else f"it runs on NVIDIA GPUs, this mesh's devices are {platform}")
+                or tokamax_refusal(dtype)):
+            raise ValueError(f"model.grouped_matmul=tokamax cannot run: {reason}; use auto, blocked or ragged")
         return self
+
+
+def tokamax_refusal(dtype: Any = None) -> str:
+    """Why tokamax's grouped GEMM cannot run rows of ``dtype`` here ('' where it can)."""
+    if importlib.util.find_spec("tokamax") is None:
+        return "tokamax is not installed (pip install tokamax==0.0.17 beside jax >= 0.11: the gpu-compile extra)"
+    if dtype is not None and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"its Mosaic-GPU kernel takes bf16 / fp16 rows, not {jnp.dtype(dtype).name}"
+    return ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +88,16 @@ class GroupedSpec:
     kernel: GroupedKernel = GroupedKernel.AUTO
     block: int = 0
 
-    def resolved(self, platform: str) -> GroupedSpec:
-        """This spec with the kernel that runs on ``platform`` (``GroupedKernel.resolve``)."""
-        return dataclasses.replace(self, kernel=self.kernel.resolve(platform))
+    def describe(self, platform: str, dtype: Any = None) -> str:
+        """The start-up line: the kernel that runs on ``platform`` for rows of ``dtype``, and why
+        ``auto`` chose the blocked kernel on GPUs. ``ValueError`` (one line) where it cannot run."""
+        kernel = self.kernel.resolve(platform, dtype)
+        why = f" ({tokamax_refusal(dtype)})" if platform == "gpu" and kernel is GroupedKernel.BLOCKED else ""
+        return f"experts' grouped matmul: {kernel.value}{why}"
+
+    def resolved(self, platform: str, dtype: Any = None) -> GroupedSpec:
+        """This spec with the kernel that runs on ``platform`` for rows of ``dtype`` (``GroupedKernel.resolve``)."""
+        return dataclasses.replace(self, kernel=self.kernel.resolve(platform, dtype))
 
 
 def auto_block(rows: int, groups: int) -> int:
@@ -251,3 +284,57 @@ def ragged_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.
     """rows [m, in] sorted by group, w [groups, in, out], ``group_sizes`` [groups] -> [m, out]
     (``jax.lax.ragged_dot``, summed in fp32, in the rows' dtype; rows past the sizes' sum: zero)."""
     return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=jnp.float32).astype(rows.dtype)
+
+
+def _tokamax(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, numbers=None, device=None) -> jax.Array:
+    """tokamax's Mosaic-GPU ``ragged_dot_general`` (default numbers: ``jax.lax.ragged_dot``'s), in fp32,
+    for the GPU generation of ``device`` (None: JAX's default device). The hardware checks are skipped:
+    the kernel was chosen from the mesh's devices, which a CPU host may only compile for."""
+    import tokamax
+    from tokamax._src.ops.ragged_dot.base import DEFAULT_RAGGED_DOT_DIM_NUMS
+
+    with tokamax.config.cross_compile(True), jax.default_device(device or jax.config.jax_default_device):
+        out = tokamax.ragged_dot_general(lhs, rhs, group_sizes, numbers or DEFAULT_RAGGED_DOT_DIM_NUMS,
+                                         preferred_element_type=jnp.float32, implementation="mosaic_gpu")
+    return _varying_as(out, lhs, rhs)  # inside a shard_map the kernel's result varies as its operands do
+
+
+def _in_groups(rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """[m, 1]: whether each row lies within the groups (rows past the sizes' sum are padding)."""
+    return (jnp.arange(rows.shape[0]) < jnp.sum(group_sizes))[:, None]
+
+
+def tokamax_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """rows [m, in] sorted by group (bf16 / fp16), w [groups, in, out], ``group_sizes`` [groups] ->
+    [m, out] in the rows' dtype, summed in fp32; rows past the sizes' sum: zero (the kernel leaves
+    them unwritten). Backward: dx by the same kernel over w transposed, dw by tokamax's ragged-
+    contracting kernel, both in fp32, summed over the manual mesh axes their primal is the same on.
+    The GPU generation is JAX's default device's when this is traced, for the backward too."""
+    return _tokamax_matmul(jax.config.jax_default_device, rows, w, group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tokamax_matmul(device, rows, w, group_sizes):
+    return _tokamax_forward(device, rows, w, group_sizes)[0]
+
+
+def _tokamax_forward(device, rows, w, group_sizes):
+    valid = _in_groups(rows, group_sizes)
+    x, weights = _varying_as(jnp.where(valid, rows, 0), w), _varying_as(w, rows)
+    y = _tokamax(x, weights, group_sizes, device=device)
+    return jnp.where(valid, y, 0).astype(rows.dtype), (rows, w, group_sizes)
+
+
+def _tokamax_backward(device, residuals, dy):
+    from tokamax._src.ops.ragged_dot.base import RAGGED_CONTRACTING_DOT_DIM_NUMS
+
+    rows, w, group_sizes = residuals
+    valid = _in_groups(rows, group_sizes)
+    dy = _varying_as(jnp.where(valid, dy, 0).astype(rows.dtype), rows, w)
+    dx = jnp.where(valid, _tokamax(dy, jnp.swapaxes(_varying_as(w, dy), 1, 2), group_sizes, device=device), 0)
+    dw = _tokamax(_varying_as(jnp.where(valid, rows, 0), dy), dy, group_sizes, RAGGED_CONTRACTING_DOT_DIM_NUMS,
+                  device=device)
+    return _summed_as(dx, rows).astype(rows.dtype), _summed_as(dw, w).astype(w.dtype), None
+
+
+_tokamax_matmul.defvjp(_tokamax_forward, _tokamax_backward)
