@@ -45,6 +45,19 @@ sft: $(STAMP)
 	$(VENV)/bin/python -m meshtrain.data prepare-sft --tokenizer $$base/tokenizer.json --input data/stdlib_instructions.jsonl --out data/stdlib_sft --val-fraction 0.1 --overwrite && \
 	$(VENV)/bin/python -m meshtrain.train --config configs/stdlib_sft.yaml --host-devices 8 checkpoint.init_from=$$base/export run.dir=runs/stdlib_sft-$$(date +%Y%m%d-%H%M%S)
 
+# The same fine-tune by LoRA (configs/stdlib_lora.yaml: rank-16 adapters, the base frozen in bf16), then its
+# adapters written as a PEFT directory (RUN/peft: adapter_config.json + adapter_model.safetensors).
+.PHONY: lora
+lora: $(STAMP)
+	ls -d runs/stdlib_docs-*/checkpoints/[0-9]* >/dev/null 2>&1 || $(MAKE) stdlib
+	$(VENV)/bin/python scripts/stdlib_instructions.py --out data/stdlib_instructions.jsonl
+	base=$$(ls -d runs/stdlib_docs-*/checkpoints/[0-9]* | sed 's|/checkpoints/.*||' | sort -u | tail -1) && \
+	run=runs/stdlib_lora-$$(date +%Y%m%d-%H%M%S) && echo "LoRA fine-tuning $$base into $$run" && \
+	{ test -d $$base/export/params || $(VENV)/bin/python -m meshtrain.export --run $$base --out $$base/export; } && \
+	$(VENV)/bin/python -m meshtrain.data prepare-sft --tokenizer $$base/tokenizer.json --input data/stdlib_instructions.jsonl --out data/stdlib_sft --val-fraction 0.1 --overwrite && \
+	$(VENV)/bin/python -m meshtrain.train --config configs/stdlib_lora.yaml --host-devices 8 checkpoint.init_from=$$base/export run.dir=$$run && \
+	$(VENV)/bin/python -m meshtrain.convert to-peft --run $$run --out $$run/peft --host-devices 8
+
 # Both tiers run on one pytest-xdist worker per core (at most 4: every worker simulates 8 devices);
 # `.venv/bin/python -m pytest -q` runs them in one process. Their times are in README.md.
 test: $(STAMP)
@@ -96,3 +109,15 @@ gpu-rehearsal:
 
 clean:
 	rm -rf $(VENV) $(VENV_NEWEST) $(VENV_GPU) runs data .pytest_cache
+
+# Docs that stay true (issue 52). docs-check runs every command that README.md and docs/*.md show, in the order
+# shown, from a fresh clone sharing .venv (scripts/check_docs.py: DOCS="docs/a.md docs/b.md" for those files',
+# `python scripts/check_docs.py --list` for the commands and the ones marked not runnable here).
+# docs-figures trains the shipped configs the docs quote and reruns the commands whose output they show, and
+# rewrites those figures in place (scripts/docs_figures.py; --check only reports the ones that moved).
+.PHONY: docs-check docs-figures
+docs-check: $(STAMP)
+	$(VENV)/bin/python scripts/check_docs.py $(addprefix --file ,$(DOCS))
+
+docs-figures: $(STAMP)
+	$(VENV)/bin/python scripts/docs_figures.py
