@@ -36,6 +36,8 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+import jax
+from flax import nnx
 
 from meshtrain.mesh import LAYOUT_ORDER, MESH_AXES
 from meshtrain.parallel.executor import Signature, tick_runs
@@ -43,6 +45,7 @@ from meshtrain.param_terms import SpecTables, param_terms, spec_tables
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.pipeline import Schedule
 from meshtrain.errors import ConfigError
+from meshtrain.lora import LoraTraining
 from meshtrain.loss import chunk_length
 from meshtrain.parallel.ring_attention import sub_block_length
 from meshtrain.parallel.rules import Preset, mesh_axes_of
@@ -272,6 +275,17 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     p_local, g_local, o_local = terms.stored, terms.grads, terms.moments
     zero_sharded_total, fsdp_reduced, data_reduced = terms.zero_sharded_total, terms.fsdp_reduced, terms.data_reduced
     est.params = round(FP32 * p_local)
+    if layout.train.lora.enabled:
+        # train.lora: the parameters frozen in the compute dtype; the adapters (fp32, laid out by the
+        # rules as their bases) alone have gradients and moments.
+        key = ("lora", tuple(mesh.values()), zero)
+        adapters = memo.get(key) if memo is not None else None
+        if adapters is None:
+            adapters = lora_terms(layout)
+            if memo is not None:
+                memo[key] = adapters
+        a_local, g_local, o_local = adapters
+        est.params = round(compute_bytes * p_local + FP32 * a_local)
     est.grads = round(FP32 * g_local)
     if candidate.offload:
         est.optimizer_host = round(2 * FP32 * o_local)
@@ -486,6 +500,18 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
         comm["stage"] = (grad_accum * (sends + 2 * ring(stages) * heads) * working_tokens * model.embed_dim * FP32)
     est.comm_s = {axis: nbytes / _axis_bandwidth(axis, mesh, hw) for axis, nbytes in comm.items()}
     return est
+
+
+def lora_terms(layout: Layout) -> tuple[float, float, float]:
+    """Elements per device of ``train.lora``'s adapters as the ZeRO stage stores them: (stored,
+    gradients, optimizer moments)."""
+    lora = LoraTraining(layout.train.lora, layout.abstract_params, layout.family)
+    abstract = jax.eval_shape(lora.initial_adapters, 0)
+    specs = layout.state_specs(params=abstract)
+    sizes = [math.prod(variable.shape) for _, variable in nnx.to_flat_state(abstract)]
+    return tuple(sum(size / math.prod(layout.ways(spec.get_value())) for size, (_, spec) in
+                     zip(sizes, nnx.to_flat_state(part)))
+                 for part in (specs.params, specs.grads, specs.optimizer))
 
 
 def layout_estimate(layout: Layout, compute_bytes: int) -> Estimate:

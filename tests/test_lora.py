@@ -6,6 +6,7 @@ a one-line error."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from flax import nnx
 from meshtrain.errors import ConfigError
 from meshtrain.flops import count_flops
 from meshtrain.lora import LoraConfig
+from meshtrain.memory_model import layout_estimate
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.precision import Precision
 from models.common import matmul
@@ -179,3 +181,23 @@ def test_lora_step_skips_the_frozen_weights_gradient_matmuls():
     # An adapter's forward (x @ a, then @ b), its input gradient and its weight gradients: 3 x 2 x tokens x size.
     adapters_cost = 3 * 2 * tokens * adapter
     assert flops[0] - flops[1] == pytest.approx(weight_gradients - adapters_cost, rel=1e-6)
+
+
+def _device_bytes(tree) -> int:
+    """Bytes of ``tree`` (ShapeDtypeStructs with shardings) that one device holds."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1, 1), (1, 4, 2, 1)])
+def test_the_planner_counts_the_frozen_base_and_the_adapters_state(mesh_shape):
+    """The estimate's parameters and optimizer moments are what the LoRA state holds per device: the base in
+    bf16, the adapters in fp32 and Adam's moments of the adapters only, each split as the rules lay it out."""
+    trainer = make_trainer(mesh_shape, lora=LORA, precision=Precision.BF16)
+    state = trainer.abstract_state()
+    est = layout_estimate(trainer.layout, compute_bytes=2)
+    held = _device_bytes(state.params) + _device_bytes(state.adapters)
+    moments = _device_bytes([leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim > 0])
+    assert est.params == pytest.approx(held, rel=0.02)
+    assert est.optimizer == pytest.approx(moments, rel=0.02)
+    full = layout_estimate(make_trainer(mesh_shape, precision=Precision.BF16).layout, compute_bytes=2)
+    assert est.optimizer < full.optimizer and est.params < full.params and est.grads < full.grads
