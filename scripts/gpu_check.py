@@ -275,7 +275,7 @@ def moe_check(tol: float, dry_run: bool) -> dict:
     from flax import nnx
 
     from models.common import unconstrained
-    from models.kernels.grouped_matmul import GroupedKernel
+    from models.kernels.grouped_matmul import GroupedKernel, tokamax_refusal
     from models.moe import FAMILY, Dispatch, MoEConfig
     from models.experts import SparseMoE
 
@@ -304,6 +304,12 @@ def moe_check(tol: float, dry_run: bool) -> dict:
                 "capacity_1.25": dict(dispatch=Dispatch.CAPACITY, capacity_factor=1.25, group_size=group),
                 "sorted_blocked": dict(dispatch=Dispatch.DROPLESS, grouped_matmul=GroupedKernel.BLOCKED),
                 "sorted_ragged": dict(dispatch=Dispatch.DROPLESS, grouped_matmul=GroupedKernel.RAGGED)}
+    # tokamax's grouped GEMM (what `auto` runs on GPUs where tokamax is installed: docs/kernels.md).
+    refusal = tokamax_refusal(jnp.bfloat16) or ("" if jax.devices()[0].platform == "gpu" else "not a GPU")
+    if refusal:
+        log(f"moe: the tokamax grouped GEMM is not timed here: {refusal}")
+    else:
+        variants["sorted_tokamax"] = dict(dispatch=Dispatch.DROPLESS, grouped_matmul=GroupedKernel.TOKAMAX)
     timings = {}
     for shape_name, shape in shapes.items():
         x = jax.random.normal(jax.random.key(0), (rows, length, shape["embed_dim"]), jnp.bfloat16)

@@ -119,8 +119,6 @@ LAYOUTS = [
                  {}, id="tensor-interleaved", marks=pytest.mark.slow),
     pytest.param((1, 1, 1, 2), MODEL, PipelineConfig(schedule=Schedule.ZB_H1, microbatches=4), {}, id="zb-h1",
                  marks=pytest.mark.slow),
-    pytest.param((1, 1, 1, 2), MODEL, PipelineConfig(schedule=Schedule.GPIPE, microbatches=2), {}, id="gpipe",
-                 marks=pytest.mark.slow),
 ]
 
 
