@@ -35,8 +35,6 @@ from models.common import MATMUL_GROUP, LogicalAxes, coerce_enums, logical_axes_
 from models.kernels.fp8 import MatmulGroup
 from models.kernels.lora import LoraWeight
 
-ADAPTER_NAMES = ("a", "b")
-
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
