@@ -162,6 +162,10 @@ class LoraTraining:
             found[f"{name}.b"] = nnx.Param(jnp.zeros(b_shape, jnp.float32), out_sharding=b_axes, eager_sharding=False)
         return nested(found)
 
+    def abstract_adapters(self) -> nnx.State:
+        """The adapters' shapes and logical axes (``initial_adapters`` traced, nothing allocated)."""
+        return jax.eval_shape(self.initial_adapters, 0)
+
     def dropout_seeds(self, key: jax.Array, to_storage: Callable[[nnx.State], nnx.State]) -> nnx.State:
         """fp32 [stacked...] per adapted weight: integers below 2**24 drawn from ``key`` (the step's) for
         the layers in logical order, then put in storage order by ``to_storage``."""

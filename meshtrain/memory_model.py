@@ -36,7 +36,6 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-import jax
 from flax import nnx
 
 from meshtrain.mesh import LAYOUT_ORDER, MESH_AXES
@@ -505,8 +504,7 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
 def lora_terms(layout: Layout) -> tuple[float, float, float]:
     """Elements per device of ``train.lora``'s adapters as the ZeRO stage stores them: (stored,
     gradients, optimizer moments)."""
-    lora = LoraTraining(layout.train.lora, layout.abstract_params, layout.family)
-    abstract = jax.eval_shape(lora.initial_adapters, 0)
+    abstract = LoraTraining(layout.train.lora, layout.abstract_params, layout.family).abstract_adapters()
     specs = layout.state_specs(params=abstract)
     sizes = [math.prod(variable.shape) for _, variable in nnx.to_flat_state(abstract)]
     return tuple(sum(size / math.prod(layout.ways(spec.get_value())) for size, (_, spec) in

@@ -103,8 +103,7 @@ class Trainer:
         self.lora = (LoraTraining(layout.train.lora, self.abstract_params, self.family)
                      if layout.train.lora.enabled else None)
         # What the optimizer trains (the parameters, or under LoRA the adapters) and its layout.
-        self.abstract_trainable = (jax.eval_shape(self.lora.initial_adapters, 0) if self.lora
-                                   else self.abstract_params)
+        self.abstract_trainable = self.lora.abstract_adapters() if self.lora else self.abstract_params
         self.trainable_layout = (sharded_layout(layout.state_specs(params=self.abstract_trainable), mesh)
                                  if self.lora else self.state_layout)
         self.tx, self.schedule = make_optimizer(optimizer, layout.train.steps, self.abstract_trainable)
@@ -186,8 +185,11 @@ class Trainer:
         as held: the compute dtype; the tools ask for fp32)."""
         if not self.lora:
             return state.params
-        merge = jax.jit(functools.partial(self.lora.merged, dtype=dtype), out_shardings=self.param_shardings)
-        return merge(state.params, state.adapters)
+        return self._merge(None if dtype is None else jnp.dtype(dtype))(state.params, state.adapters)
+
+    @functools.cache  # noqa: B019 - one jitted merge per dtype for the trainer's life (evaluations reuse it)
+    def _merge(self, dtype: jnp.dtype | None):
+        return jax.jit(functools.partial(self.lora.merged, dtype=dtype), out_shardings=self.param_shardings)
 
     def init_state(self, seed: int) -> TrainState:
         """A fresh state created directly in its shardings (no full copy on any device)."""
