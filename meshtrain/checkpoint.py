@@ -32,6 +32,8 @@ import re
 import shutil
 import sys
 import time
+import traceback
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -193,20 +195,43 @@ def incomplete_saves(root: pathlib.Path) -> list[pathlib.Path]:
                   key=lambda p: (int(p.name.split(".")[0]) if p.name.split(".")[0].isdigit() else -1, p.name))
 
 
-class _QuietOrbax(logging.Filter):
-    """Drops two kinds of orbax log records: the warnings that a read-only manager is read-only
-    (printed on every tool run), and the traceback its save thread logs when a write fails (the
-    failure reaches the run as one ``SaveFailed`` line at the next save or wait)."""
+_ORBAX_SOURCE = pathlib.Path(ocp.__file__).parent  # where orbax's own log records come from
+# Orbax's warnings that a read-only manager is read-only (every tool run would print them).
+_READ_ONLY_NOTICE = lambda record: record.getMessage().startswith(  # noqa: E731
+    ("Given directory is read only", "CheckpointManagerOptions.read_only=True"))
+# The tracebacks orbax's threads and waits log when a save's write fails (the caller gets the error too).
+_FAILED_WRITE_REPORT = lambda record: record.levelno >= logging.ERROR and record.exc_info is not None \
+    and pathlib.Path(record.pathname).is_relative_to(_ORBAX_SOURCE)  # noqa: E731
+# asyncio's "Event loop is closed" as a failed save's tensorstore writes complete after orbax closed its loop.
+_LATE_WRITE_CALLBACK = lambda args: isinstance(args.exc_value, RuntimeError) \
+    and str(args.exc_value) == "Event loop is closed" \
+    and any(f.f_code.co_name == "call_soon_threadsafe" for f, _ in traceback.walk_tb(args.exc_traceback))  # noqa: E731
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        read_only = message.startswith(("Given directory is read only", "CheckpointManagerOptions.read_only=True"))
-        failed_write = ("orbax" in record.pathname and record.levelno >= logging.ERROR
-                        and "raised an exception" in message)
-        return not (read_only or failed_write)
+
+@contextlib.contextmanager
+def _absl_records_dropped(drop: Callable[[logging.LogRecord], bool]) -> Iterator[None]:
+    """Within the block, the ``absl`` logger (orbax logs through it) drops the records ``drop`` picks."""
+    keep, logger = (lambda record: not drop(record)), logging.getLogger("absl")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
-logging.getLogger("absl").addFilter(_QuietOrbax())
+@contextlib.contextmanager
+def _failed_saves_quiet() -> Iterator[None]:
+    """While saves are in flight: orbax's reports of a failed write are dropped (it reaches the run as one
+    ``SaveFailed`` line), all else passes; the hook it replaced is put back (unless replaced meanwhile)."""
+    previous = sys.unraisablehook
+    unraisable = lambda args: None if _LATE_WRITE_CALLBACK(args) else previous(args)  # noqa: E731
+    sys.unraisablehook = unraisable
+    try:
+        with _absl_records_dropped(_FAILED_WRITE_REPORT):
+            yield
+    finally:
+        if sys.unraisablehook is unraisable:
+            sys.unraisablehook = previous
 
 
 class RunCheckpoints:
@@ -223,10 +248,12 @@ class RunCheckpoints:
                  read_only: bool = False):
         self.root = pathlib.Path(root).absolute()
         self.read_only = read_only
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=not read_only, read_only=read_only)
-        self._manager = ocp.CheckpointManager(self.root, options=options, item_handlers={
-            "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+        self._quiet: contextlib.ExitStack | None = None  # _failed_saves_quiet() from a save until waited for
+        with _absl_records_dropped(_READ_ONLY_NOTICE):
+            options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                                   create=not read_only, read_only=read_only)
+            self._manager = ocp.CheckpointManager(self.root, options=options, item_handlers={
+                "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, ascending."""
@@ -253,18 +280,32 @@ class RunCheckpoints:
         """
         self._check_free_space(step, state)
         meta = {**meta, CHECKSUMS: state_checksums(state)}
+        if self._quiet is None:  # the first save since the last wait
+            self._quiet = contextlib.ExitStack()
+            self._quiet.enter_context(_failed_saves_quiet())
         with self._writing(step):
             self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                              meta=ocp.args.JsonSave(meta)), force=True)
 
     def wait(self) -> None:
         """Blocks until every started save is committed (``SaveFailed`` when one could not be)."""
-        with self._writing(None):
+        with self._waiting():
             self._manager.wait_until_finished()
 
     def close(self) -> None:
-        with self._writing(None):
+        with self._waiting():
             self._manager.close()
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Around orbax's waits: a failure becomes ``SaveFailed``; then no save is in flight (quiet ends)."""
+        try:
+            with self._writing(None):
+                yield
+        finally:
+            if self._quiet is not None:
+                self._quiet.close()
+                self._quiet = None
 
     def _check_free_space(self, step: int, state: Any) -> None:
         """``SaveFailed`` before anything is written when the file system cannot hold another

@@ -2,14 +2,18 @@
 checkpoint or an export that names a ``model.plugin`` is refused by every tool that loads it unless
 ``--trust-plugin`` is given; a plugin that fails to import is one line naming its file. A run writes
 nothing through a link in its directory (2a), and a file where its checkpoints go is found at
-start-up (10). A full disk is one line and leaves no half-written output (7)."""
+start-up (10). A full disk is one line and leaves no half-written output (7), a checkpoint save that
+fails in orbax's writer threads included (no traceback of theirs beside it)."""
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,7 +22,7 @@ from meshtrain import convert, export, generate, logits
 from meshtrain.checkpoint import CHECKPOINT_DIR, EXPORT_META, PARAMS_DIR
 from meshtrain.loop import train
 from meshtrain.train import main as train_main
-from test_checkpoint import TINY, config
+from test_checkpoint import REPO, TINY, config
 
 PAYLOAD = """
 import pathlib
@@ -200,3 +204,98 @@ def test_a_full_disk_while_writing_metrics_is_one_line(tmp_path, capsys, monkeyp
     assert errors == [f"error: {run_dir / 'metrics.jsonl'}: cannot write it: No space left on device; free some "
                       "space and run again"]
     assert complete_steps(run_dir) == [1, 2]  # the step that failed to log still saved its checkpoint
+
+
+# Runs meshtrain.train with every file write past 50 kB refused (EFBIG, as a full disk refuses one) from
+# checkpoint 4's save on, once checkpoint 2 is complete: orbax's writer threads fail, not the caller.
+# The limit is set in this process, which is the run's own (a preexec_fn would run Python in a child
+# forked from pytest's threads); the run's logs stay under it.
+_FULL_FROM_CHECKPOINT_4 = """
+import resource, runpy, signal, sys
+from meshtrain import checkpoint
+save = checkpoint.RunCheckpoints.save
+def filling(self, step, state, meta):
+    if step == 4:
+        self.wait()
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, resource.RLIM_INFINITY))
+    save(self, step, state, meta)
+checkpoint.RunCheckpoints.save = filling
+sys.argv = ["meshtrain.train", *sys.argv[1:]]
+runpy.run_module("meshtrain.train", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_save_failing_in_orbaxs_threads_is_one_line_and_resume_is_exact(tmp_path):
+    """Issue 53, item 7: one error line, exit 2, no traceback of orbax's threads (its logged ones and the
+    unraisable "Event loop is closed" of writes still completing); checkpoint 2 intact, and the run
+    resumed from it repeats steps 3-5 bit-exactly."""
+    from test_checkpoint import complete_steps, overrides, records
+
+    run_dir = tmp_path / "run"
+    # No compilation cache and no bytecode files (under the limit both would be written truncated); this
+    # process's XLA flags, so that both compile the same step.
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1",
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+    proc = subprocess.run([sys.executable, "-c", _FULL_FROM_CHECKPOINT_4, "--host-devices", "8", "--config", TINY,
+                           *overrides(run_dir, "checkpoint.every=2", steps=6)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: checkpoint: cannot write a checkpoint in {run_dir / CHECKPOINT_DIR} (File too large); the "
+        "complete checkpoints there are intact ([2]); free space or fix the directory, then resume")
+    assert [line for line in proc.stderr.splitlines() if line.startswith(("error", "ERROR", "warning", "WARNING"))] \
+        == proc.stderr.splitlines()[-1:], proc.stderr[-3000:]
+    for noise in ("Traceback", "Exception in thread", "Event loop is closed"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]
+    assert complete_steps(run_dir) == [2]
+    first = {record["step"]: record["loss"] for record in records(run_dir)}
+    assert sorted(first) == [1, 2, 3, 4, 5]  # the failure surfaced at checkpoint 6's save
+
+    train(config(run_dir, "checkpoint.every=2", steps=6))  # resumes from checkpoint 2
+    again = [(record["step"], record["loss"]) for record in records(run_dir)[len(first):]]
+    assert [step for step, _ in again] == [3, 4, 5, 6] and all(loss == first[step] for step, loss in again[:3])
+    assert complete_steps(run_dir) == [2, 4, 6]
+
+
+def test_orbaxs_failure_reports_are_dropped_only_while_a_save_is_in_flight(tmp_path, monkeypatch):
+    """Issue 53, item 7: the quiet scope opens at a save and closes at the wait (no global state): then
+    the unraisable hook is the one before and the absl logger passes orbax's error records again."""
+    import asyncio
+    import logging
+    import types
+
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from meshtrain.checkpoint import RunCheckpoints
+
+    passed = []
+    monkeypatch.setattr(sys, "unraisablehook", passed.append)
+    absl = logging.getLogger("absl")
+    filters = list(absl.filters)
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)  # what a write completing after orbax closed its loop raises
+    except RuntimeError as err:
+        late = types.SimpleNamespace(exc_type=RuntimeError, exc_value=err, exc_traceback=err.__traceback__,
+                                     err_msg=None, object=None)
+    other = types.SimpleNamespace(exc_type=RuntimeError, exc_value=RuntimeError("Event loop is closed"),
+                                  exc_traceback=None, err_msg=None, object=None)
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError:
+        orbax_error = logging.LogRecord("absl", logging.ERROR, str(pathlib.Path(ocp.__file__).parent / "x.py"), 1,
+                                        "Failed", None, sys.exc_info())
+    checkpoints = RunCheckpoints(tmp_path / CHECKPOINT_DIR, keep=1)
+    assert sys.unraisablehook == passed.append and absl.filters == filters  # nothing until a save
+    checkpoints.save(1, {"x": jnp.arange(8.0)}, {"step": 1})
+    sys.unraisablehook(late)
+    sys.unraisablehook(other)  # not raised in call_soon_threadsafe: passes
+    assert passed == [other] and not absl.filter(orbax_error)
+    checkpoints.wait()
+    assert sys.unraisablehook == passed.append and absl.filters == filters and absl.filter(orbax_error)
+    checkpoints.close()
+    assert checkpoints.steps() == [1]

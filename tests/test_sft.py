@@ -366,27 +366,35 @@ def test_a_thousand_turn_chat_is_rendered_once(data, tmp_path, monkeypatch):
     assert spans == [m["content"] + "<|endoftext|>" for m in messages if m["role"] == "assistant"]
 
 
-def test_a_template_without_generation_marks_renders_each_turn_within_a_bound(data, tmp_path, monkeypatch, capsys):
-    """Without {% generation %} each turn's prefixes are rendered (streamed, never tokenized): 2 per
-    turn; a chat whose turns times characters pass PREFIX_RENDER_CHARACTERS is refused in one line."""
-    from meshtrain.data import sft
+def test_a_template_without_generation_marks_renders_three_times_and_is_bounded(data, tmp_path, monkeypatch, capsys):
+    """Without {% generation %} each turn's prefixes are derived from two traced renderings of the whole
+    (meshtrain/data/chat_turns.py): 3 renderings for 20 turns (there were 1 + 2 per turn). A template
+    whose prefixes cannot be derived (it reads the count of the messages) renders them, and a chat past
+    PREFIX_RENDER_CHARACTERS is refused in one line."""
+    from meshtrain.data import chat_turns
 
-    template = tmp_path / "plain.jinja"
-    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token if m['role'] == "
-                        "'assistant' }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    loop = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token if m['role'] == 'assistant' }}\n"
+    template, counting = tmp_path / "plain.jinja", tmp_path / "counting.jinja"
+    template.write_text(loop + "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    counting.write_text(loop + "{% if messages|length < 0 %}!{% endif %}{% endfor %}{% if add_generation_prompt %}"
+                        "<assistant>{% endif %}")
     messages = [{"role": ("user", "assistant")[i % 2], "content": f"{WORDS[i % 26]} {WORDS[i % 7]}"}
                 for i in range(40)]
     inputs = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
     rendered = _counting_renders(monkeypatch)
     report = prepare_sft([str(inputs)], str(data["plain"]), str(tmp_path / "out"), chat_template=str(template),
                          progress=False)
-    assert len(rendered) == 1 + 2 * 20 and report.counts["train"].loss_tokens > 0
-    monkeypatch.setattr(sft, "PREFIX_RENDER_CHARACTERS", 20 * report.corpus.splits["train"].text_bytes - 1)
+    assert len(rendered) == 3 and report.counts["train"].assistant_turns == 20
+    spans, _ = _spans(Tokenizer.from_file(str(data["plain"] / "tokenizer.json")),
+                      *_documents(report.corpus.splits["train"])[0])
+    assert spans == [m["content"] + "<|endoftext|>\n" for m in messages[1::2]]
+    text_bytes = report.corpus.splits["train"].text_bytes
+    monkeypatch.setattr(chat_turns, "PREFIX_RENDER_CHARACTERS", 39 * (text_bytes // 2) - 1)
     assert data_main(["prepare-sft", "--tokenizer", str(data["plain"]), "--input", str(inputs), "--out",
-                      str(tmp_path / "again"), "--chat-template", str(template), "--no-progress"]) == 2
+                      str(tmp_path / "again"), "--chat-template", str(counting), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: --input: {inputs}:1: its 20 assistant turns would render "), err
-    assert f"the chat template ({template}) does not mark the assistant text with {{% generation %}}" in err[0]
+    assert f"the chat template ({counting}) does not mark the assistant text with {{% generation %}}" in err[0]
     assert not (tmp_path / "again").exists()
 
 

@@ -3,7 +3,10 @@ the built-in default): jinja2's immutable sandbox with no loader (no include / e
 deterministic step budget per example (loop iterations, calls, filters, operators and the size of
 what each makes), bounded integers and output, and every failure one ``ConfigError`` line naming the
 template's source, the example and the template's line. ``{% generation %}`` marks the text the loss
-is on (as transformers' ``return_assistant_tokens_mask``).
+is on (as transformers' ``return_assistant_tokens_mask``). A rendering may be traced (``Tracer``,
+``meshtrain.data.chat_turns``): told of each ``{% for %}`` loop, the loops whose output is written as
+made (not collected by a macro, block or ``{% set %}``/``{% filter %}``/``{% call %}`` block), and of
+what ``namespace()`` objects and ``cycler()``/``joiner()`` keep.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
+import jinja2.utils
 import jinja2.visitor
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
@@ -45,12 +50,29 @@ DEFAULT_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '\\n\\n### Response:\\n' if messages else '### Response:\\n' }}{%- endif -%}\n")
 
 
-class _Rendering:
-    """One rendering in progress: the steps it took of its budget, the characters it wrote so far
-    and where each ``{% generation %}`` block's text went (``(start, text)``)."""
+class Tracer(Protocol):
+    """What a traced rendering tells (``meshtrain.data.chat_turns.Trace``)."""
 
-    def __init__(self, budget: int):
-        self.budget, self.steps, self.written = budget, 0, 0
+    def loop(self, iterable: Iterable, direct: bool, rendering: Rendering) -> Iterator:
+        """The items a ``{% for %}`` loop over ``iterable`` gets (each charged one step); ``direct``:
+        the loop's output is written as it is made."""
+
+    def namespace_write(self, namespace: Any, name: str, value: Any) -> None:
+        """An attribute of a ``namespace()`` set (also each one it is made with)."""
+
+    def namespace_read(self, namespace: Any, name: str | None) -> None:
+        """An attribute of a ``namespace()`` read (``None``: all of them, as its text)."""
+
+    def stateful(self) -> None:
+        """A ``cycler()`` or ``joiner()`` was made: state that outlives a loop, and is not seen."""
+
+
+class Rendering:
+    """One rendering in progress: the steps it took of its budget, the characters it wrote so far,
+    where each ``{% generation %}`` block's text went (``(start, text)``) and what traces it."""
+
+    def __init__(self, budget: int, tracer: Tracer | None = None):
+        self.budget, self.steps, self.written, self.tracer = budget, 0, 0, tracer
         self.generated: list[tuple[int, str]] = []
 
     def charge(self, steps: int) -> None:
@@ -82,35 +104,55 @@ class _Steps(jinja2.ext.Extension):
     """Steps that Jinja's own code would not charge: each ``{% for %}`` iteration (``iterate``) and
     each ``~`` (``concat``, a call: charged as one). ``_Charging`` puts them in a template."""
 
-    def iterate(self, iterable):
-        for item in iterable:
-            self.environment.rendering.charge(1)
-            yield item
+    def iterate(self, iterable: Iterable, direct: bool) -> Iterator:
+        rendering = self.environment.rendering
+        if rendering.tracer is not None:
+            return rendering.tracer.loop(iterable, direct, rendering)
+        return charged(iterable, rendering)
 
     @staticmethod
     def concat(*parts) -> str:
         return "".join(map(str, parts))
 
 
+def charged(iterable: Iterable, rendering: Rendering) -> Iterator:
+    """``iterable``'s items, each charged one step of ``rendering``."""
+    for item in iterable:
+        rendering.charge(1)
+        yield item
+
+
 class _Charging(jinja2.visitor.NodeTransformer):
     """Rewrites a parsed template so that all it does is charged: each loop's iterable wrapped in
-    ``_Steps.iterate``, each ``~`` made a call of ``_Steps.concat`` and each ``{% set %}`` block
-    given the filter ``CHARGED_FILTER`` (a filter is charged for what it returns)."""
+    ``_Steps.iterate`` (told whether the loop is direct: outside every macro, block, ``{% call %}``,
+    ``{% filter %}`` and ``{% set %}`` block, which collect their output before it is written), each
+    ``~`` made a call of ``_Steps.concat`` and each ``{% set %}`` block given the filter
+    ``CHARGED_FILTER`` (a filter is charged for what it returns)."""
 
     def __init__(self, steps: _Steps):
-        self.steps = steps
+        self.steps, self.collecting = steps, 0
 
     def visit_For(self, node: jinja2.nodes.For) -> jinja2.nodes.Node:
+        direct = jinja2.nodes.Const(self.collecting == 0, lineno=node.lineno)
         node = self.generic_visit(node)
-        node.iter = self.steps.call_method("iterate", [node.iter], lineno=node.lineno)
+        node.iter = self.steps.call_method("iterate", [node.iter, direct], lineno=node.lineno)
         return node
+
+    def _collected(self, node: jinja2.nodes.Node) -> jinja2.nodes.Node:
+        self.collecting += 1
+        try:
+            return self.generic_visit(node)
+        finally:
+            self.collecting -= 1
+
+    visit_Macro = visit_CallBlock = visit_FilterBlock = visit_Block = _collected
 
     def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Node:
         node = self.generic_visit(node)
         return self.steps.call_method("concat", node.nodes, lineno=node.lineno)
 
     def visit_AssignBlock(self, node: jinja2.nodes.AssignBlock) -> jinja2.nodes.Node:
-        node = self.generic_visit(node)
+        node = self._collected(node)
         if node.filter is None:
             node.filter = jinja2.nodes.Filter(None, CHARGED_FILTER, [], [], None, None, lineno=node.lineno)
         return node
@@ -163,11 +205,39 @@ def _check_binop(operator: str, left, right) -> None:
         raise SecurityError(f"{operator} would make an integer of about {bits:,} bits, more than {MAX_INT_BITS:,}")
 
 
+class _Namespace(jinja2.utils.Namespace):
+    """Jinja's ``namespace()``, telling a traced rendering's tracer of its writes and reads."""
+
+    def __init__(self, tracer: Tracer | None, /, *args, **kwargs):
+        object.__setattr__(self, "_tracer", tracer)
+        super().__init__(*args, **kwargs)
+        if tracer is not None:
+            for name, value in object.__getattribute__(self, "_Namespace__attrs").items():
+                tracer.namespace_write(self, name, value)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "_tracer":
+            return object.__getattribute__(self, name)
+        if name not in ("_Namespace__attrs", "__class__") and self._tracer is not None:
+            self._tracer.namespace_read(self, name)
+        return super().__getattribute__(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if self._tracer is not None:
+            self._tracer.namespace_write(self, name, value)
+        super().__setitem__(name, value)
+
+    def __repr__(self) -> str:
+        if self._tracer is not None:
+            self._tracer.namespace_read(self, None)
+        return super().__repr__()
+
+
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """Jinja's immutable sandbox, every rendering of which is bounded: each loop iteration, call,
     filter, ``~``, ``{% set %}`` block and ``+``/``*``/``**``/``%`` costs a step plus the length of
     the string or list it makes (``_Charging`` makes the first ones charged), up to
-    the rendering's budget (``_Rendering``); a string or list longer than ``MAX_PIECE_CHARS``, an
+    the rendering's budget (``Rendering``); a string or list longer than ``MAX_PIECE_CHARS``, an
     integer beyond ``MAX_INT_BITS`` bits, or a call given a number beyond ``MAX_PIECE_CHARS`` is
     refused before it is made. No loader (a template includes, extends and imports nothing)."""
 
@@ -176,12 +246,22 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     def __init__(self):
         super().__init__(trim_blocks=True, lstrip_blocks=True,
                          extensions=[_GenerationTag, _Steps, jinja2.ext.loopcontrols])
-        self.rendering: _Rendering | None = None  # set by ChatTemplate around each step of a rendering
+        self.rendering: Rendering | None = None  # set by ChatTemplate around each step of a rendering
+        self.globals["namespace"] = lambda *args, **kwargs: _Namespace(self.rendering.tracer, *args, **kwargs)
+        self.globals["cycler"] = self._stateful(jinja2.utils.Cycler)
+        self.globals["joiner"] = self._stateful(jinja2.utils.Joiner)
         self.filters["tojson"] = _tojson
         self.filters[CHARGED_FILTER] = lambda text: text
         self.filters = {name: self._bounded(function) for name, function in self.filters.items()}
         self.globals["raise_exception"] = _raise_exception
         del self.globals["lipsum"]  # its paragraph count makes unbounded text
+
+    def _stateful(self, make):
+        def made(*args, **kwargs):
+            if self.rendering.tracer is not None:
+                self.rendering.tracer.stateful()
+            return make(*args, **kwargs)
+        return made
 
     def _charged(self, result):
         self.rendering.charge(1 + _size(result))
@@ -248,16 +328,17 @@ class ChatTemplate:
         return cls(text, source, dict(variables), uses, marks_generation, environment.from_string(tree))
 
     def stream(self, messages: list[dict], add_generation_prompt: bool, budget: int, where: str,
-               field: str) -> Iterator[str]:
+               field: str, tracer: Tracer | None = None) -> Iterator[str]:
         """The conversation's text, in the pieces Jinja writes it, within ``budget`` steps and
-        ``MAX_PIECE_CHARS`` characters; whatever stops it is a one-line ``ConfigError(field)``
-        naming ``where`` (the example), the template and the template's line."""
-        return self._stream(messages, add_generation_prompt, _Rendering(budget), where, field)
+        ``MAX_PIECE_CHARS`` characters (traced by ``tracer``: ``messages`` may be its sequence);
+        whatever stops it is a one-line ``ConfigError(field)`` naming ``where`` (the example), the
+        template and the template's line."""
+        return self._stream(messages, add_generation_prompt, Rendering(budget, tracer), where, field)
 
     def render(self, messages: list[dict], budget: int, where: str, field: str) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text (as ``stream`` writes it, without the generation prompt) and the
         characters ``[start, end)`` of each non-empty ``{% generation %}`` block's text in it."""
-        rendering = _Rendering(budget)
+        rendering = Rendering(budget)
         text = "".join(self._stream(messages, False, rendering, where, field))
         spans = []
         for number, (start, generated) in enumerate(rendering.generated, 1):
@@ -269,7 +350,7 @@ class ChatTemplate:
                 spans.append((start, start + len(generated)))
         return text, spans
 
-    def _stream(self, messages: list[dict], add_generation_prompt: bool, rendering: _Rendering, where: str,
+    def _stream(self, messages: list[dict], add_generation_prompt: bool, rendering: Rendering, where: str,
                 field: str) -> Iterator[str]:
         pieces = self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
                                         tools=None, documents=None, **self.variables)

@@ -19,9 +19,11 @@ messages, ``add_generation_prompt`` and the tokenizer's special tokens ``bos_tok
 * for any other template, for assistant message k: from the end of the conversation before it
   rendered with the generation prompt to the end of the conversation up to and including it (its
   content and whatever the template closes the turn with, e.g. ``<|im_end|>`` or EOS). Both texts
-  must begin the whole conversation's text, which is rendered once more per assistant turn, so an
-  example whose turns times characters exceed ``PREFIX_RENDER_CHARACTERS`` is refused (mark the
-  template's assistant text instead).
+  must begin the whole conversation's text. They are derived from two more renderings of the whole
+  conversation where that is exact, else rendered (``chat_turns.py``: time linear in the turns for
+  templates that loop over the messages; an example whose other prefixes would render more than
+  ``chat_turns.PREFIX_RENDER_CHARACTERS`` characters is refused: mark the template's assistant
+  text instead).
 
 Every such place must fall between two tokens of the whole conversation; an example where it does
 not (the template or the tokenizer joins the prompt's end and the response's start into one token)
@@ -53,7 +55,6 @@ import re
 import time
 import types
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 
 import numpy as np
 from rich.console import Console
@@ -65,14 +66,14 @@ from meshtrain.data.corpus import (BATCH_TEXT_BYTES, DEFAULT_SHARD_TOKENS, _Prog
 from meshtrain.data.out_dir import check_out, claimed
 from meshtrain.data.prepared import TRAIN, VAL, PreparedCorpus
 from meshtrain.data.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from meshtrain.data.chat_turns import ASSISTANT, Span, turn_spans
 from meshtrain.data.columnar import is_columnar
 from meshtrain.data.files import write_file
 from meshtrain.data.tokenizer import end_of_document_id, load_tokenizer, tokenizer_file
-from meshtrain.errors import ConfigError, cut, shown, writable_directory
+from meshtrain.errors import ConfigError, cut, writable_directory
 from meshtrain.run_lock import RunLock
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-ASSISTANT = "assistant"  # the role whose messages are trained on
 DEFAULT_TEMPLATE_SOURCE = "the built-in default"
 # The special tokens transformers passes to a template (its special_tokens_map), as strings.
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -84,8 +85,6 @@ VALID_LINES = ('each line is {"prompt": "...", "response": "..."} (and optionall
 # for a template that does a few things per message; a loop or recursion without end stops there.
 RENDER_STEPS = 1 << 20
 RENDER_STEPS_PER_BYTE = 64
-# A template without {% generation %} renders the conversation twice more per assistant turn.
-PREFIX_RENDER_CHARACTERS = 1 << 30
 
 
 def _token_string(value) -> str | None:
@@ -252,17 +251,6 @@ def conversation(record, where: str, field: str = "--input") -> list[dict]:
     return messages
 
 
-class _Span(NamedTuple):
-    """Characters ``[start, end)`` of an example's text that the loss is on. label: what it is in
-    errors ("assistant turn 2"); before, upto: what the text up to its start and its end is."""
-
-    label: str
-    start: int
-    end: int
-    before: str
-    upto: str
-
-
 @dataclasses.dataclass
 class _Example:
     """One conversation rendered: its text and the spans of it to train on."""
@@ -273,7 +261,7 @@ class _Example:
     text: str
     size: int  # UTF-8 bytes of text
     turns: int  # its assistant messages
-    spans: list[_Span]
+    spans: list[Span]
 
 
 class _Reader:
@@ -323,46 +311,11 @@ class _Reader:
                 raise ConfigError(self.field, f"{where}: the chat template ({self.template.source}) marks none of "
                                   "its text with {% generation %}, so nothing is trained on; mark each assistant "
                                   "message's text with {% generation %}...{% endgeneration %}")
-            spans = [_Span(f"{{% generation %}} block {number}", start, end, "the conversation before it",
-                           "the conversation up to its end") for number, (start, end) in enumerate(generated, 1)]
+            spans = [Span(f"{{% generation %}} block {number}", start, end, "the conversation before it",
+                          "the conversation up to its end") for number, (start, end) in enumerate(generated, 1)]
         else:
-            spans = self._turn_spans(messages, text, turns, budget, where)
+            spans = turn_spans(self.template, messages, text, budget, where, self.field)
         return _Example(where, self.field, "", text, size, turns, spans)
-
-    def _turn_spans(self, messages: list[dict], text: str, turns: int, budget: int, where: str) -> list[_Span]:
-        """Each assistant turn's span: from the end of the conversation before it rendered with the
-        generation prompt to the end of the conversation up to it, both of which must begin ``text``."""
-        if turns * len(text) > PREFIX_RENDER_CHARACTERS:
-            raise ConfigError(self.field, f"{where}: its {turns:,} assistant turns would render {turns * len(text):,} "
-                              f"characters (more than {PREFIX_RENDER_CHARACTERS:,}): the chat template "
-                              f"({self.template.source}) does not mark the assistant text with {{% generation %}}, "
-                              "so each turn renders the conversation before it again; mark it (rendered once), or "
-                              "split the conversation")
-        spans = []
-        for index, message in enumerate(messages):
-            if message["role"] == ASSISTANT:
-                label = f"assistant turn {len(spans) + 1}"
-                before, upto = "the conversation before it with the generation prompt", "the conversation up to its end"
-                start = self._prefix_end(messages[:index], True, text, budget, where, label, before)
-                end = self._prefix_end(messages[:index + 1], False, text, budget, where, label, upto)
-                spans.append(_Span(label, start, end, before, upto))
-        return spans
-
-    def _prefix_end(self, messages: list[dict], add_generation_prompt: bool, whole: str, budget: int, where: str,
-                    label: str, what: str) -> int:
-        """How many characters of ``whole`` the rendering of ``messages`` is, which it must begin."""
-        at = 0
-        for piece in self.template.stream(messages, add_generation_prompt, budget, where, self.field):
-            if not whole.startswith(piece, at):
-                differ = at + next((i for i, (a, b) in enumerate(zip(piece, whole[at:])) if a != b),
-                                   len(whole) - at)
-                raise ConfigError(self.field, f"{where}: {label}: the text of {what} does not begin the whole "
-                                  f"conversation's (at character {differ:,} it has {shown(piece[differ - at:][:20])}, "
-                                  f"the whole {shown(whole[differ:differ + 20])}): the chat template renders the "
-                                  "messages before the last differently once more follow; mark the assistant text "
-                                  "with {% generation %}, or change the template")
-            at += len(piece)
-        return at
 
 
 def _special_tokens(tokenizer: Tokenizer) -> re.Pattern | None:
@@ -380,7 +333,7 @@ def _describe_divergence(tokenizer: Tokenizer, part: np.ndarray, whole: np.ndarr
     return f"token {at} is {show(part[at])} there but {show(whole[at])} in the whole conversation"
 
 
-def _tokens_before(tokenizer: Tokenizer, example: _Example, span: _Span, at: int, what: str, ids: np.ndarray,
+def _tokens_before(tokenizer: Tokenizer, example: _Example, span: Span, at: int, what: str, ids: np.ndarray,
                    offsets: np.ndarray) -> int:
     """How many of the whole conversation's tokens its first ``at`` characters are (``offsets``:
     [tokens, 2] their characters); a one-line ``ConfigError`` when a token spans character ``at``."""
