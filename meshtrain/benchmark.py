@@ -148,7 +148,7 @@ def run(cfg, *, steps: int = 10, vs_baseline: bool = False, devices=None, prepar
 
     num_devices = mesh.devices.size
     tokens = cfg.train.batch_size * cfg.model.seq_len
-    flops = tokens * family_of(cfg.model).flops_per_token(cfg.model)
+    flops = tokens * family_of(cfg.model).costs(cfg.model).flops_per_token()
     median = statistics.median(times)
     tflops = flops / median / num_devices / 1e12
     device_kind = mesh.devices.flat[0].device_kind

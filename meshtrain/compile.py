@@ -9,7 +9,8 @@ and compiles it with XLA:GPU; nothing runs. Prints per device: argument, temp an
 whether the step fits the memory JAX's allocator gets (``--memory-fraction``, default
 ``XLA_PYTHON_CLIENT_MEM_FRACTION`` or JAX's 0.75); the kernels (attention, GEMMs, FP8 GEMMs, the
 expert exchange); the collectives per step with their bytes; the matmul FLOPs of the GPU module per
-step; the compile time. ``--json`` prints the same as one JSON line; ``--dump DIR`` writes the optimized
+step; the compile time; beside XLA's peak, the planner's estimate of the same layout
+(``planned_peak_bytes``). ``--json`` prints the same as one JSON line; ``--dump DIR`` writes the optimized
 HLO (``DIR/step.hlo.txt``), the report (``DIR/report.json``) and XLA's own dump (``DIR/xla/``: the
 memory-usage report and buffer assignment). Needs the CUDA plugin (``make setup-gpu-compile``; run
 as ``.venv-gpu/bin/python -m meshtrain.compile``).
@@ -67,6 +68,8 @@ def format_report(report: CompileReport) -> str:
         f"per device: arguments {_gb(report.argument_bytes)}, temporaries {_gb(report.temp_bytes)}, "
         f"peak {_gb(report.peak_bytes)} of {_gb(report.usable_memory_bytes)} usable "
         f"({_gb(report.device_memory_bytes)} device memory): {verdict}",
+        f"planned peak (meshtrain.plan's estimate of this layout): {_gb(report.planned_peak_bytes)} "
+        f"({(report.planned_peak_bytes - report.peak_bytes) / report.peak_bytes:+.1%} of XLA:GPU's)",
         *[f"  {line}" for line in report.kernels],
         f"kernels per step: cuDNN attention {report.cudnn_attention}, cuBLAS GEMMs {gemms or 0}, Triton fusions "
         f"{triton or 0}, FP8 GEMMs {report.fp8_gemms}, ragged_dot left {report.ragged_dots}",

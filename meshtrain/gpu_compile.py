@@ -162,6 +162,7 @@ class CompileReport:
     alias_bytes: int
     temp_bytes: int
     peak_bytes: int
+    planned_peak_bytes: int  # meshtrain.plan's estimate of the same layout (``Estimate.total``)
     device_memory_bytes: int
     usable_memory_bytes: int
     fits: bool
@@ -194,20 +195,24 @@ class CompiledStep:
 
 def compile_step(cfg, devices: Sequence, target: Target, fraction: float | None = None) -> CompiledStep:
     """The train step ``meshtrain.train`` builds for ``cfg`` (its Layout, Trainer, step and XLA
-    options), compiled by XLA:GPU for the compile-only ``devices`` of ``target``.
+    options), compiled by XLA:GPU for the compile-only ``devices`` of ``target``; the report sets the
+    planner's estimate of the same layout beside XLA's peak.
     ``ConfigError`` on ``compile`` with XLA's reason when XLA refuses it."""
     import jax
     import jaxlib
+    import numpy as np
 
     from meshtrain.data import Packing
     from meshtrain.hlo import Module, footprint_bytes, memory_of
     from meshtrain.mesh import make_mesh
+    from meshtrain.planner.estimate import layout_estimate
     from meshtrain.trainer import Trainer
 
     mesh = make_mesh(cfg.mesh, devices)
     trainer = Trainer(cfg.layout(mesh.shape), mesh, cfg.optimizer)
     packed = cfg.data.packing is Packing.DOCUMENTS
     kernels = trainer.describe_kernels(packed)
+    planned = layout_estimate(trainer.layout, np.dtype(cfg.train.compute_dtype).itemsize).total
     start = time.perf_counter()
     try:
         with answered_for(devices):
@@ -227,6 +232,7 @@ def compile_step(cfg, devices: Sequence, target: Target, fraction: float | None 
         target=target.value, devices=len(devices), hosts=len({d.process_index for d in devices}),
         mesh=dict(mesh.shape), argument_bytes=memory["argument_bytes"], output_bytes=memory["output_bytes"],
         alias_bytes=memory["alias_bytes"], temp_bytes=memory["temp_bytes"], peak_bytes=peak,
+        planned_peak_bytes=planned,
         device_memory_bytes=device_memory, usable_memory_bytes=usable, fits=peak <= usable,
         custom_calls=whole(census.custom_calls), fusion_kinds=whole(census.fusion_kinds),
         collectives=whole(census.collectives), collective_bytes=whole(census.collective_bytes),

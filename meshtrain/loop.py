@@ -33,7 +33,7 @@ from meshtrain.data.chat_template import CHAT_TEMPLATE_FILE
 from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.errors import ConfigError, writable_directory
 from meshtrain.evaluation import Evaluator
-from meshtrain.memory_model import layout_estimate
+from meshtrain.planner.estimate import layout_estimate
 from meshtrain.mesh import device_memory_bytes, make_mesh, mesh_shape
 from meshtrain.metrics import MetricsLogger, format_bytes, peak_bf16_tflops
 from meshtrain.loss import Batch
@@ -82,7 +82,7 @@ MEMORY_REFUSAL_FACTOR = 4
 
 def _check_memory(cfg: Config, trainer: Trainer) -> None:
     """One line, before any array is allocated, for a run that could not fit ``MEMORY_REFUSAL_FACTOR``
-    times over (``meshtrain.memory_model``'s estimate of this layout against the device memory)."""
+    times over (``meshtrain.planner.estimate``'s estimate of this layout against the device memory)."""
     available = device_memory_bytes(trainer.mesh.devices.flat[0])
     if available is None:
         return

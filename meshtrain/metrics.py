@@ -1,6 +1,6 @@
 """Training metrics: FLOPs and MFU accounting, and the run's metrics logger.
 
-FLOPs per trained token are the model family's (``ModelFamily.flops_per_token``);
+FLOPs per trained token are the model family's (``FamilyCosts.flops_per_token``);
 the built-in families follow the PaLM-paper convention (also used by MaxText
 and torchtitan, ``models.common.palm_train_flops_per_token``)::
 

@@ -1,10 +1,13 @@
 """Choose the layout that fits: ``python -m meshtrain.plan --config X.yaml --devices N --device-memory 80GiB``.
 
-The command line of the planner: the search (``meshtrain.plan_search``: every mesh x preset x ZeRO
-stage x remat x pipeline schedule and microbatches [x offload] [x accumulation] of N devices, each
-estimated by ``meshtrain.memory_model``) printed ranked: layouts that fit first, by estimated step
+The command line of the planner: the search (``meshtrain.planner.search``: every mesh x preset x
+ZeRO stage x remat x pipeline schedule and microbatches [x offload] [x accumulation] of N devices,
+each estimated by ``meshtrain.planner.estimate``) printed ranked: layouts that fit first, by estimated step
 time; layouts that cannot run say why. ``--verify K`` compiles the K best with the real train step
-ahead of time on N simulated CPU devices and prints XLA's memory analysis beside the estimate;
+ahead of time, with XLA:GPU for N compile-only GPUs of ``--device-kind`` (h100, h200, b200) when the
+GPU compile environment is installed (``make setup-gpu-compile``; ``.venv-gpu/bin/python -m
+meshtrain.plan``), else with XLA:CPU on N simulated CPU devices, says which, prints XLA's memory
+analysis and peak beside the estimate and re-ranks the K by XLA's verdict;
 ``--write-config FILE`` writes the first row as a config ``meshtrain.train`` runs.
 
 Bad input prints one ``error: field: what is wrong`` line and exits 2.
@@ -13,6 +16,7 @@ Bad input prints one ``error: field: what is wrong`` line and exits 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import re
@@ -26,11 +30,15 @@ import yaml
 from meshtrain.cli import ArgumentParser, run
 from meshtrain.config import Config, load_config, to_dict
 from meshtrain.errors import ConfigError
-from meshtrain.memory_model import TEMP_MARGIN, UNRELIABLE, Candidate, Estimate, Hardware
+from meshtrain.gpu_compile import Target
 from meshtrain.metrics import peak_bf16_tflops
 from meshtrain.parallel.pipeline import Schedule
 from meshtrain.parallel.rules import Preset
-from meshtrain.plan_search import GB, LONG_SEQUENCE, MAX_DEVICES, Plan, make_plan, search_presets
+from meshtrain.xla_flags import cuda_plugin_installed
+from meshtrain.planner.constants import TEMP_MARGIN
+from meshtrain.planner.estimate import UNRELIABLE, Candidate, Estimate
+from meshtrain.planner.roofline import Hardware
+from meshtrain.planner.search import GB, LONG_SEQUENCE, MAX_DEVICES, Plan, make_plan, search_presets
 from models.api import family_of
 from models.common import RematPolicy
 
@@ -57,7 +65,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-memory", help="pinned host memory available to each device for optimizer offload "
                    "(a node's host memory divided by its devices), e.g. 128GiB")
     p.add_argument("--verify", type=int, default=0, metavar="K",
-                   help="compile the K best layouts on N simulated CPU devices and compare")
+                   help="compile the K best layouts (XLA:GPU for --device-kind when the GPU compile environment is "
+                   "installed, else XLA:CPU on N simulated CPU devices), compare and re-rank")
     p.add_argument("--top", type=int, default=20, help="rows of layouts that fit to print")
     p.add_argument("--show-infeasible", type=int, default=8, metavar="K",
                    help="rows of layouts that do not fit (and distinct structural reasons) to print")
@@ -204,14 +213,53 @@ def _start_devices(count: int) -> None:
                           f"{jax.devices()[0].platform} devices; run the plan in a fresh process")
 
 
-def verify(config_path: str | None, overrides: list[str], est: Estimate, devices: int) -> dict:
-    """XLA's memory analysis of the real train step of ``est.candidate`` (AOT, abstract shapes)."""
+@dataclasses.dataclass(frozen=True)
+class GpuTopology:
+    """The compile-only GPUs ``--verify`` compiles for with XLA:GPU: ``hosts`` x ``gpus_per_host`` of ``target``."""
+
+    target: Target
+    hosts: int
+    gpus_per_host: int
+    devices: list
+
+
+def start_verify(devices: int, device_kind: str, node_size: int) -> tuple[GpuTopology | None, str]:
+    """Prepares this process for ``--verify`` before JAX's backends start: XLA:GPU's compile-only devices
+    of the GPU ``device_kind`` names (nodes of ``node_size``) when the GPU compile environment (a JAX
+    CUDA plugin) is installed, else ``devices`` simulated CPU devices for XLA:CPU. -> (the GPUs, or
+    None with why XLA:CPU compiles)."""
+    target = next((t for t in Target if t.value in device_kind.lower()), None)
+    if not cuda_plugin_installed() or target is None:
+        _start_devices(devices)
+        return None, ("the GPU compile environment is not installed: make setup-gpu-compile, then run "
+                      ".venv-gpu/bin/python -m meshtrain.plan" if target is not None else
+                      f"no XLA:GPU target for --device-kind {device_kind} ({', '.join(t.value for t in Target)})")
+    from meshtrain.gpu_compile import start_compile_only, topology
+    from meshtrain.xla_flags import apply_recommended
+
+    start_compile_only()
+    apply_recommended(force=True)  # what a GPU run of meshtrain.train sets before its backends start
+    hosts, per_host = (devices // node_size, node_size) if devices % node_size == 0 else (1, devices)
+    return GpuTopology(target, hosts, per_host, topology(target, hosts, per_host)), ""
+
+
+def verify(config_path: str | None, overrides: list[str], est: Estimate, devices: int,
+           gpus: GpuTopology | None = None) -> dict:
+    """XLA's memory analysis of the real train step of ``est.candidate`` (AOT, abstract shapes), per
+    device: compiled by XLA:GPU for ``gpus`` (``peak``: XLA:GPU's peak, ``meshtrain.compile``'s), else
+    by XLA:CPU on ``devices`` simulated CPU devices."""
     import jax
 
+    cfg = load_config(config_path, list(overrides) + est.candidate.overrides())
+    if gpus is not None:
+        from meshtrain.gpu_compile import compile_step
+
+        report = compile_step(cfg, gpus.devices, gpus.target).report
+        return {"argument": report.argument_bytes, "output": report.output_bytes, "temp": report.temp_bytes,
+                "peak": report.peak_bytes, "seconds": report.compile_seconds}
     from meshtrain.mesh import make_mesh
     from meshtrain.trainer import Trainer
 
-    cfg = load_config(config_path, list(overrides) + est.candidate.overrides())
     mesh = make_mesh(cfg.mesh, jax.devices()[:devices])
     start = time.perf_counter()
     trainer = Trainer(cfg.layout(mesh.shape), mesh, cfg.optimizer)
@@ -221,33 +269,52 @@ def verify(config_path: str | None, overrides: list[str], est: Estimate, devices
             "temp": analysis.temp_size_in_bytes, "seconds": time.perf_counter() - start}
 
 
+def verified_peak(xla: dict) -> float:
+    """The bytes XLA's memory analysis needs per device: XLA:GPU's peak where it gives one, else
+    arguments + temporaries (outputs alias the donated state)."""
+    return xla.get("peak", xla["argument"] + xla["temp"])
+
+
 def verified_verdict(xla: dict, device_memory: float) -> str:
-    """The verdict XLA's memory analysis gives: arguments + temporaries (outputs alias the donated
-    state) against the device memory. It overrules the estimate's."""
-    needed = xla["argument"] + xla["temp"]
+    """The verdict XLA's memory analysis gives (``verified_peak``) against the device memory. It
+    overrules the estimate's."""
+    needed = verified_peak(xla)
     return "fits" if needed <= device_memory else f"does not fit: XLA needs {needed / GB:.3g} GB"
 
 
 def format_verify(results: list[tuple[Estimate, dict]], devices: int, device_memory: float,
-                  cfg: Config | None = None) -> str:
-    """The verify table; ``cfg`` names the preset of the rows that keep the config's (``-`` without it)."""
+                  cfg: Config | None = None, gpus: GpuTopology | None = None, why_cpu: str = "") -> str:
+    """The verify table, re-ranked: the layouts XLA says fit first, by estimated step time, then the
+    rest by what XLA needs (``plan #``: the row's rank in the plan); ``cfg`` names the preset of the
+    rows that keep the config's (``-`` without it); ``gpus``: the GPUs XLA:GPU compiled for (None:
+    XLA:CPU, because ``why_cpu``)."""
     def cell(estimated: float, measured: float) -> str:
         err = (estimated - measured) / measured if measured else float("nan")
         return f"{_gb(estimated)} / {_gb(measured)} ({err:+.1%})"
 
-    rows = [["#", "mesh d,f,t,s", "preset", "zero", "remat", "mb", "argument GB est / xla", "output GB est / xla",
-             "temp GB est / xla", "compile s", "verdict (xla)"]]
-    for i, (est, xla) in enumerate(results):
+    ranked = sorted(enumerate(results, 1), key=lambda r: (verified_peak(r[1][1]) > device_memory, r[1][0].step_s,
+                                                           verified_peak(r[1][1])))
+    rows = [["#", "plan #", "mesh d,f,t,s", "preset", "zero", "remat", "mb", "argument GB est / xla",
+             "output GB est / xla", "temp GB est / xla", "peak GB est / xla", "compile s", "verdict (xla)"]]
+    for i, (rank, (est, xla)) in enumerate(ranked):
         lay = est.candidate
         preset = _preset(cfg, lay) if cfg is not None else (lay.preset.value if lay.preset else "-")
-        rows.append([str(i + 1), lay.label(), preset, str(lay.zero), lay.remat.value,
+        rows.append([str(i + 1), str(rank), lay.label(), preset, str(lay.zero), lay.remat.value,
                      str(lay.microbatches) if lay.stage > 1 else "-", cell(est.argument_bytes, xla["argument"]),
                      cell(est.output_bytes, xla["output"]), cell(est.temp_bytes, xla["temp"]),
-                     f"{xla['seconds']:.1f}", verified_verdict(xla, device_memory)])
+                     cell(est.total, verified_peak(xla)), f"{xla['seconds']:.1f}",
+                     verified_verdict(xla, device_memory)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-    return (f"\nverify: the real train step compiled ahead of time on {devices} simulated CPU devices "
-            f"(XLA:CPU memory_analysis, per device):\n{table}")
+    if gpus is not None:
+        import jax
+
+        where = (f"for {devices} {gpus.target.value} GPUs on {gpus.hosts} host(s) by XLA:GPU (compile-only "
+                 f"devices, jax {jax.__version__}; memory_analysis and peak, per device)")
+    else:
+        where = f"on {devices} simulated CPU devices by XLA:CPU (memory_analysis, per device)"
+    return (f"\nverify: the real train step compiled ahead of time {where}, re-ranked by XLA's verdict:\n"
+            + (f"(XLA:CPU, not XLA:GPU: {why_cpu})\n" if gpus is None and why_cpu else "") + table)
 
 
 def _plan(argv: list[str] | None) -> None:
@@ -282,8 +349,7 @@ def _plan(argv: list[str] | None) -> None:
         raise ConfigError("--preset", f"give some of {', '.join(p.value for p in Preset)}; got {args.preset!r}")
     if args.write_config:
         check_write_config(pathlib.Path(args.write_config), args.config, args.overwrite)
-    if args.verify:
-        _start_devices(args.devices)
+    gpus, why_cpu = start_verify(args.devices, args.device_kind, args.node_size) if args.verify else (None, "")
     cfg = load_config(args.config, args.overrides)
     plan = make_plan(cfg, args.devices, device_memory, host_memory, hardware=hardware, meshes=meshes,
                      zero_stages=zeros, remats=remats, schedules=schedules,
@@ -295,8 +361,8 @@ def _plan(argv: list[str] | None) -> None:
         write_config(plan, args.config, args.overrides, pathlib.Path(args.write_config), args.overwrite)
     if args.verify:
         best = plan.ranked()[0][:args.verify]
-        results = [(est, verify(args.config, args.overrides, est, args.devices)) for est in best]
-        print(format_verify(results, args.devices, device_memory, cfg))
+        results = [(est, verify(args.config, args.overrides, est, args.devices, gpus)) for est in best]
+        print(format_verify(results, args.devices, device_memory, cfg, gpus, why_cpu))
 
 
 class ProgressLine:

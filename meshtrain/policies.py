@@ -116,7 +116,7 @@ class Reporter(Policy):
                  start: int = 0):
         self.steps, self.log_every, self.logger, self.start = cfg.train.steps, cfg.train.log_every, logger, start
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
-        self.flops_per_step = self.tokens_per_step * family_of(cfg.model).flops_per_token(cfg.model)
+        self.flops_per_step = self.tokens_per_step * family_of(cfg.model).costs(cfg.model).flops_per_token()
         self.num_devices, self.peak_tflops = num_devices, peak_tflops
         self.last_time, self.last_done = time.perf_counter(), start
         self.final_metrics: dict[str, float | list[float]] = {}  # the last logged values (the last step's)

@@ -3,8 +3,9 @@
 A family is a decoder over stacked layers. The framework calls only what ``DecoderModel`` declares
 (embed, the stacked layers, logits), reads only what ``ModelConfig`` declares, and learns everything
 else about the family from its ``ModelFamily`` entry: its config class, its logical axes beyond the
-framework's own (``FRAMEWORK_AXES``) and the role each plays under the rules, its FLOPs per token,
-its per-layer activation bytes for the planner and, optionally, its Hugging Face adapter.
+framework's own (``FRAMEWORK_AXES``) and the role each plays under the rules, its costs
+(``FamilyCosts``: FLOPs per token, and for the planner per-layer activation bytes queried with a
+``LayerRequest``) and, optionally, its Hugging Face adapter.
 
 Adding a family: write the module (config dataclass, ``nnx.Module``, ``ModelFamily(...)``), call
 ``register(family)`` at import time, and either list the module in ``models/__init__.py`` (built in)
@@ -16,6 +17,7 @@ changes.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 import importlib
@@ -32,6 +34,7 @@ from flax import nnx
 from models.kernels.attention import AttentionSpec, attention_mask
 from models.kernels.grouped_matmul import GroupedSpec
 from models.common import ActivationSharding, RematPolicy
+from models.kernels.fp8 import MatmulGroup
 
 # Logical axes the framework itself names: batch rows; positions in the residual stream
 # (``sequence``), in attention queries and block-internal activations (``length``) and in attention
@@ -290,6 +293,80 @@ class BlockedExperts(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerRequest:
+    """What the planner asks of one stacked layer's activations on one device (``FamilyCosts.layer_bytes``).
+
+    ``tensor``: the tensor-parallel split of heads and MLP units; ``remat``: the policy whose kept
+    values ``saved`` counts; ``compute_bytes``: bytes per element the values are held in;
+    ``sequence``: how many more ways the residual stream's positions are split than the blocks'
+    (sequence parallelism's ``tensor``); ``keys``: the key positions a query's attention scores span at
+    once, on average (None: the whole sequence; under ring attention one ``[block, block]`` tile's
+    over the rank's positions, ``block^2 / (seq_len / ring size)``); ``experts``: how many ways expert
+    parallelism splits the experts over the devices holding the tokens (1: none); ``fp8``: the
+    ``MatmulGroup``s whose matmuls run in FP8, whose operands the backward may keep as E4M3 (1 B)."""
+
+    tensor: int
+    remat: RematPolicy
+    compute_bytes: int
+    sequence: int = 1
+    keys: float | None = None
+    experts: int = 1
+    fp8: frozenset[MatmulGroup] = frozenset()
+
+    def __post_init__(self):
+        for name in ("tensor", "compute_bytes", "sequence", "experts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LayerRequest.{name} must be >= 1, got {getattr(self, name)}")
+        if self.keys is not None and self.keys <= 0:
+            raise ValueError(f"LayerRequest.keys must be > 0 or None, got {self.keys}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBytes:
+    """Activation bytes per token and layer on one device: ``saved``, what the backward keeps under
+    the request's remat policy; ``working``, one layer's live set while its backward runs (its
+    recomputed activations and their gradients)."""
+
+    saved: float
+    working: float
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyCosts(abc.ABC):
+    """A family's cost formulas for one model config ``cfg`` (``ModelFamily.costs(cfg)``): training
+    FLOPs per token (MFU, the planner's roofline) and the planner's per-token sizes. A family
+    subclasses it (``models/<family>/costs.py``) and implements the three abstract queries; the
+    defaults describe a family without experts whose attention width the planner bounds."""
+
+    cfg: Any
+
+    @abc.abstractmethod
+    def flops_per_token(self) -> float:
+        """Training (forward + backward) FLOPs per token."""
+
+    @abc.abstractmethod
+    def recompute_flops_per_token(self, remat: RematPolicy) -> float:
+        """Extra forward FLOPs per token that ``remat`` recomputes in the backward."""
+
+    @abc.abstractmethod
+    def layer_bytes(self, request: LayerRequest) -> LayerBytes:
+        """One stacked layer's activation bytes per token on one device (``LayerRequest``)."""
+
+    def exchange_bytes(self, experts: int, compute_bytes: int) -> float:
+        """Bytes per token and layer one exchange of expert parallelism over ``experts`` ranks sends from
+        a device (the token rows bound for the experts); 0 for a family without experts."""
+        del experts, compute_bytes
+        return 0.0
+
+    def key_value_width(self, tensor: int) -> float:
+        """Elements per token of the keys and values one layer's attention hands the kernel on one
+        device of a ``tensor``-way split (what context parallelism's all-gather scheme gathers); by
+        default bounded by ``2 * embed_dim``."""
+        del tensor
+        return 2 * self.cfg.embed_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelFamily:
     """One registry entry: everything the framework needs to know about a family.
 
@@ -298,25 +375,8 @@ class ModelFamily:
       config_class: the family's config dataclass (the ``model`` section, less ``family``/``plugin``).
       model_class: ``model_class(cfg, rngs=nnx.Rngs)`` builds a ``DecoderModel``.
       axis_roles: the family's logical axes beyond ``FRAMEWORK_AXES`` and the role of each.
-      flops_per_token: training (forward + backward) FLOPs per token, for MFU.
-      recompute_flops_per_token: extra forward FLOPs per token that a remat policy recomputes.
-      activation_bytes: ``(cfg, tensor, remat, compute_bytes, sequence, keys, experts, fp8) -> (saved, working)``
-        bytes per token and layer on one device: what the backward keeps under ``remat``, and one
-        layer's live set during its backward (for ``meshtrain.plan``). ``sequence``: how many more
-        ways the residual stream's positions are split than the blocks' (sequence parallelism's
-        ``tensor``); ``keys``: the key positions a query's attention scores span at once, on average
-        (None: the whole sequence; under ring attention one ``[block, block]`` tile's over the rank's
-        positions, ``block^2 / (seq_len / ring size)``); ``experts``: how many ways expert
-        parallelism splits the experts of role EXPERT over the devices holding the tokens (1: none);
-        ``fp8``: the ``MatmulGroup``s whose matmuls run in FP8 (``train.precision: fp8``; empty
-        otherwise), whose operands the backward may keep as E4M3 copies (1 B).
+      costs: the family's ``FamilyCosts`` subclass; ``costs(cfg)`` answers for one model config.
       hf: the Hugging Face adapter, or None when the family has none.
-      exchange_bytes: ``(cfg, experts, compute_bytes) -> bytes`` per token and layer that one
-        exchange of expert parallelism sends from a device (the token rows bound for the experts),
-        ``experts`` being the EP size; None for a family without experts.
-      key_value_width: ``(cfg, tensor) -> elements`` per token of the keys and values one layer's
-        attention hands the kernel on one device of a ``tensor``-way split (what context
-        parallelism's all-gather scheme gathers); None: the planner bounds them by ``2 * embed_dim``.
       alerts: statistics of ``run_layers`` that should stay 0, each with what to do when one does
         not (the run warns once, in one line, at the first logged step where it is positive).
     """
@@ -325,12 +385,8 @@ class ModelFamily:
     config_class: type
     model_class: Callable[..., DecoderModel]
     axis_roles: Mapping[str, AxisRole]
-    flops_per_token: Callable[[Any], float]
-    recompute_flops_per_token: Callable[[Any, RematPolicy], float]
-    activation_bytes: Callable[..., tuple[float, float]]
+    costs: type[FamilyCosts]
     hf: HFAdapter | None = None
-    exchange_bytes: Callable[[Any, int, int], float] | None = None
-    key_value_width: Callable[[Any, int], float] | None = None
     alerts: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.kernels.attention import AttentionKernel, AttentionSpec, attention_mask
-from models.api import RESIDUAL_AXES, AxisRole, Documents, LayerAux, forward, no_aux, positions_of
+from models.api import RESIDUAL_AXES, AxisRole, Documents, FamilyCosts, LayerAux, forward, no_aux, positions_of
 from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, logical_param, matmul,
                            stacked_layers, unconstrained)
 from models.kernels.fp8 import MatmulGroup
@@ -194,6 +194,15 @@ def score_bytes(cfg: BlockConfig, tensor: int, keys: float | None) -> tuple[floa
     coefficients (docs/memory.md)."""
     scores = cfg.num_heads / tensor * (cfg.seq_len if keys is None else keys) * 4
     return (2 * scores if keys is None else 0.0), 2 * scores
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCosts(FamilyCosts):
+    """The costs the shared blocks fix for any family built of them: the attention's keys and values."""
+
+    def key_value_width(self, tensor: int) -> float:
+        """``kv_heads * head_dim`` keys and as many values per token, the heads split ``tensor`` ways."""
+        return 2 * self.cfg.num_kv_heads * self.cfg.head_dim / tensor
 
 
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
@@ -488,12 +497,6 @@ class Decoder(nnx.Module):
 
         x, (keys, values) = jax.lax.scan(run_layer, x, (layer_state, keys, values))
         return x, keys, values
-
-
-def key_value_width(cfg, tensor: int) -> float:
-    """Elements per token of one layer's keys and values on one device (``ModelFamily.key_value_width``):
-    ``kv_heads * head_dim`` each, the heads split ``tensor`` ways."""
-    return 2 * cfg.num_kv_heads * cfg.head_dim / tensor
 
 
 class DecoderLayer(PreNormLayer):

@@ -43,7 +43,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.api import AUX_LOSS, RESIDUAL_AXES, AxisRole, Documents, LayerAux
-from models.blocks import BLOCK_CHECKPOINT_NAMES, Decoder, PreNormLayer, QKNormAttention, RMSNorm, SwiGLU, normal
+from models.blocks import (BLOCK_CHECKPOINT_NAMES, BlockCosts, Decoder, PreNormLayer, QKNormAttention, RMSNorm, SwiGLU,
+                           normal)
 from models.common import (CHECKPOINT_DOT, ActivationSharding, InvalidField, logical_param, matmul,
                            sign_descent_variable, unconstrained)
 from models.kernels.fp8 import Fp8Weight, MatmulGroup
@@ -107,20 +108,25 @@ class ExpertsConfig(Protocol):
         """Slots per expert in a group of ``group`` tokens under a one-hot dispatch."""
 
 
-def exchange_bytes(cfg: ExpertsConfig, experts: int, compute_bytes: int) -> float:
-    """Bytes per token and layer one exchange sends from a device under expert parallelism of
-    ``experts`` (``ModelFamily.exchange_bytes``), on the GPUs the planner's roofline models: the
-    sorted dispatch's ``top_k`` rows (the ragged exchange sends each peer exactly its rows; XLA:CPU's
-    fixed buffers send ``buffer_factor`` or ``EP`` times that), the one-hot dispatches' ``E * C /
-    group`` expert slots, of embed wide each."""
-    if experts == 1:
-        return 0.0
-    if cfg.dispatch is Dispatch.DROPLESS:
-        rows = cfg.top_k
-    else:
-        group = cfg.group_size or cfg.seq_len
-        rows = cfg.num_experts * cfg.slots(group) / group
-    return rows * cfg.embed_dim * compute_bytes
+@dataclasses.dataclass(frozen=True)
+class ExpertCosts(BlockCosts):
+    """The costs of a family whose layers hold routed experts (``ExpertsConfig``): the exchange."""
+
+    def exchange_bytes(self, experts: int, compute_bytes: int) -> float:
+        """Bytes per token and layer one exchange sends from a device under expert parallelism of
+        ``experts``, on the GPUs the planner's roofline models: the sorted dispatch's ``top_k`` rows
+        (the ragged exchange sends each peer exactly its rows; XLA:CPU's fixed buffers send
+        ``buffer_factor`` or ``EP`` times that), the one-hot dispatches' ``E * C / group`` expert
+        slots, of embed wide each."""
+        cfg = self.cfg
+        if experts == 1:
+            return 0.0
+        if cfg.dispatch is Dispatch.DROPLESS:
+            rows = cfg.top_k
+        else:
+            group = cfg.group_size or cfg.seq_len
+            rows = cfg.num_experts * cfg.slots(group) / group
+        return rows * cfg.embed_dim * compute_bytes
 
 
 def expert_terms(cfg, tensor: int, experts: int, compute_bytes: int) -> tuple[float, float, float, float]:

@@ -17,7 +17,7 @@ import time
 
 from meshtrain.config import load_config
 from meshtrain.plan import parse_bytes
-from meshtrain.plan_search import make_plan, search_presets
+from meshtrain.planner.search import make_plan, search_presets
 
 CONFIGS = ("configs/llama_8b.yaml", "configs/llama_70b.yaml", "configs/mixtral_8x7b.yaml",
            "configs/qwen3_moe_30b_a3b.yaml", "configs/deepseek_v3_671b.yaml")

@@ -4,7 +4,7 @@
 
 Each case is a config and overrides laid out on 8 simulated CPU devices. The real train step is
 compiled ahead of time from abstract shapes (no parameter is allocated, so 8B-70B widths compile
-in seconds) and XLA:CPU's ``memory_analysis()`` is set beside ``meshtrain.memory_model``'s estimate
+in seconds) and XLA:CPU's ``memory_analysis()`` is set beside ``meshtrain.planner.estimate``'s estimate
 of the same layout. ``--write-docs`` replaces the table between the ``plan-accuracy`` markers of
 docs/memory.md. ``tests/test_plan_accuracy.py`` holds a representative few of these cases to 10%.
 """
@@ -116,7 +116,7 @@ def measure(name: str) -> dict:
     import numpy as np
 
     from meshtrain.config import load_config
-    from meshtrain.memory_model import layout_estimate
+    from meshtrain.planner.estimate import layout_estimate
     from meshtrain.mesh import make_mesh
     from meshtrain.trainer import Trainer
 

@@ -22,7 +22,7 @@ from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.errors import ConfigError
 from meshtrain.hlo import collective_counts
 from meshtrain.loss import chunk_length
-from meshtrain.memory_model import LOGITS_FP32_COPIES
+from meshtrain.planner.constants import LOGITS_FP32_COPIES
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.rules import Preset
 from meshtrain.train_config import TrainConfig

@@ -389,7 +389,7 @@ def test_the_traced_step_counts_the_analytic_flops_plus_the_value_padding():
         trainer = make_trainer((1, 1, 1, 1), cfg, batch_size=1, loss_chunk=0)
         count = count_flops(trainer.step, trainer.abstract_state(), trainer.abstract_batch())
         padding = 6 * cfg.seq_len * cfg.num_heads * (cfg.qk_head_dim - cfg.v_head_dim) * cfg.all_layers
-        assert count.flops == (FAMILY.flops_per_token(cfg) + padding) * cfg.seq_len
+        assert count.flops == (FAMILY.costs(cfg).flops_per_token() + padding) * cfg.seq_len
 
 
 # --- config.json as transformers writes it -----------------------------------------------------------

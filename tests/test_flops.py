@@ -53,19 +53,19 @@ def test_scan_bodies_count_once_per_trip():
 
 
 def test_one_device_step_counts_the_analytic_flops_mfu_uses():
-    assert _step_flops((1, 1, 1, 1)) == FAMILY.flops_per_token(MODEL) * TOKENS
+    assert _step_flops((1, 1, 1, 1)) == FAMILY.costs(MODEL).flops_per_token() * TOKENS
 
 
 @pytest.mark.parametrize("remat", [RematPolicy.FULL, RematPolicy.DOTS], ids=lambda r: r.value)
 def test_remat_adds_exactly_the_recomputed_forward(remat):
     model = dataclasses.replace(MODEL, remat=remat)
-    expected = (FAMILY.flops_per_token(model) + FAMILY.recompute_flops_per_token(model, remat)) * TOKENS
+    expected = (FAMILY.costs(model).flops_per_token() + FAMILY.costs(model).recompute_flops_per_token(remat)) * TOKENS
     assert _step_flops((1, 1, 1, 1), model) == expected
 
 
 # Per token: the head's forward (2 x embed x vocab) and the layers' forward (weights and attention).
 HEAD_FORWARD = 2 * MODEL.embed_dim * MODEL.vocab_size
-LAYERS_FORWARD = FAMILY.flops_per_token(MODEL) / 3 - HEAD_FORWARD
+LAYERS_FORWARD = FAMILY.costs(MODEL).flops_per_token() / 3 - HEAD_FORWARD
 # The layers' weight matmuls alone (2 FLOPs per weight and token): the weight-gradient half of the
 # backward repeats them once; the input-gradient half repeats them and the attention dots twice.
 LAYER_WEIGHTS_FORWARD = 2 * sum(math.prod(v.get_value().shape) for path, v in
@@ -94,5 +94,5 @@ def test_pipeline_schedules_do_only_the_work_their_table_implies(pipeline):
     per_device = _step_flops((1, 1, 1, STAGES), pipeline=pipeline)
     table, costs = pipeline.schedule_table(STAGES), _op_costs()
     assert per_device == pytest.approx(table.time(costs), rel=1e-9)
-    single = FAMILY.flops_per_token(MODEL) * TOKENS
+    single = FAMILY.costs(MODEL).flops_per_token() * TOKENS
     assert per_device == pytest.approx(single / STAGES / (1 - table.bubble(costs)), rel=0.05)

@@ -27,15 +27,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("meshtrain.loss",),
     # One file per parallelism concern (a pipeline's head runs the objective); the data pipeline.
     ("meshtrain.parallel", "meshtrain.data"),
-    # What is built from a layout: the step, checkpoints, HF files, evaluation, the memory model,
+    # What is built from a layout: the step, checkpoints, HF files, evaluation, the planner's estimate,
     # sampling with the KV cache, the XLA flags (combine thresholds from a layout's layer bytes).
-    ("meshtrain.trainer", "meshtrain.checkpoint", "meshtrain.hf", "meshtrain.evaluation", "meshtrain.memory_model",
-     "meshtrain.param_terms", "meshtrain.sampling", "meshtrain.xla_flags", "meshtrain.peft",
+    ("meshtrain.trainer", "meshtrain.checkpoint", "meshtrain.hf", "meshtrain.evaluation", "meshtrain.planner",
+     "meshtrain.sampling", "meshtrain.xla_flags", "meshtrain.peft",
      "meshtrain.harness"),  # lm-eval's LM on a model; evaluation imports it only when eval.harness asks
     # The config of every section.
     ("meshtrain.config",),
     # What a run and the tools are made of (gpu_compile: the step compiled for compile-only GPUs).
-    ("meshtrain.loading", "meshtrain.resume", "meshtrain.policies", "meshtrain.benchmark", "meshtrain.plan_search",
+    ("meshtrain.loading", "meshtrain.resume", "meshtrain.policies", "meshtrain.benchmark", "meshtrain.planner.search",
      "meshtrain.gpu_compile"),
     ("meshtrain.loop",),
     # Command-line modules (``python -m ...``): nothing imports them.

@@ -17,7 +17,7 @@ from flax import nnx
 from meshtrain.errors import ConfigError
 from meshtrain.flops import count_flops
 from meshtrain.lora import LoraConfig
-from meshtrain.memory_model import layout_estimate
+from meshtrain.planner.estimate import layout_estimate
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.precision import Precision
 from models.common import matmul

@@ -399,3 +399,47 @@ def test_a_mesh_asked_for_is_always_shown(capsys):
     assert planner.main(tiny) == 0
     rows = _rows_of(capsys.readouterr().out)
     assert [rank for rank, _, _ in rows] == ["1", "2", "3"] and rows[2][1:] == ("(8,1,1,1)", "fits"), rows
+
+
+def test_verify_without_the_gpu_compile_environment_compiles_on_xla_cpu_and_says_so(capsys, monkeypatch):
+    """In .venv (no JAX CUDA plugin) ``--verify`` compiles on XLA:CPU's simulated devices, and its output
+    says so and why; each row is compiled for those devices (``gpus`` None)."""
+    asked = []
+
+    def compiled(config, overrides, est, devices, gpus=None):
+        asked.append((devices, gpus))
+        return {"argument": est.argument_bytes, "output": est.output_bytes, "temp": est.temp_bytes, "seconds": 1.0}
+
+    monkeypatch.setattr(planner, "verify", compiled)
+    assert planner.main(["--config", str(REPO / "configs" / "tiny.yaml"), "--devices", "8", "--device-memory",
+                         "80GB", "--mesh", "1,8,1,1", "--zero", "3", "--remat", "full", "--verify", "1"]) == 0
+    out = capsys.readouterr().out
+    assert asked == [(8, None)]
+    assert "on 8 simulated CPU devices by XLA:CPU" in out and "by XLA:GPU" not in out, out
+    assert "(XLA:CPU, not XLA:GPU: the GPU compile environment is not installed: make setup-gpu-compile" in out
+
+
+def test_verify_reranks_by_xlas_verdict_and_shows_the_peak_beside_the_estimate():
+    """Of two verified rows, the plan's first does not fit by XLA's peak and its second does: the second
+    is listed first (``plan #`` 2), each with the estimate's total beside XLA's peak."""
+    plan = planner.make_plan(load_config(REPO / "configs" / "tiny.yaml"), 8, 80 * GB, meshes=[(1, 8, 1, 1)],
+                             zero_stages=[3], remats=[RematPolicy.FULL, RematPolicy.DOTS])
+    first, second = plan.ranked()[0][:2]
+    measured = [{"argument": 1e9, "output": 1e9, "temp": 1e9, "peak": 90e9, "seconds": 1.0},
+                {"argument": 1e9, "output": 1e9, "temp": 1e9, "peak": 3e9, "seconds": 1.0}]
+    text = planner.format_verify([(first, measured[0]), (second, measured[1])], 8, 80 * GB)
+    rows = [line.split() for line in text.splitlines() if re.match(r"[12]  [12] ", line)]
+    assert [(row[0], row[1], row[-1]) for row in rows] == [("1", "2", "fits"), ("2", "1", "GB")], text
+    assert f"{planner._gb(second.total)} / 3 (" in text and "does not fit: XLA needs 90 GB" in text
+
+
+def test_every_fitted_constant_says_where_it_was_measured():
+    """The planner's one table of constants: each fitted one has its row (compiler, jaxlib, date) in
+    ``MEASURED``, and each row names a constant of the table."""
+    from meshtrain.planner import constants
+
+    sizes = {"FP32", "BATCH_BYTES_PER_TOKEN", "STATE_SCALAR_BYTES", "MEASURED"}
+    fitted = {name for name in vars(constants) if name.isupper() and not name.startswith("_")} - sizes
+    assert fitted == set(constants.MEASURED) and len(fitted) == 6, fitted
+    assert {(m.compiler, m.jaxlib) for m in constants.MEASURED.values()} == {("XLA:CPU", "0.10.2")}
+    assert all(re.fullmatch(r"2026-1[12]-\d\d", m.date) for m in constants.MEASURED.values())

@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from meshtrain import plan as planner
-from meshtrain import plan_search
 from meshtrain.config import load_config
-from meshtrain.memory_model import Hardware
+from meshtrain.planner import search as plan_search
+from meshtrain.planner.roofline import Hardware
 from models.common import RematPolicy
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -9,9 +9,10 @@ import pathlib
 import pytest
 
 from meshtrain import plan as planner
-from meshtrain import plan_search
 from meshtrain.config import load_config
-from meshtrain.memory_model import Candidate, Hardware
+from meshtrain.planner import search as plan_search
+from meshtrain.planner.estimate import Candidate
+from meshtrain.planner.roofline import Hardware
 from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.sharding import ring_axis
 from models.common import RematPolicy

@@ -30,10 +30,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.kernels.attention import AttentionKernel, AttentionSpec
-from models.api import AUX_LOSS, AxisRole, Documents, ModelFamily, positions_of, register
+from models.api import (AUX_LOSS, AxisRole, Documents, FamilyCosts, LayerBytes, LayerRequest, ModelFamily,
+                        positions_of, register)
 from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
                            palm_train_flops_per_token, stacked_layers, unconstrained)
-from models.kernels.fp8 import MatmulGroup
 
 BLE = ("batch", "length", "embed")
 
@@ -143,30 +143,30 @@ class ToyGPT(nnx.Module):
         return shard(_layer_norm(x, self.final_norm[...]) @ self.head[...], ("batch", "length", "vocab"))
 
 
-def flops_per_token(cfg: ToyGPTConfig) -> float:
-    return palm_train_flops_per_token(matmul_params=cfg.matmul_params, num_layers=cfg.num_layers,
-                                      seq_len=cfg.seq_len, attention_dim=cfg.num_heads * cfg.head_dim)
+@dataclasses.dataclass(frozen=True)
+class ToyCosts(FamilyCosts):
+    """The toy family's costs (the planner bounds its keys' and values' width: ``FamilyCosts``' default)."""
 
+    def flops_per_token(self) -> float:
+        cfg = self.cfg
+        return palm_train_flops_per_token(matmul_params=cfg.matmul_params, num_layers=cfg.num_layers,
+                                          seq_len=cfg.seq_len, attention_dim=cfg.num_heads * cfg.head_dim)
 
-def recompute_flops_per_token(cfg: ToyGPTConfig, remat: RematPolicy) -> float:
-    forward = (flops_per_token(cfg) - 2 * cfg.embed_dim * cfg.vocab_size * 3) / 3
-    return forward if remat is RematPolicy.FULL else 0.0
+    def recompute_flops_per_token(self, remat: RematPolicy) -> float:
+        forward = (self.flops_per_token() - 2 * self.cfg.embed_dim * self.cfg.vocab_size * 3) / 3
+        return forward if remat is RematPolicy.FULL else 0.0
 
-
-def activation_bytes(cfg: ToyGPTConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
-                     sequence: int = 1, keys: float | None = None, experts: int = 1,
-                     fp8: frozenset[MatmulGroup] = frozenset()) -> tuple[float, float]:
-    # Its residual stream runs along `length`: sequence parallelism does not split it; FP8 copies not counted.
-    del sequence, experts, fp8
-    d, a, f = cfg.embed_dim, cfg.num_heads * cfg.head_dim / tensor, cfg.mlp_dim / tensor
-    scores = cfg.num_heads / tensor * (keys or cfg.seq_len) * 4
-    everything = (6 * d + 4 * a + 2 * f) * compute_bytes + 2 * scores
-    return (d * compute_bytes if remat is RematPolicy.FULL else everything), everything + 2 * f * compute_bytes
+    def layer_bytes(self, request: LayerRequest) -> LayerBytes:
+        # Its residual stream runs along `length`: sequence parallelism does not split it; FP8 copies not counted.
+        cfg, tensor, c = self.cfg, request.tensor, request.compute_bytes
+        d, a, f = cfg.embed_dim, cfg.num_heads * cfg.head_dim / tensor, cfg.mlp_dim / tensor
+        scores = cfg.num_heads / tensor * (request.keys or cfg.seq_len) * 4
+        everything = (6 * d + 4 * a + 2 * f) * c + 2 * scores
+        return LayerBytes(d * c if request.remat is RematPolicy.FULL else everything, everything + 2 * f * c)
 
 
 FAMILY = register(ModelFamily(
     name="toy_gpt", config_class=ToyGPTConfig, model_class=ToyGPT,
     axis_roles={"positions": AxisRole.REPLICATED, "qkv": AxisRole.REPLICATED, "heads": AxisRole.TENSOR,
                 "head_dim": AxisRole.REPLICATED, "mlp": AxisRole.TENSOR},
-    flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops_per_token,
-    activation_bytes=activation_bytes))
+    costs=ToyCosts))

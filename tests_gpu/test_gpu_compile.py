@@ -97,10 +97,10 @@ def test_fsdp_8b_cudnn_async_gathers_combined_scatters_and_flops():
         per_layer = census.custom_calls[FMHA_BACKWARD]  # one backward attention per layer in the body
         assert census.collectives["reduce-scatter"] / per_layer < 9, census.collectives
     cfg = load_config(LLAMA_8B[0], [*LLAMA_8B[1:], "model.num_layers=4", "mesh.fsdp=8"])
-    family, model = family_of(cfg.model), cfg.model
+    costs, model = family_of(cfg.model).costs(cfg.model), cfg.model
     tokens = cfg.train.batch_size * model.seq_len / 8
     attention = 12 * model.num_layers * model.num_heads * model.head_dim * model.seq_len  # PaLM: full matrix
-    causal = family.flops_per_token(model) - attention / 2 + family.recompute_flops_per_token(model, model.remat)
+    causal = costs.flops_per_token() - attention / 2 + costs.recompute_flops_per_token(model.remat)
     recompute_attention = 2 * model.num_layers * model.num_heads * model.head_dim * model.seq_len
     head_recompute = 2 * model.vocab_size * model.embed_dim
     expected = tokens * (causal - recompute_attention / 2 + head_recompute)

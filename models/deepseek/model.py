@@ -41,16 +41,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.kernels.attention import AttentionSpec
-from models.blocks import AttentionKernel, RopeScalingConfig, rotary_tables, score_bytes
-from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, palm_train_flops_per_token,
-                           stacked_layers, unconstrained)
+from models.blocks import AttentionKernel, RopeScalingConfig, rotary_tables
+from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, stacked_layers, unconstrained)
 from models.deepseek.attention import LatentAttention
 from models.deepseek.mtp import PredictionDepth, predict_ahead
-from models.kernels.fp8 import MatmulGroup
 from models.kernels.grouped_matmul import GroupedKernel, GroupedSpec
 from models.blocks import DecoderLayer
 from models.experts import CHECKPOINT_NAMES as EXPERT_CHECKPOINT_NAMES
-from models.experts import Dispatch, ExpertsDecoder, MoELayer, RouterScore, check_routing_groups, expert_terms
+from models.experts import Dispatch, ExpertsDecoder, MoELayer, RouterScore, check_routing_groups
 
 CHECKPOINT_NAMES = EXPERT_CHECKPOINT_NAMES
 # The leading axis of the dense layers' stack (kept whole: the pipeline splits ``layers`` only).
@@ -229,64 +227,6 @@ class DeepSeekConfig:
     def all_layers(self) -> int:
         """Layers a token's loss passes through: dense, sparse and one per prediction depth."""
         return self.num_dense_layers + self.num_layers + self.mtp_layers
-
-
-def flops_per_token(cfg: DeepSeekConfig) -> float:
-    """Training FLOPs per token (PaLM convention) of the active parameters, the prediction depths
-    included; the attention term with ``attention_dim`` = heads * (qk + v) / 2."""
-    return palm_train_flops_per_token(matmul_params=cfg.active_matmul_params, num_layers=cfg.all_layers,
-                                      seq_len=cfg.seq_len, attention_dim=cfg.attention_dim)
-
-
-def recompute_flops_per_token(cfg: DeepSeekConfig, remat: RematPolicy) -> float:
-    """Forward FLOPs per token the backward recomputes: DOTS the attention matmuls, FULL every
-    layer's forward (NAMED and OFFLOAD count 0, an underestimate)."""
-    attention_forward = 4 * cfg.all_layers * cfg.seq_len * cfg.attention_dim
-    layer_matmul = cfg.active_matmul_params - (1 + cfg.mtp_layers) * cfg.embed_dim * cfg.vocab_size
-    return {RematPolicy.DOTS: attention_forward,
-            RematPolicy.FULL: 2 * layer_matmul + attention_forward}.get(remat, 0.0)
-
-
-def key_value_width(cfg: DeepSeekConfig, tensor: int) -> float:
-    """Elements per token of one layer's keys and values on one device (``ModelFamily.key_value_width``):
-    MLA hands the kernel per-head keys (``qk_head_dim``) and values (``v_head_dim``) expanded from the
-    latent, the heads split ``tensor`` ways."""
-    return cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) / tensor
-
-
-def activation_bytes(cfg: DeepSeekConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
-                     sequence: int = 1, keys: float | None = None, experts: int = 1,
-                     fp8: frozenset[MatmulGroup] = frozenset()) -> tuple[float, float]:
-    """(saved, working) activation bytes per token and stacked (mixture-of-experts) layer on one
-    device (``ModelFamily.activation_bytes``). As the MoE family's, with MLA's attention: the
-    per-head queries, keys and (padded) values at width ``w = max(qk, v)``, the latents
-    (``q_lora_rank + kv_lora_rank + rope``, never split) and the shared experts. The saved bytes of
-    the dense layers and the prediction depths, which the planner does not count as layers, are
-    spread over the stacked ones (x ``all_layers / num_layers``), each as if it were an MoE layer
-    (an estimate: under a pipeline they sit on the first and last stage). A stack of one layer (one
-    prediction depth, one dense layer) keeps ``none``'s values whatever the policy, as measured
-    (DeepSeek-V3's 8 layers, ``full``: 134.5 GB of temp with one prediction depth, 126.5 GB with
-    two, 104.3 GB with none); XLA:CPU removes a scan's loop of one trip, and a ``prevent_cse=True``
-    checkpoint there does not change it (docs/memory.md). FP8's E4M3 copies (``fp8``) are not counted,
-    as the MoE family's."""
-    del fp8
-    d = cfg.embed_dim / sequence
-    width = max(cfg.qk_head_dim, cfg.v_head_dim)
-    q = cfg.num_heads * width / tensor
-    latent = cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    g = cfg.shared_mlp_dim / tensor
-    none, dots, held, router = expert_terms(cfg, tensor, experts, compute_bytes)
-    saved_scores, working_scores = score_bytes(cfg, tensor, keys)
-    c = compute_bytes
-    attention = (6 * d + 3 * q + 6 * q + 2 * latent) * c
-    everything = attention + saved_scores + (none + 6 * g) * c + router
-    working = attention + working_scores + (held + 2 * g) * c + router
-    saved = {RematPolicy.NONE: everything,
-             RematPolicy.DOTS: (3 * d + 3 * q + latent + dots + 2 * g) * c,
-             RematPolicy.FULL: d * c}.get(remat, everything)
-    stacks = (cfg.num_dense_layers, cfg.num_layers, cfg.mtp_layers)
-    kept = sum(n * (everything if n == 1 else saved) for n in stacks)
-    return kept / cfg.num_layers, working
 
 
 class DenseLayer(DecoderLayer):

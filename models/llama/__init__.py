@@ -1,15 +1,14 @@
 """The Llama family (Llama 2/3, Mistral shapes): the model, its Hugging Face adapter, its registry entry."""
 
 from models.api import ModelFamily, register
-from models.blocks import BLOCK_AXIS_ROLES, key_value_width
+from models.blocks import BLOCK_AXIS_ROLES
+from models.llama.costs import LlamaCosts
 from models.llama.hf import LlamaHF
-from models.llama.model import (CHECKPOINT_NAMES, Llama, LlamaConfig, activation_bytes, flops_per_token,
-                                recompute_flops_per_token)
+from models.llama.model import CHECKPOINT_NAMES, Llama, LlamaConfig
 
 FAMILY = register(ModelFamily(
     name="llama", config_class=LlamaConfig, model_class=Llama,
     axis_roles=BLOCK_AXIS_ROLES,
-    flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops_per_token,
-    activation_bytes=activation_bytes, hf=LlamaHF(), key_value_width=key_value_width))
+    costs=LlamaCosts, hf=LlamaHF()))
 
 __all__ = ["CHECKPOINT_NAMES", "FAMILY", "Llama", "LlamaConfig"]

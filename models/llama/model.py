@@ -17,9 +17,10 @@ stacked and run with ``lax.scan`` so compile time does not grow with depth):
     head           [embed, vocab]   (absent when ``tie_embeddings``: the embedding is reused)
 
 The attention, norms, rotary embeddings, MLP and the decoder around the layers are the shared
-blocks of ``models/blocks.py``; this module holds the config, the layer that combines them and the
-FLOPs and activation-memory formulas. Compute runs in the dtype of the parameters handed in (the
-trainer casts fp32 master weights to bf16/fp16); norms, rotary embeddings and the softmax run in fp32.
+blocks of ``models/blocks.py``; this module holds the config and the layer that combines them
+(its FLOPs and activation-memory formulas: ``models/llama/costs.py``). Compute runs in the dtype of
+the parameters handed in (the trainer casts fp32 master weights to bf16/fp16); norms, rotary
+embeddings and the softmax run in fp32.
 
 Generation uses ``Llama.cached_forward`` with a ``blocks.KVCache`` (``init_cache``): keys and values
 of earlier positions are kept per layer, so each new token costs one position's compute.
@@ -32,9 +33,8 @@ import dataclasses
 
 from models.kernels.attention import AttentionSpec
 from models.blocks import (BLOCK_CHECKPOINT_NAMES, AttentionKernel, Decoder, DecoderLayer, RopeScalingConfig,
-                           check_attention_fields, score_bytes)
-from models.common import InvalidField, RematPolicy, coerce_enums, palm_train_flops_per_token
-from models.kernels.fp8 import MatmulGroup
+                           check_attention_fields)
+from models.common import InvalidField, RematPolicy, coerce_enums
 
 # Activations a NAMED remat policy may keep: the blocks' (tagged with ``checkpoint_name``).
 CHECKPOINT_NAMES = BLOCK_CHECKPOINT_NAMES
@@ -107,69 +107,6 @@ class LlamaConfig:
         """Parameters that take part in matmuls: all but the input-embedding gather and norms."""
         per_layer = self.layer_params - self.layer_norm_params
         return self.num_layers * per_layer + self.embed_dim * self.vocab_size
-
-
-
-def flops_per_token(cfg: LlamaConfig) -> float:
-    """Training FLOPs per token (PaLM convention, ``models.common.palm_train_flops_per_token``)."""
-    return palm_train_flops_per_token(matmul_params=cfg.matmul_params, num_layers=cfg.num_layers,
-                                      seq_len=cfg.seq_len, attention_dim=cfg.attention_dim)
-
-
-def recompute_flops_per_token(cfg: LlamaConfig, remat: RematPolicy) -> float:
-    """Forward FLOPs per token the backward recomputes: DOTS recomputes the attention matmuls,
-    FULL every layer's forward but the MLP's down projection (its output, the layer's last, is not
-    needed by the backward, and XLA drops it). Both equal the count of the traced step
-    (``meshtrain.flops``, tests/test_flops.py). NAMED and OFFLOAD count 0, an underestimate: they
-    recompute whatever their names do not keep (with the default names, the q/k/v, gate/up and
-    output projections and the attention scores)."""
-    attention_forward = 4 * cfg.num_layers * cfg.seq_len * cfg.attention_dim
-    layer_matmul = cfg.num_layers * (cfg.layer_params - cfg.layer_norm_params)
-    down_projection = cfg.num_layers * cfg.mlp_dim * cfg.embed_dim
-    return {RematPolicy.DOTS: attention_forward,
-            RematPolicy.FULL: 2 * (layer_matmul - down_projection) + attention_forward}.get(remat, 0.0)
-
-
-def activation_bytes(cfg: LlamaConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
-                     sequence: int = 1, keys: float | None = None, experts: int = 1,
-                     fp8: frozenset[MatmulGroup] = frozenset()) -> tuple[float, float]:
-    """(saved, working) activation bytes per token and layer on one device.
-
-    ``saved``: what the backward pass keeps per layer under ``remat``; ``working``: the live set of
-    one layer while its backward runs (its recomputed activations and their gradients). Counts in
-    vectors per token: d = embed / sequence (the residual stream, split ``sequence`` ways by sequence
-    parallelism), q = heads*head_dim/tensor, k = kv_heads*head_dim/tensor, f = mlp/tensor in the
-    compute dtype, s = heads/tensor * keys attention scores in fp32 (``keys``: the key positions a
-    query's scores span at once, on average: the whole sequence, or under ring attention one tile's
-    block^2 over the rank's positions). A dense model has no experts to split (``experts`` unused).
-    Under FP8 (``fp8``: the groups whose matmuls run in FP8) ``none`` keeps the two values only an
-    FP8 matmul reads, the attention's output (the output projection's input) and the hidden (the down
-    projection's), as their E4M3 copies, 1 B each (XLA:CPU, 8B with ``remat=none``: 3.63 GB less
-    temp than bf16's, 3 B x (q + f) per token and layer).
-    """
-    del experts
-    d = cfg.embed_dim / sequence
-    q = cfg.num_heads * cfg.head_dim / tensor
-    k = cfg.num_kv_heads * cfg.head_dim / tensor
-    f = cfg.mlp_dim / tensor
-    saved_scores, working_scores = score_bytes(cfg, tensor, keys)
-    c = compute_bytes
-    # ``none`` keeps what XLA:CPU's stash of the 8B step holds per token and layer (its buffer
-    # assignment, 32.7 GB): six residual-wide values, three query-wide (two [heads, head_dim] values
-    # and the attention kernel's output), two key-wide (keys, values), and six MLP-wide: gate, up,
-    # sigmoid(gate), its derivative sigmoid(gate)(1 - sigmoid(gate)), silu(gate) and the hidden
-    # silu(gate) * up (autodiff's residuals of SwiGLU).
-    attention_output = 1 if MatmulGroup.ATTENTION in fp8 else c
-    hidden = 1 if MatmulGroup.MLP in fp8 else c
-    everything = (6 * d + 2 * q + 2 * k + 5 * f) * c + q * attention_output + f * hidden + saved_scores
-    # The backward of the MLP holds the gradients of gate, up, silu and hidden besides them.
-    working = (8 * d + 3 * q + 3 * k + 8 * f) * c + working_scores
-    saved = {RematPolicy.NONE: everything,
-             # the input, q/k/v, the attention's output projection, gate/up (the down projection's output
-             # is the next layer's input, kept as that)
-             RematPolicy.DOTS: (2 * d + q + 2 * k + 2 * f) * c,
-             RematPolicy.FULL: d * c}.get(remat, everything)
-    return saved, working
 
 
 

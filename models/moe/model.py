@@ -30,12 +30,10 @@ import dataclasses
 import math
 
 
-from models.blocks import AttentionKernel, RopeScalingConfig, check_attention_fields, score_bytes
-from models.common import (InvalidField, RematPolicy, coerce_enums, palm_train_flops_per_token)
-from models.experts import (CHECKPOINT_NAMES, Dispatch, ExpertsDecoder, MoELayer, RouterScore, check_routing_groups,
-                            expert_terms)
+from models.blocks import AttentionKernel, RopeScalingConfig, check_attention_fields
+from models.common import (InvalidField, RematPolicy, coerce_enums)
+from models.experts import (CHECKPOINT_NAMES, Dispatch, ExpertsDecoder, MoELayer, RouterScore, check_routing_groups)
 from models.kernels.attention import AttentionSpec
-from models.kernels.fp8 import MatmulGroup
 from models.kernels.grouped_matmul import GroupedKernel, GroupedSpec
 
 
@@ -167,48 +165,6 @@ class MoEConfig:
         experts and the head (no input embedding, no norms)."""
         norms = 2 * self.embed_dim + (2 * self.head_dim if self.qk_norm else 0)
         return self.num_layers * (self._layer_params(self.top_k) - norms) + self.embed_dim * self.vocab_size
-
-
-def flops_per_token(cfg: MoEConfig) -> float:
-    """Training FLOPs per token of the *active* parameters (PaLM convention with N = the matmul
-    weights a token passes through: ``top_k`` experts, not all; dispatch einsums not counted)."""
-    return palm_train_flops_per_token(matmul_params=cfg.active_matmul_params, num_layers=cfg.num_layers,
-                                      seq_len=cfg.seq_len, attention_dim=cfg.attention_dim)
-
-
-def recompute_flops_per_token(cfg: MoEConfig, remat: RematPolicy) -> float:
-    """Forward FLOPs per token the backward recomputes (as Llama's, with the active layer matmuls)."""
-    attention_forward = 4 * cfg.num_layers * cfg.seq_len * cfg.attention_dim
-    layer_matmul = cfg.active_matmul_params - cfg.embed_dim * cfg.vocab_size
-    return {RematPolicy.DOTS: attention_forward,
-            RematPolicy.FULL: 2 * layer_matmul + attention_forward}.get(remat, 0.0)
-
-
-def activation_bytes(cfg: MoEConfig, tensor: int, remat: RematPolicy, compute_bytes: int,
-                     sequence: int = 1, keys: float | None = None, experts: int = 1,
-                     fp8: frozenset[MatmulGroup] = frozenset()) -> tuple[float, float]:
-    """(saved, working) activation bytes per token and layer on one device (``ModelFamily``).
-
-    Attention as Llama's (``keys`` too); the shared experts' ``g = shared_mlp / tensor`` (``none``
-    keeps 6 g, ``dots`` 2 g, one layer's backward holds 2 g); the router's fp32 values; and the
-    experts' dispatch, ``_sorted_terms`` or ``_one_hot_terms``. FP8's E4M3 copies (``fp8``) are not
-    counted: what ``none`` keeps is counted wide, an overestimate under FP8 (measured for Llama's
-    layers only: ``models.llama.model.activation_bytes``)."""
-    del fp8
-    d = cfg.embed_dim / sequence
-    q = cfg.num_heads * cfg.head_dim / tensor
-    k = cfg.num_kv_heads * cfg.head_dim / tensor
-    g = cfg.shared_mlp_dim / tensor
-    none, dots, held, router = expert_terms(cfg, tensor, experts, compute_bytes)
-    saved_scores, working_scores = score_bytes(cfg, tensor, keys)
-    c = compute_bytes
-    attention = (6 * d + 3 * q + 3 * k) * c
-    everything = attention + saved_scores + (none + 6 * g) * c + router
-    working = attention + working_scores + (held + 2 * g) * c + router
-    saved = {RematPolicy.NONE: everything,
-             RematPolicy.DOTS: (3 * d + q + 2 * k + dots + 2 * g) * c,
-             RematPolicy.FULL: d * c}.get(remat, everything)
-    return saved, working
 
 
 class MoE(ExpertsDecoder):

@@ -7,7 +7,7 @@ of ``LONG_SEQUENCE`` positions or more) x ZeRO stage 0-3 x remat policy x pipeli
 1F1B, interleaved 1F1B over 2 virtual stages, ZB-H1) and microbatches (when ``stage`` > 1) [x
 optimizer offload, when host memory is given] [x gradient accumulation, while a layout is too big for
 its activations], and estimates each one's per-device memory and step time analytically
-(``meshtrain.memory_model``, docs/memory.md); ``Plan`` ranks them.
+(``meshtrain.planner.estimate``, docs/memory.md); ``Plan`` ranks them.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from collections.abc import Callable
 
 from meshtrain.config import Config
 from meshtrain.errors import ConfigError
-from meshtrain.memory_model import ACTIVATION_COEFFICIENTS, TEMP_MARGIN, Candidate, Estimate, Hardware, estimate
-from meshtrain.param_terms import SpecTables, spec_tables
 from meshtrain.mesh import MESH_AXES
 from meshtrain.parallel.layout import Layout, abstract_model
 from meshtrain.parallel.offload import OffloadConfig
@@ -29,6 +27,10 @@ from meshtrain.parallel.pipeline import Schedule
 from meshtrain.parallel.rules import Preset, ShardingRules, mesh_axes_of
 from meshtrain.parallel.sharding import data_parallel_size
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
+from meshtrain.planner.cache import Cache
+from meshtrain.planner.constants import ACTIVATION_COEFFICIENTS, TEMP_MARGIN
+from meshtrain.planner.estimate import Candidate, Estimate, estimate
+from meshtrain.planner.roofline import Hardware
 from models.api import family_of
 from models.common import RematPolicy
 
@@ -210,8 +212,8 @@ def _splits(rules: ShardingRules, mesh: dict[str, int]) -> tuple:
 @dataclasses.dataclass
 class _Search:
     """What ``make_plan`` keeps across the meshes and presets of one search: the candidates' fixed
-    choices, the estimates so far, and the caches ``estimate`` reads (per preset: the parameters'
-    specs and what depends on the mesh and the ZeRO stage alone)."""
+    choices, the estimates so far, and the search's cache (``meshtrain.planner.cache``: the completed
+    rules per preset and pipelining, and what ``estimate`` computes once)."""
 
     cfg: Config
     abstract_params: object
@@ -225,9 +227,7 @@ class _Search:
     search_accumulation: bool
     progress: Callable[[int], None] | None
     estimates: list[Estimate] = dataclasses.field(default_factory=list)
-    tables: dict[tuple, SpecTables] = dataclasses.field(default_factory=dict)  # (preset, pipelined, ZeRO stage)
-    memos: dict = dataclasses.field(default_factory=dict)  # preset -> ``estimate``'s memo
-    rules: dict[tuple, ShardingRules] = dataclasses.field(default_factory=dict)  # (preset, pipelined) -> completed
+    cache: Cache = dataclasses.field(default_factory=Cache)
 
     def add(self, est: Estimate) -> None:
         self.estimates.append(est)
@@ -255,11 +255,10 @@ class _Search:
         if stage > 1:
             micros = [m for m in (stage, 2 * stage, 4 * stage, 8 * stage) if rows and rows % m == 0] or micros
         pipelines = _schedules(cfg, stage, self.schedules) if stage > 1 else [(None, 1)]
-        memo = self.memos.setdefault(preset, {})
         for zero, remat, micro, offload, (schedule, virtual) in itertools.product(zeros, self.remats, micros,
                                                                                    self.offloads, pipelines):
             first = self.estimate(Candidate(data, fsdp, tensor, stage, zero, remat, micro, offload,
-                                            cfg.train.grad_accum, schedule, virtual, preset), rules, memo)
+                                            cfg.train.grad_accum, schedule, virtual, preset), rules)
             self.add(first)
             if self.search_accumulation and not first.reasons and first.total > self.device_memory:
                 # Too big for its activations' sake: the same step in more accumulation steps.
@@ -267,16 +266,16 @@ class _Search:
                 while _accumulation_divides(cfg.train.batch_size, dp, accum, micro, stage):
                     doublings.append(accum)
                     accum *= 2
-                self.accumulate(first, doublings, rules, memo)
+                self.accumulate(first, doublings, rules)
 
-    def accumulate(self, first: Estimate, doublings: list[int], rules: ShardingRules, memo: dict) -> None:
+    def accumulate(self, first: Estimate, doublings: list[int], rules: ShardingRules) -> None:
         """The layout ``first``, too big, in the fewest of ``doublings`` accumulation steps (the global
         batch kept) that fits, found by bisection: the bytes fall as the accumulation grows (the
         activations of fewer rows at a time), past the accumulator that a second step adds. The
         doublings tried are listed (those too big among them too); none when twice ``first``'s
         steps need no less memory (the state, not the activations, is too big)."""
         def at(steps: int) -> Estimate:
-            return self.estimate(dataclasses.replace(first.candidate, grad_accum=steps), rules, memo)
+            return self.estimate(dataclasses.replace(first.candidate, grad_accum=steps), rules)
 
         if not doublings:
             return
@@ -302,20 +301,17 @@ class _Search:
                 self.add(est)
         self.add(fitting)
 
-    def estimate(self, candidate: Candidate, rules: ShardingRules, memo: dict) -> Estimate:
-        """``estimate`` of ``candidate`` laid out by ``rules``, with the search's caches."""
-        preset, pipelined, zero = candidate.preset, candidate.stage > 1, candidate.zero
+    def estimate(self, candidate: Candidate, rules: ShardingRules) -> Estimate:
+        """``estimate`` of ``candidate`` laid out by ``rules``, with the search's cache."""
         layout = candidate_layout(self.cfg, candidate, rules, self.abstract_params)
         # The family-completed rules depend on the preset and on whether there is a pipeline only:
         # filled in like ``Layout.of`` fills the graphdef (a fifth of the search's time).
-        if (preset, pipelined) in self.rules:
-            layout.__dict__["rules"] = self.rules[(preset, pipelined)]
-        else:
-            self.rules[(preset, pipelined)] = layout.rules
-        if (preset, pipelined, zero) not in self.tables:
-            self.tables[(preset, pipelined, zero)] = spec_tables(layout)
-        return estimate(layout, candidate, compute_bytes=self.compute_bytes, hw=self.hardware,
-                        specs=self.tables[(preset, pipelined, zero)], memo=memo)
+        layout.__dict__["rules"] = self.cache.get(_completed_rules, (candidate.preset, candidate.stage > 1), layout)
+        return estimate(layout, candidate, compute_bytes=self.compute_bytes, hw=self.hardware, cache=self.cache)
+
+
+def _completed_rules(layout: Layout) -> ShardingRules:
+    return layout.rules
 
 
 def _accumulation_divides(batch_size: int, dp: int, accum: int, microbatches: int, stages: int) -> bool:

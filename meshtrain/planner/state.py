@@ -1,6 +1,7 @@
-"""A layout's parameters as the memory model reads them (``meshtrain.memory_model``): the specs of
-each parameter at rest, under the ZeRO stage and in compute (``spec_tables``), summed per device by
-role (``ParamTerms``: stored state, the stacked layers' compute copy, gathers and gradients, the
+"""The held state and the parameters' terms: what a layout's parameters, gradients and optimizer
+moments take per device as the ZeRO stage stores them (``held_state``), read from the specs of each
+parameter at rest, under the ZeRO stage and in compute (``spec_tables``), summed per device by role
+(``ParamTerms``: stored state, the stacked layers' compute copy, gathers and gradients, the
 vocabulary's lookup and projection, the bytes each collective moves)."""
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ import math
 
 from flax import nnx
 
+from meshtrain.lora import LoraTraining
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.rules import mesh_axes_of
 from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
+from meshtrain.planner.constants import BATCH_BYTES_PER_TOKEN, FP32, HELD
 from models.api import LAYERS_KEY, AxisRole
 from models.common import MATMUL_GROUP, logical_axes_of
 
@@ -20,10 +23,10 @@ SpecTables = tuple[dict, ...]
 
 
 def spec_tables(layout: Layout) -> SpecTables:
-    """Per parameter path, the specs ``estimate`` reads: at rest under the rules, the ZeRO stage's
+    """Per parameter path, the specs the estimate reads: at rest under the rules, the ZeRO stage's
     params, grads and optimizer moments, and the compute layout. They depend on the rules, the ZeRO
-    stage and whether there is a pipeline only, so a planner computes them once for all candidates
-    that share those (``make_plan``)."""
+    stage and whether there is a pipeline only, so a search computes them once for all candidates
+    that share those (``meshtrain.planner.cache``)."""
     state, compute = layout.state_specs(), layout.state_specs(ZeroStage.NONE).params
     return tuple({path: spec.get_value() for path, spec in nnx.to_flat_state(tree)}
                  for tree in (layout.param_specs(), state.params, state.grads, state.optimizer, compute))
@@ -125,3 +128,66 @@ def param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
         sums["projection"] = sum(tables)
         projection_reduced = any(layout.mesh_shape[a] > 1 for a in ("data", ZERO_AXIS))
     return ParamTerms(**sums, projection_reduced=projection_reduced, gathering=gathering)
+
+
+def lora_terms(layout: Layout) -> tuple[float, float, float]:
+    """Elements per device of ``train.lora``'s adapters as the ZeRO stage stores them: (stored,
+    gradients, optimizer moments)."""
+    abstract = LoraTraining(layout.train.lora, layout.abstract_params, layout.family).abstract_adapters()
+    specs = layout.state_specs(params=abstract)
+    sizes = [math.prod(variable.shape) for _, variable in nnx.to_flat_state(abstract)]
+    return tuple(sum(size / math.prod(layout.ways(spec.get_value())) for size, (_, spec) in
+                     zip(sizes, nnx.to_flat_state(part)))
+                 for part in (specs.params, specs.grads, specs.optimizer))
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldState:
+    """Per-device bytes of the trained state (the step's arguments and outputs; the state is donated,
+    so outputs alias it), of the update phase and of the batch; ``grad_elements``: the gradients'
+    elements (an accumulator's size)."""
+
+    params: int
+    grads: int
+    optimizer: int  # resting on the device (0 when offloaded)
+    optimizer_host: int
+    update: int
+    batch: int
+    grad_elements: float
+
+
+def held_state(layout: Layout, terms: ParamTerms, adapters: tuple[float, float, float] | None,
+               compute_bytes: int, offload: bool) -> HeldState:
+    """fp32 parameters (4 B), fp32 Adam ``mu`` + ``nu`` (8 B) as the ZeRO stage stores them; under
+    ``train.lora`` (``adapters``: ``lora_terms``) the parameters frozen in the compute dtype and the
+    adapters (fp32, laid out by the rules as their bases) alone with gradients and moments. The batch
+    ``{inputs, targets, mask}``: 12 B per local token, whole rows."""
+    p_local, g_local, o_local = terms.stored, terms.grads, terms.moments
+    params = round(FP32 * p_local)
+    if adapters is not None:
+        a_local, g_local, o_local = adapters
+        params = round(compute_bytes * p_local + FP32 * a_local)
+    moments = round(2 * FP32 * o_local)
+    # The update phase: an offloaded optimizer state is brought to the device, both moments of every
+    # leaf at once (XLA:CPU: the offloaded 7B's temp is 8 B per parameter to within 2 kB); else the
+    # fp32 gradients (cast from the compute dtype) and one fp32 temporary per optimizer element (the
+    # step every leaf takes, formed before any is applied: 8B models, ZeRO-0 and ZeRO-3).
+    update = round(2 * FP32 * o_local if offload else FP32 * (g_local + o_local))
+    batch = BATCH_BYTES_PER_TOKEN * layout.rows_per_shard * layout.train.grad_accum * layout.model.seq_len
+    return HeldState(params, round(FP32 * g_local), 0 if offload else moments, moments if offload else 0, update,
+                     batch, g_local)
+
+
+def held_through_backward(layout: Layout, terms: ParamTerms, state: HeldState, compute_bytes: int) -> float:
+    """Held from the forward through the backward besides the stash, without a pipeline: below fp32
+    the compute copy of the layers' weights (where they rest: the ZeRO shard of a gathered weight,
+    in fp32 on XLA:CPU: ``HELD``), the layers' gradients as the backward writes them (compute dtype,
+    in the loop's layout), the lookup tables' fp32 gradients, and with accumulation the fp32
+    accumulator."""
+    held = (HELD * terms.layer_copy if compute_bytes != FP32 else 0.0) + compute_bytes * terms.layer_loop_grads
+    return held + (FP32 * terms.lookup_grads + accumulator_bytes(layout, state))
+
+
+def accumulator_bytes(layout: Layout, state: HeldState) -> float:
+    """The fp32 gradient accumulator of ``train.grad_accum`` > 1 (0 without)."""
+    return FP32 * state.grad_elements if layout.train.grad_accum > 1 else 0.0
