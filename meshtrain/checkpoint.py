@@ -1,9 +1,10 @@
 """Checkpoints of a run: orbax saves of the ``TrainState`` plus JSON metadata, and their restore.
 
-Layout of ``run.dir/checkpoints`` (one orbax ``CheckpointManager``)::
+Files of ``run.dir/checkpoints`` (one orbax ``CheckpointManager``)::
 
     <step>/state        the TrainState (params, Adam moments, loss scale, counters), orbax standard
-    <step>/meta         JSON: step, data position, seeds, resolved config, mesh it was written on
+    <step>/meta         JSON: step, data position, seeds, resolved config, mesh it was written on,
+                        the order its stacked layers are stored in (``layer_order``)
     <step>.orbax-checkpoint-tmp/        a save that never finished (ignored; orbax replaces it when
                                         that step is saved again, logging a warning)
     <step>.unreadable[-k]/              a checkpoint that failed to restore, moved aside, kept
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import pathlib
 import re
@@ -40,15 +40,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
 
-from meshtrain import jsonio
-from meshtrain.errors import ConfigError
+from meshtrain.distributed import log
+from meshtrain.errors import ConfigError, cut
 from meshtrain.parallel.layer_order import LayerOrder
 
 CHECKPOINT_DIR = "checkpoints"  # under run.dir
-PARAMS_DIR = "params"  # under an export directory
-EXPORT_META = "meshtrain.json"  # under an export directory
 # 1: the first format; 2: every checkpoint's meta holds its arrays' checksums, so that a meta which
 # lost them is detected (a format-1 checkpoint may have none).
 FORMAT_VERSION = 2
@@ -56,6 +53,7 @@ _TMP_MARK = ".orbax-checkpoint-tmp"
 _UNREADABLE = ".unreadable"
 SAVE_MARGIN_BYTES = 16 * 10 ** 6  # beyond a checkpoint's own size: metadata, the meta JSON
 CHECKSUMS = "checksums"  # meta key: {array path: checksum of its values when saved}
+LAYER_ORDER = "layer_order"  # meta key: {stages, virtual_stages, num_layers} (absent before it was recorded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +103,7 @@ def _write_problem(err: BaseException) -> str:
     else its first line."""
     text = " ".join(str(err).split())
     found = re.findall(r": ([A-Z][a-z][^:\[\]]*?) \[os_error_code", text)
-    return found[-1] if found else _one_line(err)[:200]
+    return found[-1] if found else one_line(err)[:200]
 
 
 class UnreadableCheckpoint(Exception):
@@ -118,11 +116,6 @@ class Restored:
     step: int
     meta: dict
     path: pathlib.Path
-
-
-def warn(message: str) -> None:
-    if jax.process_index() == 0:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _key_name(key: Any) -> str:
@@ -154,18 +147,14 @@ def _flat_config(config: dict, prefix: str = "") -> dict[str, Any]:
 def config_differences(old: dict, new: dict, sections: tuple[str, ...], defaults: dict | None = None) -> list[str]:
     """``["model.embed_dim: 32 there, 40 here", ...]`` for the fields under ``sections`` (sections or
     dotted prefixes: ``"train.fp8"``) that differ; a field ``old`` lacks (written before it existed)
-    whose value here is its default in ``defaults`` is no difference."""
+    whose value here is its default in ``defaults`` is no difference. (A resumed run's drift from
+    its checkpoint is ``meshtrain.resume.config_drift``.)"""
     old_flat, new_flat, default_flat = _flat_config(old), _flat_config(new), _flat_config(defaults or {})
     within = lambda key: any(key == section or key.startswith(section + ".") for section in sections)
     return [f"{key}: {old_flat.get(key)!r} there, {new_flat.get(key)!r} here"
             for key in sorted(set(old_flat) | set(new_flat))
             if within(key) and old_flat.get(key) != new_flat.get(key)
             and not (key not in old_flat and key in default_flat and new_flat.get(key) == default_flat[key])]
-
-
-# What decides the saved state's arrays (named when a checkpoint does not fit): the model, the
-# optimizer's moments, and FP8's amax histories (train.precision, train.fp8).
-SHAPING_FIELDS = ("model", "optimizer", "train.precision", "train.fp8", "train.lora")
 
 
 def check_compatible(saved: dict[str, tuple], wanted: dict[str, tuple], *, field: str, where: str,
@@ -338,7 +327,7 @@ class RunCheckpoints:
         try:
             meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         except Exception as err:  # any read failure makes the checkpoint unusable
-            raise UnreadableCheckpoint(_one_line(err)) from err
+            raise UnreadableCheckpoint(one_line(err)) from err
         if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
             raise UnreadableCheckpoint("its meta item holds no step")
         config, mesh = meta.get("config"), meta.get("mesh")
@@ -348,21 +337,27 @@ class RunCheckpoints:
         if not isinstance(mesh, dict) or not all(isinstance(size, int) for size in mesh.values()) \
                 or not isinstance(mesh.get("stage", 1), int):
             raise UnreadableCheckpoint("its meta item holds no mesh")
+        order, names = meta.get(LAYER_ORDER), [f.name for f in dataclasses.fields(LayerOrder)]
+        if order is not None and not (isinstance(order, dict) and sorted(order) == sorted(names)
+                                      and all(isinstance(v, int) and v > 0 for v in order.values())):
+            raise UnreadableCheckpoint(f"its meta's {LAYER_ORDER} {order!r} is not {{{', '.join(names)}}} "
+                                       "of positive integers")
         return meta
 
     def saved_shapes(self, step: int) -> dict[str, tuple]:
         try:
             shapes = flat_shapes(self._manager.item_metadata(step)["state"])
         except Exception as err:
-            raise UnreadableCheckpoint(_one_line(err)) from err
+            raise UnreadableCheckpoint(one_line(err)) from err
         if not shapes:  # e.g. state/_METADATA deleted: orbax reports no arrays rather than failing
             raise UnreadableCheckpoint("its state holds no array metadata")
         return shapes
 
-    def restore(self, step: int, abstract_state: Any, *, field: str, config: dict,
-                layer_order: LayerOrder) -> Restored:
+    def restore(self, step: int, abstract_state: Any, *, field: str, layer_order: LayerOrder,
+                drift: Callable[[dict], list[str]] | None = None) -> Restored:
         """Checkpoint ``step`` restored into ``abstract_state``'s shardings, its stacked layers
-        converted from the order the checkpoint stores them in to ``layer_order``.
+        converted from the order the checkpoint stores them in to ``layer_order``. ``drift``: the
+        fields of a saved config that differ from this run's, named when the arrays do not fit.
 
         Raises:
           ConfigError: on ``field`` when the checkpoint holds a different model or optimizer state.
@@ -370,8 +365,9 @@ class RunCheckpoints:
         """
         meta = self.read_meta(step)
         saved = self.saved_shapes(step)
-        check_compatible(saved, flat_shapes(abstract_state), field=field, where=f"checkpoint {self.path(step)}",
-                         differences=config_differences(meta.get("config", {}), config, SHAPING_FIELDS))
+        wanted = flat_shapes(abstract_state)
+        check_compatible(saved, wanted, field=field, where=f"checkpoint {self.path(step)}",
+                         differences=drift(meta["config"]) if drift is not None and saved != wanted else [])
         try:
             unsaved = _empty_fields_not_saved(abstract_state, self._manager.item_metadata(step)["state"])
             target = abstract_state if not unsaved else {f.name: getattr(abstract_state, f.name)
@@ -382,7 +378,7 @@ class RunCheckpoints:
                 state = abstract_state.replace(**state)
             jax.block_until_ready(state)
         except Exception as err:
-            raise UnreadableCheckpoint(_one_line(err)) from err
+            raise UnreadableCheckpoint(one_line(err)) from err
         held_step = getattr(state, "step", None)  # a TrainState's; a directory renamed from another step's
         if held_step is not None and int(held_step) != step:
             raise UnreadableCheckpoint(f"its directory says step {step} but its state is step {int(held_step)}'s")
@@ -402,12 +398,11 @@ class RunCheckpoints:
             if wrong:
                 raise UnreadableCheckpoint(f"the array data of {wrong[0]} (and {len(wrong) - 1} more) does not "
                                            "match the checksum recorded when it was saved")
-        stored = LayerOrder.of_config(meta["config"], meta["mesh"].get("stage", 1))  # read_meta checked both
-        return Restored(state=reorder_layers(state, stored, layer_order), step=step, meta=meta,
+        return Restored(state=reorder_layers(state, stored_layer_order(meta), layer_order), step=step, meta=meta,
                         path=self.path(step))
 
-    def restore_latest(self, abstract_state: Any, *, field: str, config: dict, layer_order: LayerOrder,
-                       move_unreadable: bool) -> Restored | None:
+    def restore_latest(self, abstract_state: Any, *, field: str, layer_order: LayerOrder, move_unreadable: bool,
+                       drift: Callable[[dict], list[str]] | None = None) -> Restored | None:
         """The newest checkpoint that restores, or None when there is none.
 
         Unreadable ones are reported with a warning naming them and skipped; with
@@ -418,13 +413,13 @@ class RunCheckpoints:
           ConfigError: when a checkpoint does not fit the model, or when every one is unreadable.
         """
         for partial in incomplete_saves(self.root):
-            warn(f"ignoring incomplete checkpoint {partial} (a save that never finished; kept, "
-                 "remove it when no longer needed)")
+            log(f"warning: ignoring incomplete checkpoint {partial} (a save that never finished; kept, "
+                "remove it when no longer needed)")
         steps = self.steps()
         skipped = []
         for step in reversed(steps):
             try:
-                return self.restore(step, abstract_state, field=field, config=config, layer_order=layer_order)
+                return self.restore(step, abstract_state, field=field, layer_order=layer_order, drift=drift)
             except UnreadableCheckpoint as err:
                 path = self.path(step)
                 kept = path
@@ -433,7 +428,7 @@ class RunCheckpoints:
                     self._manager.reload()
                 older = [s for s in steps if s < step]
                 then = f"trying step {older[-1]}" if older else "no older checkpoint left"
-                warn(f"checkpoint {path} is unreadable ({err}); kept as {kept}; {then}")
+                log(f"warning: checkpoint {path} is unreadable ({err}); kept as {kept}; {then}")
                 skipped.append(str(kept))
         if skipped:
             raise ConfigError(field, f"no readable checkpoint in {self.root}: every one failed to restore "
@@ -504,9 +499,9 @@ def _move_aside(path: pathlib.Path) -> pathlib.Path:
     return target
 
 
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
+def one_line(err: BaseException) -> str:
+    """``err`` as one line of at most 300 characters (its type's name when it says nothing)."""
+    return cut(str(err), 300) or type(err).__name__
 
 
 def resolve_restore_path(path: str, *, field: str = "checkpoint.restore_from") -> tuple[pathlib.Path, int | None]:
@@ -535,65 +530,20 @@ def resolve_restore_path(path: str, *, field: str = "checkpoint.restore_from") -
     return root, None
 
 
-def checkpoint_meta(*, step: int, config: dict, mesh: jax.sharding.Mesh, batch_size: int, data_seed: int,
-                    train_seed: int) -> dict:
-    """The JSON saved next to the state."""
+def checkpoint_meta(*, step: int, config: dict, mesh: jax.sharding.Mesh, layer_order: LayerOrder, batch_size: int,
+                    data_seed: int, train_seed: int) -> dict:
+    """The JSON saved next to the state (``layer_order``: how its stacked layers are stored)."""
     return {"format": FORMAT_VERSION, "step": step,
             "data": {"seed": data_seed, "next_example": step * batch_size},
             "train_seed": train_seed, "mesh": {name: int(size) for name, size in mesh.shape.items()},
+            LAYER_ORDER: dataclasses.asdict(layer_order),
             "devices": int(mesh.devices.size), "processes": jax.process_count(),
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": config}
 
 
-# --- parameters only (export / init_from) ---------------------------------------------------------
-
-def save_params(out: str | pathlib.Path, params: nnx.State, meta: dict) -> pathlib.Path:
-    """Writes ``params`` (as a plain nested dict) to ``out/params`` and ``meta`` to ``out/meshtrain.json``."""
-    out = pathlib.Path(out).absolute()
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(out / PARAMS_DIR, nnx.to_pure_dict(params))
-        checkpointer.wait_until_finished()
-    if jax.process_index() == 0:
-        (out / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
-    return out
-
-
-def check_params(path: str, abstract_params: nnx.State, shardings: nnx.State, *, model_config: dict,
-                 field: str = "checkpoint.init_from") -> dict:
-    """The restore target (a plain nested dict of ``ShapeDtypeStruct``s in ``shardings``) for the
-    exported parameters at ``path``, after checking that they fit the model; reads no arrays.
-
-    Raises:
-      ConfigError: on ``field`` when ``path`` is not an export or its shapes do not fit the model.
-    """
-    root = pathlib.Path(path).absolute()
-    if not (root / PARAMS_DIR).is_dir():
-        hint = (" (this is a run directory: export it first with python -m meshtrain.export "
-                f"--run {path} --out DIR, or use checkpoint.restore_from)"
-                if (root / CHECKPOINT_DIR).is_dir() else "")
-        raise ConfigError(field, f"{path} holds no exported parameters ({PARAMS_DIR}/ is missing){hint}")
-    try:
-        meta = jsonio.loads((root / EXPORT_META).read_text())
-    except (OSError, ValueError):
-        meta = {}
-    target = nnx.to_pure_dict(jax.tree.map(
-        lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
-        abstract_params, shardings))
-    with ocp.StandardCheckpointer() as checkpointer:
-        try:
-            saved = flat_shapes(checkpointer.metadata(root / PARAMS_DIR).item_metadata)
-        except Exception as err:  # noqa: BLE001 - any unreadable directory is one ConfigError
-            raise ConfigError(field, f"cannot read {root / PARAMS_DIR}: {_one_line(err)}") from None
-    check_compatible(saved, flat_shapes(target), field=field, where=f"exported parameters {path}",
-                     differences=config_differences({"model": meta.get("model", {})},
-                                                    {"model": model_config}, ("model",)))
-    return target
-
-
-def load_params(path: str, target: dict, *, field: str = "checkpoint.init_from") -> dict:
-    """The exported parameters at ``path`` restored into ``target`` (from ``check_params``)."""
-    with ocp.StandardCheckpointer() as checkpointer:
-        try:
-            return checkpointer.restore(pathlib.Path(path).absolute() / PARAMS_DIR, target)
-        except Exception as err:  # noqa: BLE001 - the same
-            raise ConfigError(field, f"cannot read {pathlib.Path(path) / PARAMS_DIR}: {_one_line(err)}") from None
+def stored_layer_order(meta: dict) -> LayerOrder:
+    """The order a checkpoint's stacked layers are stored in: its meta's ``layer_order`` (checked by
+    ``read_meta``); a checkpoint written before it was recorded: derived from its config and mesh."""
+    if LAYER_ORDER in meta:
+        return LayerOrder(**meta[LAYER_ORDER])
+    return LayerOrder.of_config(meta["config"], meta["mesh"].get("stage", 1))

@@ -45,11 +45,11 @@ from typing import Any
 import dacite
 import yaml
 
+from meshtrain import yamlio
 from meshtrain.checkpoint import CheckpointConfig
+from meshtrain.cli import TRUST_PLUGIN_FLAG
 from meshtrain.data import DataConfig
 from meshtrain.distributed import DistributedConfig
-from meshtrain.cli import TRUST_PLUGIN_FLAG
-from meshtrain import hf, yamlio
 from meshtrain.errors import ConfigError, cut, shown
 from meshtrain.evaluation import EvalConfig
 from meshtrain.mesh import MeshConfig
@@ -59,8 +59,9 @@ from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.pipeline import PipelineConfig
 from meshtrain.parallel.rules import ShardingConfig
 from meshtrain.parallel.zero import ZeroConfig
-from meshtrain.train_config import TrainConfig
 from meshtrain.trackers import Logger
+from meshtrain.train_config import TrainConfig
+from meshtrain.weights import hf
 from models.api import (DEFAULT_FAMILY, UnknownFamily, families, family_named, family_of, import_plugin,
                         is_plugin_file, plugin_imported, plugin_of)
 from models.common import InvalidField

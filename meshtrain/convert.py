@@ -6,7 +6,7 @@ meshtrain.export`` writes; fine-tune with ``checkpoint.init_from=DIR``, or skip 
 ``checkpoint.init_from=hf:HF_DIR``). ``to-hf`` writes a run directory, a step directory or an export
 as an HF checkpoint that ``transformers``' ``from_pretrained`` loads (a ``train.lora`` run's adapters merged
 into its weights). ``to-peft`` writes a ``train.lora`` run's adapters as a PEFT adapter directory
-(``meshtrain.peft``) that ``peft.PeftModel.from_pretrained`` loads onto the HF base.
+(``meshtrain.weights.peft``) that ``peft.PeftModel.from_pretrained`` loads onto the HF base.
 
 Options::
 
@@ -16,7 +16,7 @@ Options::
     to-peft --run DIR --out DIR [--step N] [--base NAME] [--host-devices N] [mesh.*=... sharding.preset=...]
 
 The weights are read straight into the shardings of the mesh (default: ``fsdp`` over every
-device) by ``meshtrain.loading``. Bad input prints one ``error: field: what is wrong`` line and exits 2.
+device) by ``meshtrain.weights.loading``. Bad input prints one ``error: field: what is wrong`` line and exits 2.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ import sys
 
 import jax
 
-from meshtrain import hf, peft
-from meshtrain.checkpoint import save_params
 from meshtrain.cli import ArgumentParser, add_mesh_arguments, add_trust_plugin_argument, run
-from meshtrain.errors import ConfigError, new_output, writable_directory
 from meshtrain.config import model_dict
-from meshtrain.loading import SourceKind, load_model, mesh_from_args, restore_run, source_kind
+from meshtrain.errors import ConfigError, new_output, writable_directory
 from meshtrain.parallel.rules import ShardingRules
+from meshtrain.weights import hf, peft
+from meshtrain.weights.export_format import save_params
+from meshtrain.weights.loading import SourceKind, load_model, mesh_from_args, restore_run, source_kind
 from jax.sharding import Mesh
 
 

@@ -351,5 +351,11 @@ def startup_line(mesh) -> str:
             f"{mesh.devices.size}, global mesh ({shape})")
 
 
+def log(message: str) -> None:
+    """One line on process 0's stderr (the one printer of the run's notes and warnings)."""
+    if jax.process_index() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
 def print_startup(mesh) -> None:
     print(startup_line(mesh), file=sys.stderr, flush=True)

@@ -23,7 +23,7 @@ import jax
 from meshtrain.cli import ArgumentParser, add_mesh_arguments, add_trust_plugin_argument, output_file, run
 from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.errors import ConfigError
-from meshtrain.loading import SourceKind, load_model, mesh_from_args, source_kind
+from meshtrain.weights.loading import SourceKind, load_model, mesh_from_args, source_kind
 
 
 def _parse_args(argv: list[str] | None):

@@ -36,7 +36,7 @@ from meshtrain.data import DataConfig, DataSource, Packing, global_batch, make_h
 from meshtrain.data.dataset import TokenDataset
 from meshtrain.data.sources import FileDataset
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.sharding import activation_sharding, data_parallel_size
+from meshtrain.parallel.activations import activation_sharding
 from meshtrain.sampling import ByteTokenizer, HFTokenizer, check_cache_fits, generate_tokens
 from models.api import CachedDecoder
 
@@ -192,7 +192,7 @@ class Sampler:
             self.prompts.append((prompt, ids))
         self.tokens, self.temperature = cfg.sample_tokens, cfg.sample_temperature
         self.graphdef, self.shard = trainer.graphdef, activation_sharding(trainer.rules, trainer.mesh)
-        self.rows = data_parallel_size(trainer.rules, trainer.mesh.shape)  # the batch splits that many ways
+        self.rows = trainer.rules.data_parallel_size(trainer.mesh.shape)  # the batch splits that many ways
         longest = max(len(ids) for _, ids in self.prompts)  # at start-up, not at the first evaluation
         check_cache_fits(self.graphdef, trainer.abstract_params, (self.rows, longest), longest + self.tokens,
                          trainer.mesh.devices.flat[0], shard=self.shard, field="eval.sample_tokens")

@@ -19,14 +19,15 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from meshtrain.checkpoint import RunCheckpoints, UnreadableCheckpoint, resolve_restore_path, save_params
-from meshtrain.data.chat_template import CHAT_TEMPLATE_FILE
-from meshtrain.data.tokenizer import TOKENIZER_FILE
+from meshtrain.checkpoint import RunCheckpoints, UnreadableCheckpoint, resolve_restore_path
 from meshtrain.cli import ArgumentParser, add_trust_plugin_argument, run, use_host_devices
 from meshtrain.config import to_dict
+from meshtrain.data.chat_template import CHAT_TEMPLATE_FILE
+from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.errors import ConfigError, new_output
-from meshtrain.loading import recorded_config, restore_run
 from meshtrain.mesh import make_mesh
+from meshtrain.weights.export_format import save_params
+from meshtrain.weights.loading import recorded_config, restore_run
 
 
 def _parse_args(argv: list[str] | None):

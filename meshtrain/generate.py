@@ -25,13 +25,12 @@ import jax
 import numpy as np
 
 from meshtrain import jsonio
+from meshtrain.cli import ArgumentParser, add_mesh_arguments, add_trust_plugin_argument, run
 from meshtrain.data.sft import chat_prompt
 from meshtrain.data.tokenizer import TOKENIZER_FILE
-from meshtrain.loading import LoadedModel, load_model, mesh_from_args
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.sharding import data_parallel_size
 from meshtrain.sampling import ByteTokenizer, HFTokenizer, Tokenizer, generate_tokens
-from meshtrain.cli import ArgumentParser, add_mesh_arguments, add_trust_plugin_argument, run
+from meshtrain.weights.loading import LoadedModel, load_model, mesh_from_args
 from models.api import CachedDecoder, family_of
 
 
@@ -110,7 +109,7 @@ def continue_ids(model: LoadedModel, tokenizer: Tokenizer, ids: list[int], max_n
     if max(ids) >= model.cfg.vocab_size:
         raise ConfigError("--tokenizer", f"gives id {max(ids)}, outside the model's vocabulary "
                           f"[0, {model.cfg.vocab_size})")
-    rows = data_parallel_size(model.rules, model.mesh.shape)  # the batch is split that many ways
+    rows = model.rules.data_parallel_size(model.mesh.shape)  # the batch is split that many ways
     new = generate_tokens(model.graphdef, model.params, np.asarray([ids] * rows), max_new_tokens,
                           temperature=temperature, seed=seed, stop_id=tokenizer.eos_id, shard=model.shard)[0]
     new = list(new)

@@ -203,7 +203,7 @@ def compile_step(cfg, devices: Sequence, target: Target, fraction: float | None 
     import numpy as np
 
     from meshtrain.data import Packing
-    from meshtrain.hlo import Module, footprint_bytes, memory_of
+    from meshtrain.measure.hlo import Module, footprint_bytes, memory_of
     from meshtrain.mesh import make_mesh
     from meshtrain.planner.estimate import layout_estimate
     from meshtrain.trainer import Trainer

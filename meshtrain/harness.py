@@ -42,8 +42,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from meshtrain.data.tokenizer import end_of_document_id, load_tokenizer
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.activations import activation_sharding
 from meshtrain.parallel.rules import ShardingRules
-from meshtrain.parallel.sharding import activation_sharding, batch_sharding, data_parallel_size
+from meshtrain.parallel.sharding import batch_sharding
 from meshtrain.sampling import check_cache_fits
 from models.api import CachedDecoder, forward
 from models.common import ActivationSharding
@@ -121,7 +122,7 @@ class MeshtrainLM(TemplateLM):
         self.graphdef, self.params, self.mesh, self.text = graphdef, params, mesh, tokenizer
         self.shard: ActivationSharding = activation_sharding(rules, mesh)
         self.sharding = batch_sharding(rules, mesh)
-        ways = data_parallel_size(rules, mesh.shape)
+        ways = rules.data_parallel_size(mesh.shape)
         self.rows = -(-batch_size // ways) * ways  # whole rows on every data-parallel group
         self._max_length, self.field = max_length, field
         self.cached = isinstance(nnx.merge(graphdef, params), CachedDecoder)

@@ -17,10 +17,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from meshtrain.loading import LoadedModel, load_model, mesh_from_args
-from meshtrain.errors import ConfigError
-from meshtrain.parallel.sharding import BATCH_AXES, data_parallel_size
 from meshtrain.cli import ArgumentParser, add_mesh_arguments, add_trust_plugin_argument, output_file, run
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.sharding import BATCH_AXES
+from meshtrain.weights.loading import LoadedModel, load_model, mesh_from_args
 from models.api import forward
 
 
@@ -48,7 +48,7 @@ def compute_logits(model: LoadedModel, tokens: np.ndarray) -> np.ndarray:
     Rows are padded to a multiple of the data-parallel size (the padding is dropped again).
     """
     batch = tokens.shape[0]
-    rows = data_parallel_size(model.rules, model.mesh.shape)
+    rows = model.rules.data_parallel_size(model.mesh.shape)
     padded = np.zeros((-(-batch // rows) * rows, tokens.shape[1]), np.int32)
     padded[:batch] = tokens
     sharding = NamedSharding(model.mesh, model.rules.activation_spec(BATCH_AXES))

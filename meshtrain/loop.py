@@ -27,19 +27,20 @@ from meshtrain import distributed
 from meshtrain.checkpoint import CHECKPOINT_DIR, RunCheckpoints
 from meshtrain.config import Config, to_dict
 from meshtrain.data import Packing, global_batch, make_dataset
-from meshtrain.data.sources import DataChanged
-from meshtrain.data.dataset import TokenDataset
 from meshtrain.data.chat_template import CHAT_TEMPLATE_FILE
+from meshtrain.data.dataset import TokenDataset
+from meshtrain.data.sources import DataChanged
 from meshtrain.data.tokenizer import TOKENIZER_FILE
+from meshtrain.distributed import log
 from meshtrain.errors import ConfigError, writable_directory
 from meshtrain.evaluation import Evaluator
-from meshtrain.planner.estimate import layout_estimate
+from meshtrain.loss import Batch
 from meshtrain.mesh import device_memory_bytes, make_mesh, mesh_shape
 from meshtrain.metrics import MetricsLogger, format_bytes, peak_bf16_tflops
-from meshtrain.loss import Batch
 from meshtrain.parallel.sharding import parameter_table, replicated_parameters
+from meshtrain.planner.estimate import layout_estimate
 from meshtrain.policies import (PROFILE_DIR, AppliedStateCheck, Evaluation, NonFiniteGuard, Policy, Preemption,
-                                Profiler, Reporter, Run, Saver, SkipLimit, StepOutput, any_process, data_changed, log)
+                                Profiler, Reporter, Run, Saver, SkipLimit, StepOutput, any_process, data_changed)
 from meshtrain.resume import initial_state
 from meshtrain.run_lock import RunLock
 from meshtrain.trackers import Status, check_installed, close_trackers, open_trackers

@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
-from meshtrain.fp8 import dotted_name, flat, nested
+from meshtrain.fp8_training import dotted_name, flat, nested
 from models.api import LAYERS_KEY, AxisRole, ModelFamily
 from models.common import MATMUL_GROUP, LogicalAxes, coerce_enums, logical_axes_of
 from models.kernels.fp8 import MatmulGroup
@@ -45,7 +45,7 @@ class LoraConfig:
     dropout: float = 0.0  # the probability that an input element is dropped on the adapter's path
     # The groups of layer matmuls that get adapters (models.kernels.fp8.MatmulGroup).
     matmuls: tuple[MatmulGroup, ...] = (MatmulGroup.ATTENTION, MatmulGroup.MLP)
-    # A PEFT LoRA adapter directory to start the adapters from (meshtrain.peft); None: fresh ones.
+    # A PEFT LoRA adapter directory to start the adapters from (meshtrain.weights.peft); None: fresh ones.
     init_from: str | None = None
 
     def __post_init__(self):

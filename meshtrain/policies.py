@@ -18,7 +18,6 @@ import dataclasses
 import os
 import pathlib
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,9 +28,11 @@ import numpy as np
 from meshtrain.checkpoint import RunCheckpoints, checkpoint_meta
 from meshtrain.config import Config, to_dict
 from meshtrain.data.sources import DataChanged
+from meshtrain.distributed import log
 from meshtrain.errors import ConfigError, writable_directory
 from meshtrain.evaluation import Evaluator
 from meshtrain.metrics import MetricsLogger, mfu
+from meshtrain.parallel.layer_order import LayerOrder
 from meshtrain.trainer import Metrics, TrainState
 from models.api import family_of
 
@@ -92,12 +93,6 @@ class Policy:
 class NonFiniteStop(Exception):
     """A non-finite step stops the run (exit status 3): ``train.on_nonfinite=stop`` met a non-finite
     loss or gradient norm, or (under either policy) an update left non-finite parameters or moments."""
-
-
-def log(message: str) -> None:
-    """One line on process 0's stderr."""
-    if jax.process_index() == 0:
-        print(message, file=sys.stderr, flush=True)
 
 
 def any_process(flag: bool) -> bool:
@@ -415,9 +410,11 @@ class Saver(Policy):
             return None
         if self.last_step != step.done:
             check_applied(step, self.checkpoints)
+            layer_order = LayerOrder.of_run(self.mesh.shape["stage"], self.cfg.pipeline.chunks_per_stage,
+                                            self.cfg.model.num_layers)
             self.checkpoints.save(step.done, step.state, checkpoint_meta(
-                step=step.done, config=self.config_dict, mesh=self.mesh, batch_size=self.cfg.train.batch_size,
-                data_seed=self.cfg.data.seed, train_seed=self.cfg.train.seed))
+                step=step.done, config=self.config_dict, mesh=self.mesh, layer_order=layer_order,
+                batch_size=self.cfg.train.batch_size, data_seed=self.cfg.data.seed, train_seed=self.cfg.train.seed))
             self.last_time, self.last_step = time.monotonic(), step.done
         self.saved = self.checkpoints.path(step.done)
         return self.saved

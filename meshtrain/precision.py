@@ -4,7 +4,7 @@ for fp16.
 The train state always holds fp32 parameters and optimizer moments. Inside the step the parameters
 are cast to the compute dtype before the forward pass, the loss is taken in fp32, and gradients
 arrive in fp32 through the cast. ``fp8`` computes in bf16 but for the layer matmuls its recipe
-names, which take FP8 operands (``meshtrain.fp8``).
+names, which take FP8 operands (``meshtrain.fp8_training``).
 """
 
 from __future__ import annotations

@@ -17,20 +17,30 @@ from typing import Any
 import jax
 from flax import nnx
 
-from meshtrain import hf, peft
-from meshtrain.checkpoint import (CHECKPOINT_DIR, PARAMS_DIR, Restored, RunCheckpoints, UnreadableCheckpoint,
-                                  check_params, config_differences, load_params, reorder_layers,
-                                  resolve_restore_path, warn)
+from meshtrain.checkpoint import (CHECKPOINT_DIR, Restored, RunCheckpoints, UnreadableCheckpoint, config_differences,
+                                  reorder_layers, resolve_restore_path)
 from meshtrain.config import Config, to_dict
+from meshtrain.distributed import log
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.layer_order import LayerOrder
 from meshtrain.trainer import Trainer, TrainState
+from meshtrain.weights import hf, peft
+from meshtrain.weights.export_format import PARAMS_DIR, check_params, load_params
 
-# Sections whose changes between a checkpoint and the resumed run change the numbers (warned about).
+# Sections whose changes between a checkpoint and the resumed run change the numbers (warned about;
+# named as the likely cause when a checkpoint's arrays do not fit).
 NUMERIC_SECTIONS = ("model", "optimizer", "data", "train")
 # Where the family's module is found does not change the numbers.
 HARMLESS_FIELDS = ("train.log_every", "train.profile_steps", "model.plugin")
 LENGTH_FIELD = "train.steps"  # a changed length alone: the run was extended (or shortened)
+
+
+def config_drift(config: dict[str, Any], saved: dict[str, Any]) -> list[str]:
+    """``["model.embed_dim: 32 there, 40 here", ...]``: the numeric fields of ``config`` (this run's)
+    that differ from ``saved`` (a checkpoint's), a field the checkpoint predates counting only when
+    set off its default."""
+    return [d for d in config_differences(saved, config, NUMERIC_SECTIONS, defaults=to_dict(Config()))
+            if not d.startswith(HARMLESS_FIELDS)]
 
 
 @dataclasses.dataclass
@@ -48,16 +58,17 @@ def _restore_from(cfg: Config, trainer: Trainer, config: dict[str, Any]) -> Rest
     field = "checkpoint.restore_from"
     root, step = resolve_restore_path(cfg.checkpoint.restore_from, field=field)
     source = RunCheckpoints(root, read_only=True)
+    drift = functools.partial(config_drift, config)
     try:
         if step is None:
-            restored = source.restore_latest(trainer.abstract_state(), field=field, config=config,
-                                             layer_order=trainer.layer_order, move_unreadable=False)
+            restored = source.restore_latest(trainer.abstract_state(), field=field, layer_order=trainer.layer_order,
+                                             move_unreadable=False, drift=drift)
             if restored is None:
                 raise ConfigError(field, f"no complete checkpoint in {cfg.checkpoint.restore_from}")
             return restored
         try:
-            return source.restore(step, trainer.abstract_state(), field=field, config=config,
-                                  layer_order=trainer.layer_order)
+            return source.restore(step, trainer.abstract_state(), field=field, layer_order=trainer.layer_order,
+                                  drift=drift)
         except UnreadableCheckpoint as err:
             raise ConfigError(field, f"checkpoint {source.path(step)} is unreadable: {err}") from None
     finally:
@@ -77,9 +88,7 @@ def _check_resumed(cfg: Config, restored: Restored, config: dict[str, Any], run_
     if restored.step > cfg.train.steps:
         raise ConfigError("train.steps", f"is {cfg.train.steps}, but checkpoint {restored.path} is "
                           f"already at step {restored.step}; raise train.steps to continue it")
-    differences = [d for d in config_differences(restored.meta.get("config", {}), config, NUMERIC_SECTIONS,
-                                                 defaults=to_dict(Config()))
-                   if not d.startswith(HARMLESS_FIELDS)]
+    differences = config_drift(config, restored.meta["config"])
     if not differences:
         return
     changed = "; ".join(differences)
@@ -95,10 +104,10 @@ def _check_resumed(cfg: Config, restored: Restored, config: dict[str, Any], run_
         raise ConfigError(field, f"{where} is already at train.steps={cfg.train.steps} ({restored.path}), "
                           f"written with another config ({changed}), so nothing would train with this one; "
                           f"{fresh}, or raise train.steps to continue it with these values")
-    warn(f"resuming {source} from step {restored.step} ({restored.path}), written with another config: "
-         f"{changed}. This config's values apply from step {restored.step + 1} on (the parameters, optimizer "
-         f"moments and data position carry on; train.steps sets the length of the learning-rate schedule); "
-         f"{fresh}{guard}")
+    log(f"warning: resuming {source} from step {restored.step} ({restored.path}), written with another config: "
+        f"{changed}. This config's values apply from step {restored.step + 1} on (the parameters, optimizer "
+        f"moments and data position carry on; train.steps sets the length of the learning-rate schedule); "
+        f"{fresh}{guard}")
 
 
 def _check_init_from(init_from: str) -> None:
@@ -127,8 +136,9 @@ def initial_state(cfg: Config, trainer: Trainer, checkpoints: RunCheckpoints | N
     config = to_dict(cfg)
     restored = None
     if checkpoints is not None and not fresh:
-        restored = checkpoints.restore_latest(trainer.abstract_state(), field="run.dir", config=config,
-                                              layer_order=trainer.layer_order, move_unreadable=True)
+        restored = checkpoints.restore_latest(trainer.abstract_state(), field="run.dir",
+                                              layer_order=trainer.layer_order, move_unreadable=True,
+                                              drift=functools.partial(config_drift, config))
     from_run_dir = restored is not None
     if restored is None and cfg.checkpoint.restore_from is not None:
         restored = _restore_from(cfg, trainer, config)

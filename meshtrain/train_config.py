@@ -9,7 +9,7 @@ import re
 import jax.numpy as jnp
 
 from meshtrain.errors import ConfigError
-from meshtrain.fp8 import Fp8Recipe
+from meshtrain.fp8_training import Fp8Recipe
 from meshtrain.lora import LoraConfig
 from meshtrain.precision import Precision
 from models.common import coerce_enums

@@ -2,7 +2,7 @@
 
 Order of application inside the step: ring attention's balanced permutation of the positions (only
 under ring attention) -> precision cast of the master weights (under fp8, the recipe's weights
-passed as FP8 operands: ``meshtrain.fp8``) -> forward/backward per
+passed as FP8 operands: ``meshtrain.fp8_training``) -> forward/backward per
 accumulation microbatch, through the pipeline schedule when ``mesh.stage`` > 1 (activations
 constrained by the rules, layers rematerialised by the model's policy, the head and the loss in
 chunks of ``train.loss_chunk`` positions: ``meshtrain.loss``) -> gradient accumulation in
@@ -23,18 +23,18 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
-from meshtrain.fp8 import Fp8Training
+from meshtrain.fp8_training import Fp8Training
 from meshtrain.lora import LoraTraining
 from meshtrain.loss import Batch, Objective, with_ahead_targets
 from meshtrain.optim import OptimizerConfig, descended_gradients, make_optimizer, sign_descent_rates
 from meshtrain.parallel.accumulate import accumulate_gradients, split_microbatches
+from meshtrain.parallel.activations import activation_sharding
 from meshtrain.parallel.experts import describe_exchange
-from meshtrain.parallel.offload import DEVICE, HOST, check_host_memory, with_memory_kind
 from meshtrain.parallel.layout import Layout
+from meshtrain.parallel.offload import DEVICE, HOST, check_host_memory, with_memory_kind
 from meshtrain.parallel.pipeline import make_loss, make_value_and_grad
 from meshtrain.parallel.ring_attention import balanced_order
-from meshtrain.parallel.sharding import (activation_sharding, batch_sharding, named_shardings, optimizer_shardings,
-                                         ring_axis)
+from meshtrain.parallel.sharding import batch_sharding, named_shardings, optimizer_shardings
 from meshtrain.parallel.zero import StateLayout
 from meshtrain.precision import LossScale, Precision, cast_floating, initial_loss_scale
 from meshtrain.xla_flags import step_compiler_options
@@ -53,7 +53,7 @@ class TrainState:
     opt_state: optax.OptState
     loss_scale: LossScale
     skipped_steps: jax.Array  # i32 []: steps whose gradients were not finite (update skipped)
-    # train.precision fp8 with delayed scaling: each FP8 weight's amax history (meshtrain.fp8, nested
+    # train.precision fp8 with delayed scaling: each FP8 weight's amax history (meshtrain.fp8_training, nested
     # as the parameters); else empty.
     fp8: nnx.State = struct.field(default_factory=lambda: nnx.State({}))
     # train.lora: the low-rank adapters, which the optimizer trains (meshtrain.lora); else empty.
@@ -217,7 +217,7 @@ class Trainer:
         layout runs ring attention with ``sharding.balance_ring``), positions and segments made
         explicit so that rotary angles, causality and the loss follow the tokens; else unchanged.
         The loss, a sum over tokens, does not depend on the order."""
-        axis = ring_axis(self.rules)
+        axis = self.rules.ring_axis
         if axis is None or self.mesh.shape[axis] == 1 or not self.rules.balance_ring:
             return batch
         rows, length = batch["inputs"].shape

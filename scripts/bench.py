@@ -11,10 +11,10 @@ against depth), ``bench_vs_maxtext.py`` (against MaxText), ``bench_pipeline.py``
 
 Batches are random tokens of the config's shape (no data file is read). After one warm-up step,
 ``--steps`` steps are timed one by one (each waits for its result); the median is reported
-(``meshtrain.benchmark.run``).
+(``meshtrain.measure.benchmark.run``).
 
 ``--vs-baseline`` builds, in the same process and on the same mesh, a minimal hand-written train step
-of the same model (``meshtrain.benchmark.baseline_step``): plain ``jax.jit`` of value_and_grad + the
+of the same model (``meshtrain.measure.benchmark.baseline_step``): plain ``jax.jit`` of value_and_grad + the
 same optax AdamW over the same parameter pytree, with the same parameter, optimizer-state, batch and
 activation shardings, the same loss and the same compute dtype. A second hand-written step,
 ``baseline_guarded``, adds what meshtrain's step does beyond that: the gradient and update norms, and
@@ -30,7 +30,7 @@ differences between them are the extra passes over parameter-sized buffers (``gu
 - plain baseline), free of timing noise.
 
 ``--vs-precision P`` times the config as given and the same config with ``train.precision=P``
-(e.g. ``fp8`` against the config's ``bf16``), steps interleaved (``meshtrain.benchmark.compare``), and
+(e.g. ``fp8`` against the config's ``bf16``), steps interleaved (``meshtrain.measure.benchmark.compare``), and
 prints ``precision_ratio`` = median step with P / median step as given, with each arm's figures.
 
 Every result is printed as ``name: value`` lines and, last, one ``json: {...}`` line.
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="model.attention: jax.nn.dot_product_attention's implementation (cudnn: GPU only)")
     args = parser.parse_args(argv)
     header = bench_common.start(parser, args, "bench.py", argv)
-    from meshtrain import benchmark
+    from meshtrain.measure import benchmark
     from meshtrain.config import load_config
 
     overrides = [*args.overrides, f"model.attention={args.attention}"]

@@ -39,7 +39,7 @@ def compiled_temp_bytes(config: str, overrides: list[str], devices: int, packed:
 
 def sweep(config: str, overrides: list[str], seqs: list[int], steps: int) -> list[dict]:
     """Temporaries of each kernel on unpacked and packed rows at each sequence length, one device."""
-    from meshtrain import benchmark
+    from meshtrain.measure import benchmark
 
     one_device = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.stage=1", "train.batch_size=1",
                   "train.precision=fp32"]

@@ -34,9 +34,9 @@ def sweep_context(config: str, overrides: list[str], seqs: list[int], steps: int
                   host_budget_gb: float, only: str | None = None) -> list[dict]:
     """Per-device memory and tokens/s of each long-sequence scheme at each sequence length (``only``:
     the schemes whose name contains it, e.g. ``ring``)."""
-    from meshtrain import benchmark
+    from meshtrain.measure import benchmark
     from meshtrain.config import load_config
-    from meshtrain.hlo import collective_counts, footprint_bytes, memory_of
+    from meshtrain.measure.hlo import collective_counts, footprint_bytes, memory_of
 
     rows = []
     for seq in seqs:

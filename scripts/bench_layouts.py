@@ -5,7 +5,7 @@
 
 Each layout of ``LAYOUTS`` runs the config with the sweep model's overrides (``SWEEP_MODEL``: tiny's
 shape with 8 heads and 4 layers, so that every layout divides it), timed as ``scripts/bench.py`` times
-one config (``meshtrain.benchmark.run``).
+one config (``meshtrain.measure.benchmark.run``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ SWEEP_MODEL = ["model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=8"
 def sweep_layouts(config: str, overrides: list[str], steps: int, out: str | None, layouts=LAYOUTS,
                   model: list[str] = SWEEP_MODEL) -> list[dict]:
     """Step time, memory and collectives of ``config`` (with ``model``'s overrides) in each layout."""
-    from meshtrain import benchmark
+    from meshtrain.measure import benchmark
     from meshtrain.config import load_config
 
     rows = []

@@ -13,7 +13,7 @@ Every run uses the same model and the same microbatch size (``--rows`` sequences
 batch grows with M. "none" is the same model and batch without a pipeline on one device. On
 simulated CPU devices the stages share the host's cores: step times show the schedule's total work
 and overhead, not a multi-device speed-up; the memory column is XLA's own per-device analysis. The
-FLOPs column is what each device executes (``meshtrain.flops``: the traced step with scan trip counts),
+FLOPs column is what each device executes (``meshtrain.measure.flops``: the traced step with scan trip counts),
 as a multiple of the ideal ``(single-device FLOPs / S) / (1 - bubble)``.
 """
 
@@ -42,7 +42,7 @@ def main() -> None:
 
     jax.config.update("jax_num_cpu_devices", max(8, args.stages))
     from meshtrain.data import DataConfig, global_batch, make_dataset
-    from meshtrain.flops import count_flops
+    from meshtrain.measure.flops import count_flops
     from meshtrain.mesh import MeshConfig, make_mesh
     from meshtrain.optim import OptimizerConfig
     from meshtrain.parallel.layout import Layout

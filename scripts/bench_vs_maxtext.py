@@ -71,7 +71,7 @@ def vs_maxtext(config: str, overrides: list[str], shape_name: str, steps: int, r
     interleaved with meshtrain's)."""
     import jax
 
-    from meshtrain import benchmark
+    from meshtrain.measure import benchmark
     from meshtrain.config import load_config
 
     shape = dataclasses.replace(bench_maxtext.SHAPES[shape_name], dtype=dtype)

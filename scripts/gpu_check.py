@@ -147,12 +147,12 @@ def checkpoint_check(load_config, benchmark) -> dict:
     with tempfile.TemporaryDirectory() as root:
         checkpoints = RunCheckpoints(f"{root}/checkpoints", keep=1)
         start = time.perf_counter()
-        checkpoints.save(1, state, checkpoint_meta(step=1, config=to_dict(cfg), mesh=trainer.mesh, batch_size=8,
+        checkpoints.save(1, state, checkpoint_meta(step=1, config=to_dict(cfg), mesh=trainer.mesh,
+                                                   layer_order=trainer.layer_order, batch_size=8,
                                                    data_seed=0, train_seed=0))
         checkpoints.wait()
         save_s = time.perf_counter() - start
-        restored = checkpoints.restore(1, trainer.abstract_state(), field="gpu_check", config=to_dict(cfg),
-                                       layer_order=trainer.layer_order)
+        restored = checkpoints.restore(1, trainer.abstract_state(), field="gpu_check", layer_order=trainer.layer_order)
         checkpoints.close()
     equal = all(np.array_equal(np.asarray(a), np.asarray(b))
                 for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored.state)))
@@ -484,7 +484,7 @@ def pipeline_check(dry_run: bool, tol: float) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from meshtrain.flops import count_flops
+    from meshtrain.measure.flops import count_flops
     from meshtrain.parallel.backward_split import split_backward
     from models.llama import FAMILY, LlamaConfig
 
@@ -529,7 +529,7 @@ def pipeline_check(dry_run: bool, tol: float) -> dict:
 
 
 def fits(compiled, limit: int | None) -> tuple[bool, int]:
-    from meshtrain.hlo import footprint_bytes, memory_of
+    from meshtrain.measure.hlo import footprint_bytes, memory_of
 
     need = footprint_bytes(memory_of(compiled))
     return (limit is None or need <= limit), need
@@ -791,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"XLA_FLAGS += {' '.join(added) or '(nothing: not a CUDA run, or already set)'}")
     import jax
 
-    from meshtrain import benchmark
+    from meshtrain.measure import benchmark
 
     device = jax.devices()[0]
     log(f"jax {jax.__version__}, {len(jax.devices())} x {device.device_kind} ({device.platform})"

@@ -29,7 +29,7 @@ ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.stage=1"]
 
 
 def _memory(compiled) -> dict:
-    from meshtrain.hlo import memory_of
+    from meshtrain.measure.hlo import memory_of
 
     memory = memory_of(compiled)
     return {key: memory[key] for key in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes")}
@@ -66,7 +66,7 @@ def device(args: argparse.Namespace, overrides: list[str]) -> dict:
     import numpy as np
     from jax.experimental.serialize_executable import deserialize_and_load
 
-    from meshtrain import benchmark
+    from meshtrain.measure import benchmark
     from meshtrain.config import load_config
 
     cfg = load_config(str(REPO / CONFIG), ONE_DEVICE + overrides)

@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import jaxlib  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from meshtrain.hlo import Module, kernels_launched, pallas_calls  # noqa: E402
+from meshtrain.measure.hlo import Module, kernels_launched, pallas_calls  # noqa: E402
 
 def figures(label: str, fn, *args, backward: bool) -> dict:
     start = time.perf_counter()

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshtrain.flops import count_flops
+from meshtrain.measure.flops import count_flops
 from models.kernels.attention import AttentionKernel, blockwise_attention, causal_pairs, dense_attention
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
@@ -166,7 +166,7 @@ def test_the_mesh_says_where_cudnn_cannot_run():
     compiled for GPUs in tests_gpu) and fp32 inputs; '' where it can run."""
     from meshtrain.mesh import MeshConfig, make_mesh
     from meshtrain.parallel.rules import Preset
-    from meshtrain.parallel.sharding import activation_sharding
+    from meshtrain.parallel.activations import activation_sharding
 
     mesh = lambda *shape: make_mesh(MeshConfig(*shape), jax.devices()[:math.prod(shape)])
     plain = activation_sharding(Preset.FSDP_TP.rules, mesh(1, 2, 2, 1))
@@ -182,7 +182,7 @@ def test_the_start_up_line_names_the_kernel_and_refuses_what_cannot_run():
     from meshtrain.errors import ConfigError
     from meshtrain.mesh import MeshConfig, make_mesh
     from meshtrain.parallel.rules import Preset
-    from meshtrain.parallel.sharding import activation_sharding
+    from meshtrain.parallel.activations import activation_sharding
     from models.kernels.attention import AttentionSpec
 
     one = activation_sharding(Preset.FSDP_TP.rules, make_mesh(MeshConfig(1, 1, 1, 1), jax.devices()[:1]))

@@ -1,6 +1,6 @@
 """``meshtrain.parallel.backward_split``: a stage's backward split into its input-gradient and
 weight-gradient parts gives the backward's values, runs each of its matmul FLOPs exactly once
-(input part + weight part == backward, ``meshtrain.flops``), and defers all the weight-gradient
+(input part + weight part == backward, ``meshtrain.measure.flops``), and defers all the weight-gradient
 matmuls (dW = a^T g) to the weight part: scanned layers, a weight shared across a scan (its
 gradient a carry), remat, a backward inside ``jit`` or ``shard_map``, and the Llama stage under
 remat policies."""
@@ -17,7 +17,7 @@ from flax import nnx
 from jax.extend import core
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain.flops import count_flops
+from meshtrain.measure.flops import count_flops
 from meshtrain.parallel.backward_split import UnsupportedBackward, split_backward
 from models.common import RematPolicy, matmul
 from models.llama import FAMILY

@@ -20,8 +20,8 @@ import pytest
 from compile_flags import FAST_COMPILE_XLA_FLAG
 
 from meshtrain import xla_flags
-from meshtrain.benchmark import baseline_ratios
-from meshtrain.hlo import collective_counts, footprint_bytes
+from meshtrain.measure.benchmark import baseline_ratios
+from meshtrain.measure.hlo import collective_counts, footprint_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIELDS = ("step_time_s_median", "tokens_per_sec", "tflops_per_device", "mfu", "compile_s",
@@ -158,7 +158,7 @@ def test_guarded_baseline_keeps_the_state_of_a_non_finite_step():
     import numpy as np
     from utils import make_trainer
 
-    from meshtrain.benchmark import baseline_step, random_batch
+    from meshtrain.measure.benchmark import baseline_step, random_batch
 
     trainer = make_trainer((2, 2, 2, 1))
     state = trainer.init_state(seed=0)

@@ -19,7 +19,8 @@ from flax import nnx
 
 from meshtrain import loop, policies
 from meshtrain import export
-from meshtrain.checkpoint import CHECKPOINT_DIR, RunCheckpoints, check_params, load_params
+from meshtrain.checkpoint import CHECKPOINT_DIR, RunCheckpoints
+from meshtrain.weights.export_format import check_params, load_params
 from meshtrain.config import load_config, to_dict
 from meshtrain.errors import ConfigError
 from meshtrain.loop import train
@@ -60,8 +61,7 @@ def restore(run_dir, step, cfg):
     checkpoints = RunCheckpoints(pathlib.Path(run_dir) / CHECKPOINT_DIR, read_only=True)
     try:
         trainer = trainer_of_config(cfg)
-        return checkpoints.restore(step, trainer.abstract_state(), field="test", config=to_dict(cfg),
-                                   layer_order=trainer.layer_order)
+        return checkpoints.restore(step, trainer.abstract_state(), field="test", layer_order=trainer.layer_order)
     finally:
         checkpoints.close()
 
@@ -244,7 +244,7 @@ def test_unreadable_latest_falls_back_and_is_kept(reference, tmp_path, capsys):
     checkpoints = RunCheckpoints(root, keep=3)
     try:
         trainer = trainer_of_config(cfg)
-        restored = checkpoints.restore_latest(trainer.abstract_state(), field="run.dir", config=to_dict(cfg),
+        restored = checkpoints.restore_latest(trainer.abstract_state(), field="run.dir",
                                               layer_order=trainer.layer_order, move_unreadable=True)
     finally:
         checkpoints.close()
@@ -267,7 +267,7 @@ def test_every_checkpoint_unreadable_is_an_error(reference, tmp_path):
     checkpoints = RunCheckpoints(run_dir / CHECKPOINT_DIR, keep=3)
     with pytest.raises(ConfigError, match="no readable checkpoint") as err:
         trainer = trainer_of_config(cfg)
-        checkpoints.restore_latest(trainer.abstract_state(), field="run.dir", config=to_dict(cfg),
+        checkpoints.restore_latest(trainer.abstract_state(), field="run.dir",
                                    layer_order=trainer.layer_order, move_unreadable=True)
     checkpoints.close()
     assert err.value.field == "run.dir"

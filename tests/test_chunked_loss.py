@@ -20,7 +20,7 @@ from flax import nnx
 from meshtrain.config import load_config
 from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.errors import ConfigError
-from meshtrain.hlo import collective_counts
+from meshtrain.measure.hlo import collective_counts
 from meshtrain.loss import chunk_length
 from meshtrain.planner.constants import LOGITS_FP32_COPIES
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule

@@ -8,9 +8,9 @@ import jax
 import pytest
 from flax import nnx
 
-from meshtrain.hlo import collective_counts
+from meshtrain.measure.hlo import collective_counts
 from meshtrain.parallel.rules import Preset
-from meshtrain.parallel.sharding import activation_sharding
+from meshtrain.parallel.activations import activation_sharding
 from utils import make_trainer
 
 

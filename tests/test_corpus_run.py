@@ -80,7 +80,7 @@ def test_prepare_train_evaluate_generate(corpus, tmp_path, capsys):
     assert generate.main(["--run", str(run), "--prompt", "The mesh", "--max-new-tokens", "5"],
                          print_fn=printed.append) == 0
     assert printed[0].startswith("The mesh")
-    from meshtrain import loading
+    from meshtrain.weights import loading
     from meshtrain.mesh import MeshConfig, make_mesh
     model = loading.load_model(run, make_mesh(MeshConfig()), load_config(None).sharding.resolve(), field="--run")
     chosen = generate.make_tokenizer("auto", model)

@@ -20,7 +20,7 @@ from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.loss import documents_of
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.rules import Preset
-from meshtrain.parallel.sharding import activation_sharding
+from meshtrain.parallel.activations import activation_sharding
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
 from models.api import family_named, forward
 from models.blocks import RopeScaling, RopeScalingConfig, rotary_tables
@@ -221,7 +221,8 @@ from test_hf import (_hf_logits, _mesh, _random_norms, generate_cli_matches_tran
                      round_trip_through_hf)
 from test_hf_finetune import first_logged_and_transformers_loss  # noqa: E402
 
-from meshtrain import convert, hf, loading  # noqa: E402
+from meshtrain import convert  # noqa: E402
+from meshtrain.weights import hf, loading  # noqa: E402
 from meshtrain.config import load_config, model_dict  # noqa: E402
 from meshtrain.errors import ConfigError  # noqa: E402
 from meshtrain.loop import train  # noqa: E402
@@ -375,7 +376,7 @@ def test_the_traced_step_counts_the_analytic_flops_plus_the_value_padding():
     exactly, dense layer, active experts, shared expert, router and the prediction depth included,
     plus the values' zero padding to the query/key width: 6 * T * heads * (qk - v) per token and
     layer (8.4% here, with v 16 < qk 24; none with v = qk)."""
-    from meshtrain.flops import count_flops
+    from meshtrain.measure.flops import count_flops
     from models.kernels.attention import AttentionKernel
     from models.deepseek import FAMILY
     from models.kernels.grouped_matmul import GroupedKernel

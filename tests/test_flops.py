@@ -1,4 +1,4 @@
-"""``meshtrain.flops``: matmul FLOPs of the traced train step with scan trip counts.
+"""``meshtrain.measure.flops``: matmul FLOPs of the traced train step with scan trip counts.
 
 On one device the count equals the family's analytic ``flops_per_token`` (the number MFU uses: dense
 attention, PaLM's convention), plus exactly the recomputed forward under full remat; these models
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from meshtrain.flops import count_flops
+from meshtrain.measure.flops import count_flops
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.layout import abstract_model
 from meshtrain.parallel.schedules import OpCosts

@@ -21,10 +21,10 @@ import pytest
 from flax import nnx
 
 from meshtrain.checkpoint import CHECKPOINT_DIR, RunCheckpoints
-from meshtrain.config import config_from_dict, load_config, to_dict
+from meshtrain.config import config_from_dict, load_config
 from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.errors import ConfigError
-from meshtrain.fp8 import Fp8Recipe, Scaling, flat, shifted
+from meshtrain.fp8_training import Fp8Recipe, Scaling, flat, shifted
 from meshtrain.loop import train
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
@@ -84,7 +84,7 @@ def test_fp8_matmul_equals_numpy_emulation(delayed):
 
 def test_delayed_histories_equal_a_numpy_reference_over_ten_steps():
     """Ten steps of one weight: each step's output uses the scales of the history before it, and the
-    history takes the step's amaxes first (``meshtrain.fp8.shifted``)."""
+    history takes the step's amaxes first (``meshtrain.fp8_training.shifted``)."""
     rng = np.random.default_rng(1)
     w = rng.normal(size=(32, 8)).astype(np.float32)
     history, expected_history = jnp.zeros((3, 4), jnp.float32), np.zeros((3, 4), np.float32)
@@ -290,7 +290,7 @@ def test_histories_are_checkpointed_and_restore_onto_another_mesh(tmp_path):
         checkpoints = RunCheckpoints(tmp_path / CHECKPOINT_DIR, read_only=True)
         try:
             trainer = trainer_of_config(other)
-            state = checkpoints.restore(3, trainer.abstract_state(), field="test", config=to_dict(other),
+            state = checkpoints.restore(3, trainer.abstract_state(), field="test",
                                         layer_order=trainer.layer_order).state
         finally:
             checkpoints.close()
@@ -422,8 +422,7 @@ def test_checkpoints_written_before_the_fp8_state_still_resume(tmp_path, capsys)
     train(cfg)
     source = RunCheckpoints(tmp_path / "new" / CHECKPOINT_DIR, read_only=True)
     trainer = trainer_of_config(cfg)
-    restored = source.restore(2, trainer.abstract_state(), field="test", config=to_dict(cfg),
-                              layer_order=trainer.layer_order)
+    restored = source.restore(2, trainer.abstract_state(), field="test", layer_order=trainer.layer_order)
     source.close()
     meta = dict(restored.meta)
     meta["config"] = {**meta["config"], "train": {k: v for k, v in meta["config"]["train"].items() if k != "fp8"}}

@@ -15,7 +15,7 @@ import pathlib
 import pytest
 import yaml
 
-from meshtrain import hf
+from meshtrain.weights import hf
 from meshtrain.config import annotated_yaml, load_config, resolve_config
 from meshtrain.train import main
 from models.common import RematPolicy

@@ -539,7 +539,7 @@ def _tiny_hf(path, *, config=None, edit=None, model=()):
 
     from safetensors.numpy import save_file
 
-    from meshtrain import hf
+    from meshtrain.weights import hf
     from meshtrain.config import load_config
     from meshtrain.parallel.layout import abstract_model
     from models.api import family_of
@@ -649,7 +649,7 @@ def test_issue38_item6_an_hf_weight_map_naming_a_file_outside_its_directory_is_r
     import json
     import shutil
 
-    from meshtrain import hf
+    from meshtrain.weights import hf
 
     good = _tiny_hf(tmp_path / "good")
     where = where.format(good=good)
@@ -716,8 +716,9 @@ DEEP = "[" * 100_000 + "]" * 100_000  # a RecursionError in Python's json
 def test_issue38_item9_deeply_nested_json_is_one_line_in_every_reader(prepared, tmp_path, capsys):
     """Every JSON file a user hands in: a jsonl line (prepare, train-tokenizer), a prepared
     index.json, pipeline.table, an HF config.json and its safetensors index, an export's meshtrain.json."""
-    from meshtrain import convert, hf
-    from meshtrain.checkpoint import EXPORT_META, PARAMS_DIR
+    from meshtrain import convert
+    from meshtrain.weights import hf
+    from meshtrain.weights.export_format import EXPORT_META, PARAMS_DIR
     from meshtrain.data import __main__ as data_cli
     from meshtrain.data.prepared import INDEX_FILE
 
@@ -895,7 +896,7 @@ def test_issue38_item12_a_kv_cache_beyond_the_device_memory_is_one_line(tmp_path
     import jax
 
     from meshtrain.generate import generate_tokens
-    from meshtrain.loading import load_model
+    from meshtrain.weights.loading import load_model
     from meshtrain.mesh import MeshConfig, make_mesh
     from meshtrain.parallel.rules import Preset
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from meshtrain import convert, export, generate, logits
-from meshtrain.checkpoint import CHECKPOINT_DIR, EXPORT_META, PARAMS_DIR
+from meshtrain.checkpoint import CHECKPOINT_DIR
+from meshtrain.weights.export_format import EXPORT_META, PARAMS_DIR
 from meshtrain.loop import train
 from meshtrain.train import main as train_main
 from test_checkpoint import REPO, TINY, config

@@ -22,8 +22,9 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 pytest.importorskip("torch", reason="torch is not installed (a test extra: pip install -e '.[dev]')")
 pytest.importorskip("accelerate", reason="accelerate is not installed (a test extra: pip install -e '.[dev]')")
 
-from meshtrain import convert, evaluate, harness, loading
-from meshtrain.checkpoint import save_params
+from meshtrain import convert, evaluate, harness
+from meshtrain.weights import loading
+from meshtrain.weights.export_format import save_params
 from meshtrain.config import model_dict
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.rules import Preset

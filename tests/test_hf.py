@@ -24,8 +24,9 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 torch = pytest.importorskip("torch", reason="torch is not installed (a test extra: pip install -e '.[dev]')")
 
 
-from meshtrain import convert, generate, hf, loading
-from meshtrain.checkpoint import save_params
+from meshtrain import convert, generate
+from meshtrain.weights import hf, loading
+from meshtrain.weights.export_format import save_params
 from meshtrain.config import model_dict
 from meshtrain.errors import ConfigError
 from meshtrain.logits import compute_logits

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from test_hf import RULES, TOKENS, _hf_logits, _hf_model, _mesh, torch, transformers
-from meshtrain import convert, loading
+from meshtrain import convert
+from meshtrain.weights import loading
 from meshtrain.config import load_config
 from meshtrain.data import make_dataset
 from meshtrain.errors import ConfigError

@@ -1,4 +1,4 @@
-"""The census of an optimized HLO module (``meshtrain.hlo.Module``), which the GPU compile tool reads
+"""The census of an optimized HLO module (``meshtrain.measure.hlo.Module``), which the GPU compile tool reads
 because XLA:GPU's compile-only programs have no cost analysis: checked here on XLA:CPU programs whose
 FLOPs and collectives are known by construction, and the compile tool's refusal without the CUDA plugin."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain.hlo import Instruction, Module, cudnn_attention_flops, visible_fraction
+from meshtrain.measure.hlo import Instruction, Module, cudnn_attention_flops, visible_fraction
 from meshtrain.xla_flags import cuda_plugin_installed
 
 

@@ -3,7 +3,9 @@ no cycles, no upward imports, no module importing a command-line module, and scr
 never importing each other.
 
 ``LAYERS`` is the architecture as data, lowest first: a module may import its own layer and the
-layers below. A new module must be placed here, or the test names it.
+layers below. An entry is a folder (a package: all its modules share the layer, unless a longer entry
+places one elsewhere) or a module. A new module must be placed here, or the test names it;
+docs/architecture.md shows the same table.
 """
 
 from __future__ import annotations
@@ -20,23 +22,25 @@ LAYERS: list[tuple[str, ...]] = [
     # Leaves: errors, devices and mesh, precision, the typed sections no other section depends on,
     # and what every command line shares.
     ("meshtrain.errors", "meshtrain.precision", "meshtrain.mesh", "meshtrain.train_config", "meshtrain.optim",
-     "meshtrain.flops", "meshtrain.metrics", "meshtrain.run_lock", "meshtrain.distributed",
-     "meshtrain.cli", "meshtrain.hlo", "meshtrain.jsonio", "meshtrain.yamlio", "meshtrain.trackers", "meshtrain.fp8",
-     "meshtrain.lora"),
+     "meshtrain.metrics", "meshtrain.run_lock", "meshtrain.distributed", "meshtrain.cli", "meshtrain.jsonio",
+     "meshtrain.yamlio", "meshtrain.trackers", "meshtrain.fp8_training", "meshtrain.lora"),
     # The objective: the batch, the chunked head's loss, the whole model's loss without a pipeline.
     ("meshtrain.loss",),
     # One file per parallelism concern (a pipeline's head runs the objective); the data pipeline.
     ("meshtrain.parallel", "meshtrain.data"),
-    # What is built from a layout: the step, checkpoints, HF files, evaluation, the planner's estimate,
+    # What is built from a layout: the step, checkpoints, evaluation, the planner's estimate,
     # sampling with the KV cache, the XLA flags (combine thresholds from a layout's layer bytes).
-    ("meshtrain.trainer", "meshtrain.checkpoint", "meshtrain.hf", "meshtrain.evaluation", "meshtrain.planner",
-     "meshtrain.sampling", "meshtrain.xla_flags", "meshtrain.peft",
+    ("meshtrain.trainer", "meshtrain.checkpoint", "meshtrain.evaluation", "meshtrain.planner",
+     "meshtrain.sampling", "meshtrain.xla_flags",
      "meshtrain.harness"),  # lm-eval's LM on a model; evaluation imports it only when eval.harness asks
-    # The config of every section.
-    ("meshtrain.config",),
-    # What a run and the tools are made of (gpu_compile: the step compiled for compile-only GPUs).
-    ("meshtrain.loading", "meshtrain.resume", "meshtrain.policies", "meshtrain.benchmark", "meshtrain.planner.search",
-     "meshtrain.gpu_compile"),
+    # The config of every section, and the weights' files beside it: Hugging Face (which model.from_hf
+    # reads), the params-only export, PEFT adapters, and loading any of them onto a mesh for the tools.
+    ("meshtrain.config", "meshtrain.weights"),
+    # What a run and the tools are made of: where a run starts, its policies, the planner's search,
+    # the step compiled for compile-only GPUs, and the measuring wing (benchmarks, FLOPs and HLO
+    # readers: only scripts, tests and these tools use it).
+    ("meshtrain.resume", "meshtrain.policies", "meshtrain.planner.search", "meshtrain.gpu_compile",
+     "meshtrain.measure"),
     ("meshtrain.loop",),
     # Command-line modules (``python -m ...``): nothing imports them.
     ("meshtrain.train", "meshtrain.plan", "meshtrain.convert", "meshtrain.export", "meshtrain.logits",
@@ -125,6 +129,13 @@ def test_the_graph_is_read_for_real():
     assert "meshtrain.trainer" in graph["meshtrain.loop"] and "meshtrain.config" in graph["meshtrain.loop"]
     assert _layer("meshtrain.parallel.layout") == 3 and _layer("meshtrain.train") == len(LAYERS) - 1
     assert "meshtrain.loss" in graph["meshtrain.parallel.pipeline"]  # the objective sits below the pipeline
+
+
+def test_the_layer_table_in_the_docs_is_the_tests():
+    """docs/architecture.md's layer table lists LAYERS, row by row in the same order."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = text.split("<!-- layers:", 1)[1].split("\n\n", 1)[0].splitlines()[3:]
+    assert [tuple(cell.strip(" `") for cell in row.split("|")[2].split(",")) for row in rows] == LAYERS
 
 
 def test_scripts_and_tests_do_not_import_each_other():

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.config import load_config
-from meshtrain.hlo import collective_counts
+from meshtrain.measure.hlo import collective_counts
 from meshtrain.parallel.rules import AxisRule, Preset, ShardingRules
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from models.api import family_named

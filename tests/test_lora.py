@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from meshtrain.errors import ConfigError
-from meshtrain.flops import count_flops
+from meshtrain.measure.flops import count_flops
 from meshtrain.lora import LoraConfig
 from meshtrain.planner.estimate import layout_estimate
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule

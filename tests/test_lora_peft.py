@@ -13,7 +13,8 @@ import pytest
 
 from test_hf import RULES, TOKENS, _hf_logits, _hf_model, _mesh, transformers
 from test_hf_finetune import first_logged_and_transformers_loss
-from meshtrain import convert, loading
+from meshtrain import convert
+from meshtrain.weights import loading
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
 from meshtrain.logits import compute_logits

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain.hlo import collective_counts
+from meshtrain.measure.hlo import collective_counts
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.rules import AxisRule, Preset

@@ -19,11 +19,11 @@ import pytest
 from flax import nnx
 
 from meshtrain.errors import ConfigError
-from meshtrain.flops import count_flops
+from meshtrain.measure.flops import count_flops
 from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.experts import Exchange, describe_exchange, exchange_rows
 from meshtrain.parallel.rules import Preset
-from meshtrain.parallel.sharding import activation_sharding
+from meshtrain.parallel.activations import activation_sharding
 from meshtrain.train import main
 from models.kernels.attention import AttentionKernel
 from models.common import unconstrained

@@ -37,8 +37,9 @@ from test_hf import (
 )
 from test_hf_finetune import first_logged_and_transformers_loss
 
-from meshtrain import convert, hf, loading
-from meshtrain.checkpoint import save_params
+from meshtrain import convert
+from meshtrain.weights import hf, loading
+from meshtrain.weights.export_format import save_params
 from meshtrain.config import load_config, model_dict
 from meshtrain.errors import ConfigError
 from meshtrain.logits import compute_logits

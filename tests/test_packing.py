@@ -17,7 +17,7 @@ from meshtrain.data.sources import ArrayStream, FileDataset, StreamInfo
 from meshtrain.loss import documents_of
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.rules import Preset
-from meshtrain.parallel.sharding import activation_sharding
+from meshtrain.parallel.activations import activation_sharding
 from models.api import forward
 from models.common import unconstrained
 from toy_family import ToyGPTConfig

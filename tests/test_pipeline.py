@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshtrain.hlo import collective_counts
+from meshtrain.measure.hlo import collective_counts
 from meshtrain.parallel.layer_order import LayerOrder
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.precision import Precision

@@ -11,7 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from meshtrain.checkpoint import PARAMS_DIR
+from meshtrain.weights.export_format import PARAMS_DIR
 from meshtrain.export import main as export_main
 from meshtrain.train import main
 

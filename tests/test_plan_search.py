@@ -14,7 +14,6 @@ from meshtrain.planner import search as plan_search
 from meshtrain.planner.estimate import Candidate
 from meshtrain.planner.roofline import Hardware
 from meshtrain.parallel.rules import Preset
-from meshtrain.parallel.sharding import ring_axis
 from models.common import RematPolicy
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -108,15 +107,15 @@ def test_a_context_parallel_candidate_configures_the_context_parallel_rules():
     cfg = load_config(TINY, candidate.overrides())
     layout = cfg.layout(candidate.mesh)
     assert cfg.sharding.preset is Preset.FSDP_CP and layout.rules.name == "fsdp_cp"
-    assert layout.length_ways == 4 and layout.batch_axes == ("data",) and ring_axis(layout.rules) is None
+    assert layout.length_ways == 4 and layout.batch_axes == ("data",) and layout.rules.ring_axis is None
     planned = plan_search.candidate_layout(load_config(TINY), candidate)
     assert planned.rules.table == layout.rules.table
     # The config's per-axis override (keys split like the queries: ring attention) is kept under the
     # candidate's preset, by the planner and by the config its overrides make.
     ring_keys = ["sharding.rules.kv_length={activations: fsdp}"]
     tp_cp = Candidate(1, 4, 2, 1, 3, RematPolicy.FULL, preset=Preset.FSDP_TP_CP)
-    assert ring_axis(plan_search.candidate_layout(load_config(TINY, ring_keys), tp_cp).rules) == "fsdp"
-    assert ring_axis(load_config(TINY, ring_keys + tp_cp.overrides()).layout(tp_cp.mesh).rules) == "fsdp"
+    assert plan_search.candidate_layout(load_config(TINY, ring_keys), tp_cp).rules.ring_axis == "fsdp"
+    assert load_config(TINY, ring_keys + tp_cp.overrides()).layout(tp_cp.mesh).rules.ring_axis == "fsdp"
 
 
 @pytest.mark.parametrize("preset", ["fsdp_tp_sp", "fsdp_tp_cp"])

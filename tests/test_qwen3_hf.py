@@ -26,7 +26,8 @@ from test_hf import _hf_logits, _mesh, _random_norms, _tensors, round_trip_throu
 from test_hf_finetune import first_logged_and_transformers_loss
 from test_moe_hf import _random_params
 
-from meshtrain import convert, hf, loading
+from meshtrain import convert
+from meshtrain.weights import hf, loading
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
 from meshtrain.logits import compute_logits

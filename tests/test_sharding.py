@@ -17,7 +17,8 @@ from meshtrain.mesh import MeshConfig, make_mesh
 from meshtrain.parallel.rules import PRESETS, AxisRule, Preset, ShardingRules
 from models.api import FRAMEWORK_AXES, RESIDUAL_AXES
 from models.llama import FAMILY as LLAMA
-from meshtrain.parallel.sharding import activation_sharding, parameter_table, replicated_parameters
+from meshtrain.parallel.activations import activation_sharding
+from meshtrain.parallel.sharding import parameter_table, replicated_parameters
 from utils import MODEL, make_trainer, trainer_of_config
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "tiny_2x2x2x1.txt"

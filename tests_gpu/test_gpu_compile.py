@@ -1,6 +1,6 @@
 """Every parallelism and family compiled by XLA:GPU for compile-only GPUs, at real widths (fewer
 layers where the count does not change the program's shape), each asserted from the optimized HLO
-(``meshtrain.hlo.Module``), never from our own config: it compiles and fits; cuDNN fused attention
+(``meshtrain.measure.hlo.Module``), never from our own config: it compiles and fits; cuDNN fused attention
 wherever the mask allows it; FP8 recipes give GEMMs with f8 operands; the dropless exchange is a
 native ragged all-to-all; no ragged_dot is left for XLA:GPU to densify; FSDP's gathers are async and
 its reduce-scatters combined; the XLA flags each layout sets are accepted by XLA:GPU."""
@@ -20,7 +20,7 @@ import pytest
 from meshtrain.config import load_config
 from meshtrain.gpu_compile import (NEWER_SPEC_FIELDS, CompiledStep, Target, compile_step, documented_gpu_layout,
                                    topology, without_fields)
-from meshtrain.hlo import Module, pallas_calls
+from meshtrain.measure.hlo import Module, pallas_calls
 from meshtrain.xla_flags import MULTI_STREAMED_EINSUM, WINDOWED_EINSUM, step_compiler_options
 from models.api import family_of
 

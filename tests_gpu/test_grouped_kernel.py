@@ -19,7 +19,7 @@ import pytest
 
 from meshtrain.config import load_config
 from meshtrain.gpu_compile import Target, compile_step, topology
-from meshtrain.hlo import pallas_calls
+from meshtrain.measure.hlo import pallas_calls
 from models.kernels.grouped_matmul import GroupedKernel, tokamax_matmul
 
 # Each peer's exchange buffer 1.125x its even share (model.exchange_buffer_factor): the kernel's calls

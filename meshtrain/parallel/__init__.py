@@ -15,12 +15,12 @@
 4. ``zero.py``    - the ZeRO stage: which of optimizer state, gradients and parameters keep the
                     ``fsdp`` split.
 5. ``offload.py`` - the optimizer state in pinned host memory between steps.
-6. ``sharding.py`` - specs to ``NamedSharding``s for parameters, optimizer state, batches and
-                    activation constraints, and the attention scheme the rules imply
-                    (``ring_attention.py`` where the keys stay split along the sequence; the
-                    trainer permutes each batch into its balanced order first), and the expert
-                    exchange of a sorted mixture-of-experts dispatch (``experts.py``: token
-                    choices to the devices holding their experts and back, by all-to-all).
+6. ``sharding.py`` - specs to ``NamedSharding``s for parameters, optimizer state and batches;
+   ``activations.py`` - the model's door to the mesh: activation constraints, the attention
+                    scheme the rules imply (``ring_attention.py`` where the keys stay split along
+                    the sequence; the trainer permutes each batch into its balanced order first),
+                    and the expert exchange of a sorted mixture-of-experts dispatch (``experts.py``:
+                    token choices to the devices holding their experts and back, by all-to-all).
 7. ``accumulate.py`` - gradient accumulation: microbatches scanned inside the jitted step, the
                     accumulator kept in the gradients' layout.
 

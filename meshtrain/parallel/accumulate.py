@@ -59,7 +59,7 @@ def accumulate_gradients(loss_and_grad: Callable[[Any, Batch], tuple[tuple[jax.A
     microbatch axis with ``lax.scan``: (loss, aux, grads) summed.
 
     ``loss_and_grad`` must already be normalised by the global target count, so sums are exact.
-    The amaxes of FP8 matmuls (``meshtrain.fp8``) combine by maximum.
+    The amaxes of FP8 matmuls (``meshtrain.fp8_training``) combine by maximum.
     """
 
     def add_microbatch(carry, microbatch):

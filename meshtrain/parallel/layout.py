@@ -27,7 +27,6 @@ from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.layer_order import LayerOrder
 from meshtrain.parallel.pipeline import STAGE, PipelineConfig, pipeline_rules
 from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
-from meshtrain.parallel.sharding import data_parallel_size, ring_axis
 from meshtrain.parallel.zero import StateLayout, ZeroConfig, ZeroStage, zero_layout
 from meshtrain.train_config import TrainConfig
 from models.api import AxisRole, ModelFamily, family_of
@@ -106,7 +105,7 @@ class Layout:
     @property
     def data_parallel_size(self) -> int:
         """Number of ways the batch dimension is split."""
-        return data_parallel_size(self.rules, self.mesh_shape)
+        return self.rules.data_parallel_size(self.mesh_shape)
 
     @property
     def rows_per_shard(self) -> int:
@@ -159,7 +158,7 @@ class Layout:
                     f"over {where} in rules {rules.name}); use a multiple of {ways}",
                     f"seq {self.model.seq_len} not divisible by {where}"))
                 break
-        ring = ring_axis(rules)
+        ring = rules.ring_axis
         ring_size = self.mesh_shape[ring] if ring is not None else 1
         if ring_size > 1 and rules.balance_ring and self.model.seq_len % (2 * ring_size):
             found.append(Infeasible("model.seq_len", f"{self.model.seq_len} is not divisible by 2 x the ring size "

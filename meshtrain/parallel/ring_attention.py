@@ -18,7 +18,7 @@ and falls as 1 / N.
 
 The framework runs it for a model's ``shard.attend`` wherever the rules split the keys'
 ``kv_length`` over the same single mesh axis as the queries' ``length`` (``fsdp_cp_ring``;
-``meshtrain.parallel.sharding.MeshActivationSharding``). Proven equal to full attention in
+``meshtrain.parallel.activations.MeshActivationSharding``). Proven equal to full attention in
 tests/test_ring_attention.py, and in training to one device in tests/test_long_context.py.
 
 Inside a pipeline stage, where no nested ``shard_map`` compiles, ``ring_attention_in_stage`` runs

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping
 
 from jax.sharding import PartitionSpec
@@ -138,6 +139,20 @@ class ShardingRules:
         """Whether any rule splits something over ``mesh_axis``."""
         return any(mesh_axis in mesh_axes_of(rule.params) + mesh_axes_of(rule.activations)
                    for rule in self.table.values())
+
+    @property
+    def ring_axis(self) -> str | None:
+        """The mesh axis of ring attention: where these rules split queries (``length``) and keys
+        (``kv_length``) over the same single mesh axis, keys stay split and travel round the ring;
+        None when they are not (keys gathered, or nothing split)."""
+        queries = mesh_axes_of(self.activation_spec(("length",))[0])
+        keys = mesh_axes_of(self.activation_spec(("kv_length",))[0])
+        return queries[0] if len(queries) == 1 and keys == queries else None
+
+    def data_parallel_size(self, mesh_shape: Mapping[str, int]) -> int:
+        """Number of ways these rules split the batch dimension on a mesh of ``mesh_shape`` (the one
+        definition: the trainer's layout, the planner and the tools all ask it)."""
+        return math.prod(mesh_shape[axis] for axis in mesh_axes_of(self.activation_spec(("batch",))[0]))
 
     def param_spec(self, axes: tuple[str | None, ...]) -> PartitionSpec:
         """The at-rest PartitionSpec of a parameter with logical ``axes``."""

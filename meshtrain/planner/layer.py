@@ -12,7 +12,6 @@ import math
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.ring_attention import sub_block_length
 from meshtrain.parallel.rules import mesh_axes_of
-from meshtrain.parallel.sharding import ring_axis
 from meshtrain.planner.constants import ACTIVATION_COEFFICIENTS, FP32, HELD, TENSOR_REDUCTION_BUFFERS
 from meshtrain.planner.state import ParamTerms
 from models.api import FamilyCosts, LayerRequest
@@ -63,7 +62,7 @@ def layer_shape(layout: Layout) -> LayerShape:
     sp = max(1, layout.ways(layout.rules.activation_spec(("sequence",)))[0] // cp)
     tokens = rows * model.seq_len / cp
     layers_here = model.num_layers // stages if model.num_layers % stages == 0 else model.num_layers
-    ring_name = ring_axis(layout.rules)
+    ring_name = layout.rules.ring_axis
     ring_size = mesh[ring_name] if ring_name is not None else 1
     spec = model.attention_spec
     keys = None

@@ -25,7 +25,6 @@ from meshtrain.parallel.layout import Layout, abstract_model
 from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.pipeline import Schedule
 from meshtrain.parallel.rules import Preset, ShardingRules, mesh_axes_of
-from meshtrain.parallel.sharding import data_parallel_size
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
 from meshtrain.planner.cache import Cache
 from meshtrain.planner.constants import ACTIVATION_COEFFICIENTS, TEMP_MARGIN
@@ -249,7 +248,7 @@ class _Search:
             self.add(Estimate(candidate, reasons=node[:tensor > self.hardware.node_size]
                               + [problem.reason for problem in layout.problems()]))
             return
-        dp = data_parallel_size(rules, dict(zip(MESH_AXES, mesh)))
+        dp = rules.data_parallel_size(dict(zip(MESH_AXES, mesh)))
         rows = cfg.train.batch_size // (dp * cfg.train.grad_accum)
         micros = [cfg.pipeline.microbatches]
         if stage > 1:

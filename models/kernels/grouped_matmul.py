@@ -16,7 +16,7 @@ Two kernels (``GroupedKernel``):
   blocks past the used ones at run time (``lax.cond``): the work is the rows of a group rounded up
   to whole blocks, for the rows that belong to a group (under expert parallelism most rows of a
   worst-case exchange buffer are padding of no group and cost no matmul); memory is the padded
-  buffer. The FLOP counter (``meshtrain/flops.py``) counts every block, an upper bound.
+  buffer. The FLOP counter (``meshtrain/measure/flops.py``) counts every block, an upper bound.
 
 * ``tokamax``: NVIDIA GPUs' grouped GEMM, tokamax's Pallas Mosaic-GPU ``ragged_dot`` (sm90 / sm100
   kernels; docs/kernels.md for the comparison that chose it): over the rows sorted by group, forward and

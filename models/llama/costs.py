@@ -25,7 +25,7 @@ class LlamaCosts(BlockCosts):
         """Forward FLOPs per token the backward recomputes: DOTS recomputes the attention matmuls,
         FULL every layer's forward but the MLP's down projection (its output, the layer's last, is not
         needed by the backward, and XLA drops it). Both equal the count of the traced step
-        (``meshtrain.flops``, tests/test_flops.py). NAMED and OFFLOAD count 0, an underestimate: they
+        (``meshtrain.measure.flops``, tests/test_flops.py). NAMED and OFFLOAD count 0, an underestimate: they
         recompute whatever their names do not keep (with the default names, the q/k/v, gate/up and
         output projections and the attention scores)."""
         cfg = self.cfg

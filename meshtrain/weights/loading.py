@@ -18,18 +18,21 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshtrain import hf, jsonio
-from meshtrain.checkpoint import (CHECKPOINT_DIR, EXPORT_META, PARAMS_DIR, Restored, RunCheckpoints,
-                                  UnreadableCheckpoint, check_params, load_params, resolve_restore_path, warn)
+from meshtrain import jsonio
+from meshtrain.checkpoint import CHECKPOINT_DIR, Restored, RunCheckpoints, UnreadableCheckpoint, resolve_restore_path
 from meshtrain.cli import use_host_devices
 from meshtrain.config import Config, UntrustedPlugin, config_from_dict, load_config, model_dict, to_dict
+from meshtrain.distributed import log
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import make_mesh
-from meshtrain.parallel.layout import Layout, abstract_model
+from meshtrain.parallel.activations import activation_sharding
 from meshtrain.parallel.layer_order import LayerOrder
+from meshtrain.parallel.layout import Layout, abstract_model
 from meshtrain.parallel.rules import ShardingRules
-from meshtrain.parallel.sharding import activation_sharding, named_shardings
+from meshtrain.parallel.sharding import named_shardings
 from meshtrain.train_config import TrainConfig
+from meshtrain.weights import hf
+from meshtrain.weights.export_format import EXPORT_META, PARAMS_DIR, check_params, load_params
 from models.api import DecoderModel, family_of
 from models.common import ActivationSharding
 
@@ -91,10 +94,10 @@ def inference_layout(model_cfg: Any, mesh: Mesh, rules: ShardingRules,
     """The layout of ``model_cfg`` on ``mesh`` for inference or conversion (checked: no pipeline,
     every parameter dimension divisible by its split)."""
     _check_no_stages(mesh)
-    plan = Layout.of(model_cfg, mesh.shape, rules, TrainConfig(batch_size=mesh.devices.size),
-                           abstract_params=abstract_params)
-    plan.check()
-    return plan
+    layout = Layout.of(model_cfg, mesh.shape, rules, TrainConfig(batch_size=mesh.devices.size),
+                       abstract_params=abstract_params)
+    layout.check()
+    return layout
 
 
 def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, step: int | None = None,
@@ -124,18 +127,18 @@ def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, st
             raise ConfigError(field, f"cannot read {root / EXPORT_META}: {err}") from None
         cfg = recorded_config({"model": meta.get("model", {})}, root / EXPORT_META, field, trust_plugin).model
     graphdef, abstract = abstract_model(cfg)
-    plan = inference_layout(cfg, mesh, rules, abstract)
-    shardings = named_shardings(plan.param_specs(), mesh)
+    layout = inference_layout(cfg, mesh, rules, abstract)
+    shardings = named_shardings(layout.param_specs(), mesh)
     if kind is SourceKind.HF:
         files = hf.SafetensorsFiles(root, field=field)
         params = hf.load_params(files, hf.adapter_of(family_of(cfg), field=field), cfg, abstract, shardings,
                                 field=field)
-        return LoadedModel(cfg, graphdef, params, mesh, plan.rules, kind, root, config, hf.tensor_dtypes(files),
+        return LoadedModel(cfg, graphdef, params, mesh, layout.rules, kind, root, config, hf.tensor_dtypes(files),
                            home=root, trained_on_bytes=False)
     target = check_params(str(root), abstract, shardings, model_config=model_dict(cfg), field=field)
     nnx.replace_by_pure_dict(abstract, load_params(str(root), target, field=field))  # filled in place
     source_hf = meta.get("hf", {})
-    return LoadedModel(cfg, graphdef, abstract, mesh, plan.rules, kind, root, source_hf.get("config"),
+    return LoadedModel(cfg, graphdef, abstract, mesh, layout.rules, kind, root, source_hf.get("config"),
                        source_hf.get("dtypes"), home=root, trained_on_bytes=_trained_on_bytes(meta.get("config")))
 
 
@@ -155,8 +158,8 @@ def _hf_source_config(cfg: Config) -> dict | None:
     try:
         return hf.read_config(source)
     except ConfigError:
-        warn(f"the Hugging Face checkpoint this run started from ({source}) is gone; an export gets "
-             f"max_position_embeddings from the run's seq_len ({cfg.model.seq_len})")
+        log(f"warning: the Hugging Face checkpoint this run started from ({source}) is gone; an export gets "
+            f"max_position_embeddings from the run's seq_len ({cfg.model.seq_len})")
         return None
 
 
@@ -191,7 +194,7 @@ def restore_run(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules | Non
         trainer = Trainer(Layout.of(cfg.model, mesh.shape, rules or cfg.sharding.resolve(), train_cfg), mesh,
                           cfg.optimizer)
         try:
-            restored = source.restore(step, trainer.abstract_state(), field=field, config=to_dict(cfg),
+            restored = source.restore(step, trainer.abstract_state(), field=field,
                                       layer_order=LayerOrder(num_layers=cfg.model.num_layers))
         except UnreadableCheckpoint as err:
             raise ConfigError(field, f"checkpoint {source.path(step)} is unreadable ({err}); pass --step to "

@@ -20,10 +20,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from meshtrain import hf
 from meshtrain.errors import ConfigError
-from meshtrain.fp8 import nested
+from meshtrain.fp8_training import nested
 from meshtrain.lora import LoraTraining
+from meshtrain.weights import hf
 from models.api import family_of
 
 ADAPTER_CONFIG = "adapter_config.json"

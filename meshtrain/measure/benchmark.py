@@ -2,7 +2,7 @@
 
 :func:`run` compiles (:func:`prepare`), warms up and times the trainer's step on random batches
 (:func:`random_batch`): step time, tokens/s, TFLOP/s per device, MFU, compile time, XLA's memory and
-byte counts and the collectives (``meshtrain.hlo``). With ``vs_baseline`` it also times, interleaved,
+byte counts and the collectives (``meshtrain.measure.hlo``). With ``vs_baseline`` it also times, interleaved,
 :func:`baseline_step`: a minimal hand-written train step of the same model (plain ``jax.jit`` of
 value_and_grad + the same optax update, the trainer's shardings, loss and compute dtype), plain and
 with meshtrain's non-finite guard written by hand. ``scripts/bench*.py`` and ``scripts/gpu_check.py``
@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from meshtrain.hlo import bytes_accessed, collective_counts, memory_of
 from meshtrain.loss import cross_entropy_sum
+from meshtrain.measure.hlo import bytes_accessed, collective_counts, memory_of
 from meshtrain.mesh import make_mesh, mesh_shape
 from meshtrain.metrics import mfu, peak_bf16_tflops
-from meshtrain.parallel.sharding import activation_sharding
+from meshtrain.parallel.activations import activation_sharding
 from meshtrain.precision import cast_floating
 from meshtrain.trainer import Trainer, all_finite
 from models.api import family_of, forward

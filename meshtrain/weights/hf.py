@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from meshtrain import jsonio
-from meshtrain.checkpoint import warn
+from meshtrain.distributed import log
 from meshtrain.errors import ConfigError
 from models.api import LAYERS_KEY, AxisRole, HFAdapter, ModelFamily, families, family_named, family_of
 from models.common import InvalidField, logical_axes_of
@@ -82,7 +82,7 @@ def _fit_to_weights(config: dict, hf_dir: pathlib.Path) -> dict:
         return config
     config, note = family_named(family).hf.config_for_weights(config, tensor_names)
     if note:
-        warn(f"{hf_dir}: {note}")
+        log(f"warning: {hf_dir}: {note}")
     return config
 
 
@@ -427,7 +427,7 @@ def _numpy_dtype(dtype: str) -> np.dtype:
     return np.dtype(dtype)
 
 
-def _shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+def _files_of_tensors(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     """Tensor names grouped, in order, into files of at most ``max_shard_bytes`` (a larger tensor
     gets a file of its own)."""
     shards: list[list[str]] = [[]]
@@ -460,11 +460,11 @@ def save(out: str | pathlib.Path, cfg: Any, params: nnx.State, *, dtype: str | C
              for tensor_map, _ in maps for name in tensor_map.hf_tensors(cfg.num_layers)}
     dtypes = set(map(dtype_of, sizes))
     config = hf_config(cfg, dtype=dtypes.pop() if len(dtypes) == 1 else "float32", base=base_config)
-    plan = _shard_plan(sizes, max_shard_bytes)
-    files = ([SINGLE_FILE] if len(plan) == 1 else
-             [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
-    file_of = {name: file_name for file_name, shard in zip(files, plan) for name in shard}
-    last_of = {shard[-1]: file_name for file_name, shard in zip(files, plan)}
+    groups = _files_of_tensors(sizes, max_shard_bytes)
+    files = ([SINGLE_FILE] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    file_of = {name: file_name for file_name, group in zip(files, groups) for name in group}
+    last_of = {group[-1]: file_name for file_name, group in zip(files, groups)}
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     pending: dict[str, np.ndarray] = {}
