@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train moe stdlib test test-fast test-fast-newest clean
+.PHONY: setup train moe stdlib test test-fast test-profile test-fast-newest clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 -m "not slow"
+
+# The whole suite with tests/suite_profile.py: per test file, wall time and JAX's tracing, lowering and
+# compile seconds (.suite-profile/summary.json), the costliest files printed at the end.
+test-profile: $(STAMP)
+	PYTHONPATH=tests $(VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 -p suite_profile
 
 # The other end of the supported JAX range, in a second venv: jax 0.11 and later need Python >= 3.12,
 # so .venv on Python 3.11 has the oldest supported jax and this one the newest that pyproject.toml
