@@ -21,6 +21,7 @@ device) by ``meshtrain.weights.loading``. Bad input prints one ``error: field: w
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import shutil
@@ -30,6 +31,8 @@ import jax
 
 from meshtrain.cli import ArgumentParser, add_mesh_arguments, add_trust_plugin_argument, run
 from meshtrain.config import model_dict
+from meshtrain.data.files import write_file
+from meshtrain.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, end_of_document_id, load_tokenizer
 from meshtrain.errors import ConfigError, new_output, writable_directory
 from meshtrain.parallel.rules import ShardingRules
 from meshtrain.weights import hf, peft
@@ -54,6 +57,21 @@ def _copy_side_files(source: pathlib.Path, out: pathlib.Path) -> list[str]:
                 shutil.copyfile(source / name, out / name)
                 copied.append(name)
     return copied
+
+
+def _tokenizer_config(out: pathlib.Path, copied: list[str]) -> list[str]:
+    """A run's own tokenizer (a ``tokenizer.json`` without a ``tokenizer_config.json``) gets one naming its
+    end-of-text token, the one ``prepare`` ends documents with when no ``--eos`` is given, so that
+    transformers and lm-eval know where a text ends; none when the vocabulary holds no usual such token."""
+    if TOKENIZER_FILE not in copied or TOKENIZER_CONFIG_FILE in copied or jax.process_index() != 0:
+        return []
+    try:
+        eos, _ = end_of_document_id(load_tokenizer(out / TOKENIZER_FILE, "--from"), None, "--from")
+    except ConfigError:
+        return []
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}
+    write_file(out / TOKENIZER_CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
+    return [TOKENIZER_CONFIG_FILE]
 
 
 def from_hf(hf_dir: str, out: str, mesh: Mesh, rules: ShardingRules) -> pathlib.Path:
@@ -100,7 +118,8 @@ def to_hf(source: str, out: str, mesh: Mesh, rules: ShardingRules, *, step: int 
     with new_output(out_dir, "--out"):
         written = hf.save(out_dir, model.cfg, model.params, dtype=file_dtype, base_config=model.hf_config,
                           max_shard_bytes=max_shard_bytes)
-        return written + _copy_side_files(model.path, out_dir)
+        copied = _copy_side_files(model.path, out_dir)
+        return written + copied + _tokenizer_config(out_dir, copied)
 
 
 def to_peft(run: str, out: str, mesh: Mesh, rules: ShardingRules, *, step: int | None = None,

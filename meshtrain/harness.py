@@ -40,7 +40,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from meshtrain.data.tokenizer import end_of_document_id, load_tokenizer
+from meshtrain.data.tokenizer import TOKENIZER_CONFIG_FILE, end_of_document_id, load_tokenizer
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.activations import activation_sharding
 from meshtrain.parallel.rules import ShardingRules
@@ -51,7 +51,6 @@ from models.common import ActivationSharding
 
 MIN_LENGTH = 16  # the shortest padded length of a batch
 MAX_GEN_TOKS = 256  # new tokens of a generate_until request that names none (lm-eval's HFLM default)
-TOKENIZER_CONFIG = "tokenizer_config.json"  # transformers' record of a tokenizer's special tokens
 
 
 class TextTokenizer:
@@ -67,7 +66,7 @@ class TextTokenizer:
     def __init__(self, path: str | pathlib.Path, hf_config: dict | None = None, *, field: str):
         self.path = pathlib.Path(path)
         self.tokenizer = load_tokenizer(self.path, field)
-        recorded = _special_tokens(self.path.parent / TOKENIZER_CONFIG)
+        recorded = _special_tokens(self.path.parent / TOKENIZER_CONFIG_FILE)
         config = hf_config or {}
         self.eot_id = self._id(recorded.get("eos_token"), config.get("eos_token_id"))
         self.bos_id = self._id(recorded.get("bos_token"), config.get("bos_token_id"))

@@ -206,3 +206,22 @@ def test_bad_harness_settings_are_one_line_errors(tmp_path, capsys, overrides, f
     assert train(["--config", str(ROOT / "configs" / "tiny.yaml"), *overrides, f"run.dir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {field}: ") and hint in err[0], err
+
+
+def test_to_hf_names_the_end_of_text_token_of_a_runs_own_tokenizer(model_dirs, tmp_path):
+    """A tokenizer.json without a tokenizer_config.json (a run's own, from train-tokenizer) gets one naming
+    the token prepare ends documents with, which transformers then reads as eos; one of its own is kept."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    export = tmp_path / "export"
+    shutil.copytree(model_dirs[0], export)
+    (export / "tokenizer_config.json").unlink()
+    written = convert.to_hf(str(export), str(tmp_path / "hf"), make_mesh(MeshConfig()), RULES)
+    assert "tokenizer_config.json" in written
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"}
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").eos_token_id == WORDS.index("</s>")
+    assert json.loads((model_dirs[1] / "tokenizer_config.json").read_text()) == json.loads(
+        (model_dirs[0] / "tokenizer_config.json").read_text())  # copied as it was

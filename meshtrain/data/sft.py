@@ -69,11 +69,10 @@ from meshtrain.data.chat_template import CHAT_TEMPLATE_FILE, DEFAULT_CHAT_TEMPLA
 from meshtrain.data.chat_turns import ASSISTANT, Span, turn_spans
 from meshtrain.data.columnar import is_columnar
 from meshtrain.data.files import write_file
-from meshtrain.data.tokenizer import end_of_document_id, load_tokenizer, tokenizer_file
+from meshtrain.data.tokenizer import TOKENIZER_CONFIG_FILE, end_of_document_id, load_tokenizer, tokenizer_file
 from meshtrain.errors import ConfigError, cut, writable_directory
 from meshtrain.run_lock import RunLock
 
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 DEFAULT_TEMPLATE_SOURCE = "the built-in default"
 # The special tokens transformers passes to a template (its special_tokens_map), as strings.
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

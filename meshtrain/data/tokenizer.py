@@ -19,6 +19,7 @@ from meshtrain.data.files import write_file
 from meshtrain.errors import ConfigError, writable_directory
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # transformers' record of a tokenizer's special tokens
 # End-of-document tokens of the common families, in the order they are looked for.
 COMMON_EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 TRAINED_EOS_TOKEN = "<|endoftext|>"
