@@ -35,7 +35,7 @@ from meshtrain.metrics import peak_bf16_tflops
 from meshtrain.parallel.pipeline import Schedule
 from meshtrain.parallel.rules import Preset
 from meshtrain.xla_flags import cuda_plugin_installed
-from meshtrain.planner.constants import TEMP_MARGIN
+from meshtrain.planner.constants import TEMP_MARGIN, Compiler
 from meshtrain.planner.estimate import UNRELIABLE, Candidate, Estimate
 from meshtrain.planner.roofline import Hardware
 from meshtrain.planner.search import GB, LONG_SEQUENCE, MAX_DEVICES, Plan, make_plan, search_presets
@@ -167,8 +167,8 @@ def format_plan(plan: Plan, top: int, show_infeasible: int, requested_meshes: Se
              "activations a stage holds) from the pipeline schedule's table",
              f"layouts: {len(plan.estimates)} enumerated, {len(fit)} fit, {len(big)} need too much memory, "
              f"{len(broken)} cannot be built",
-             "per device, GB, as XLA:CPU holds them (activ = what the backward keeps: in fp32, or in a pipeline"
-             " the stash in the compute dtype with its cut and buffers; temps = the"
+             f"per device, GB, as {hw.compiler.value} holds them (activ = what the backward keeps: in fp32, or in a"
+             " pipeline the stash in the compute dtype with its cut and buffers; temps = the"
              " compute copy and the gradients the backward writes, then the larger of the loss phase and one"
              " layer's backward, and the batch; update = the fp32 gradients and one fp32 step per optimizer"
              " element, or an offloaded optimizer state's moments brought to the device; temp bytes = the"
@@ -350,6 +350,8 @@ def _plan(argv: list[str] | None) -> None:
     if args.write_config:
         check_write_config(pathlib.Path(args.write_config), args.config, args.overwrite)
     gpus, why_cpu = start_verify(args.devices, args.device_kind, args.node_size) if args.verify else (None, "")
+    if args.verify and gpus is None:  # compared against XLA:CPU: its fitted constants, not XLA:GPU's
+        hardware = dataclasses.replace(hardware, compiler=Compiler.XLA_CPU)
     cfg = load_config(args.config, args.overrides)
     plan = make_plan(cfg, args.devices, device_memory, host_memory, hardware=hardware, meshes=meshes,
                      zero_stages=zeros, remats=remats, schedules=schedules,

@@ -8,7 +8,7 @@ import math
 import pathlib
 
 import pytest
-from test_plan import assert_state_matches, assert_temp_within
+from test_plan import XLA_CPU, assert_state_matches, assert_temp_within
 
 from meshtrain import plan as planner
 from meshtrain.config import load_config
@@ -30,7 +30,7 @@ STATE_PARTS = {"params": 4, "grads": 4, "optimizer": 8}
 def _estimate(overrides, mesh, zero, remat="full"):
     cfg = load_config(MOE_TINY, overrides)
     (est,) = planner.make_plan(cfg, 8, 80 * GB, meshes=[mesh], zero_stages=[zero],
-                               remats=[RematPolicy(remat)]).estimates
+                               remats=[RematPolicy(remat)], hardware=XLA_CPU).estimates
     assert not est.reasons, est.reasons
     return cfg, est
 

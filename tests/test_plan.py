@@ -3,6 +3,7 @@ verdicts, infeasibility reasons and the CLI's bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 import re
@@ -11,6 +12,8 @@ import pytest
 
 from meshtrain import plan as planner
 from meshtrain.config import load_config
+from meshtrain.planner.constants import Compiler
+from meshtrain.planner.roofline import Hardware
 from models.common import RematPolicy
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -24,6 +27,9 @@ TEMP_TOLERANCE = 0.15
 # the safe side): the bf16 accumulation case's temp bytes are 6,288,272 on jax 0.10.2, which the
 # model was fitted on, and 4,533,392 on 0.11.2 (the model: 5,991,680; -4.7% and +32.2%).
 OVERESTIMATE_TOLERANCE = {"small-bf16-accum2": 0.35}
+
+# The simulated CPU devices' hardware: the estimate with XLA:CPU's constants, which these tests compile with.
+XLA_CPU = Hardware(compiler=Compiler.XLA_CPU)
 
 # (config, overrides, layout) cases: tiny (configs/tiny.yaml) and a small 4-layer variant.
 SMALL = ["model.num_layers=4", "model.embed_dim=128", "model.mlp_dim=384", "model.vocab_size=256"]
@@ -46,7 +52,7 @@ CASES = {
 def _estimate_and_compile(overrides, mesh, zero, remat, micro):
     cfg = load_config(REPO / "configs" / "tiny.yaml", overrides)
     plan = planner.make_plan(cfg, 8, 80 * GB, meshes=[mesh], zero_stages=[zero],
-                             remats=[RematPolicy(remat)], schedules=[planner.Schedule.GPIPE])
+                             remats=[RematPolicy(remat)], schedules=[planner.Schedule.GPIPE], hardware=XLA_CPU)
     (est,) = [e for e in plan.estimates if e.candidate.microbatches == micro or mesh[3] == 1]
     assert not est.reasons, est.reasons
     xla = planner.verify(str(REPO / "configs" / "tiny.yaml"), overrides, est, 8)
@@ -119,8 +125,8 @@ def test_10b_on_8x40gb_pure_dp_and_tp2_pp2_dp2_do_not_fit_and_zero3_does():
 
 
 def test_7b_on_one_80gb_device_fits_no_layout_offload_brings_the_moments_back_for_the_update():
-    without = _plan("llama_7b.yaml", 1, 80 * GB)
-    offload = _plan("llama_7b.yaml", 1, 80 * GB, 1e12)
+    without = _plan("llama_7b.yaml", 1, 80 * GB, hardware=XLA_CPU)
+    offload = _plan("llama_7b.yaml", 1, 80 * GB, 1e12, hardware=XLA_CPU)
     assert not any(plan.fits(e) for plan in (without, offload) for e in plan.estimates)
     params = offload.cfg.model.num_params
     moved = [e for e in offload.estimates if e.candidate.offload]
@@ -135,7 +141,7 @@ def test_7b_on_one_80gb_device_fits_no_layout_offload_brings_the_moments_back_fo
 
 @pytest.mark.slow
 def test_the_offloaded_7b_update_phase_matches_the_compiler():
-    plan = _plan("llama_7b.yaml", 1, 80 * GB, 1e12, remats=[RematPolicy.FULL])
+    plan = _plan("llama_7b.yaml", 1, 80 * GB, 1e12, remats=[RematPolicy.FULL], hardware=XLA_CPU)
     (est,) = [e for e in plan.estimates if e.candidate.offload]
     xla = planner.verify(str(REPO / "configs" / "llama_7b.yaml"), [], est, 1)
     assert est.temp_bytes == pytest.approx(xla["temp"], rel=0.02)
@@ -300,11 +306,11 @@ def test_the_written_big_config_shards_its_parameters_as_the_plans_first_row(tmp
     assert per_device / 1e9 == pytest.approx(params_gb, rel=5e-3), (first, total)
 
 
-@pytest.mark.parametrize("memory,verdict", [("28.5GB", "fits?"), ("30GB", "fits")])
+@pytest.mark.parametrize("memory,verdict", [("26.5GB", "fits?"), ("27.5GB", "fits")])
 def test_a_layout_that_fits_only_within_the_models_error_is_not_vouched_for(memory, verdict, capsys):
-    """The 10B's ZeRO-3 layout needs 27.9 GB by the estimate, 29.4 GB with its temp bytes
-    ``TEMP_MARGIN`` (12%) larger: on 28.5 GB it fits, but only within the model's measured error, so
-    it is ``fits?`` with the reason printed; on 30 GB it is ``fits``."""
+    """The 10B's ZeRO-3 layout needs 25.8 GB by the estimate (an H100's, XLA:GPU's constants), 27.1 GB
+    with its temp bytes ``TEMP_MARGIN`` (12%) larger: on 26.5 GB it fits, but only within the model's
+    measured error, so it is ``fits?`` with the reason printed; on 27.5 GB it is ``fits``."""
     assert planner.main(["--config", str(REPO / "configs" / "llama_10b.yaml"), "--devices", "8", "--device-memory",
                          memory, "--mesh", "1,8,1,1", "--zero", "3", "--remat", "full"]) == 0
     out = capsys.readouterr().out
@@ -417,6 +423,7 @@ def test_verify_without_the_gpu_compile_environment_compiles_on_xla_cpu_and_says
     assert asked == [(8, None)]
     assert "on 8 simulated CPU devices by XLA:CPU" in out and "by XLA:GPU" not in out, out
     assert "(XLA:CPU, not XLA:GPU: the GPU compile environment is not installed: make setup-gpu-compile" in out
+    assert "per device, GB, as XLA:CPU holds them" in out  # the estimates compared are XLA:CPU's
 
 
 def test_verify_reranks_by_xlas_verdict_and_shows_the_peak_beside_the_estimate():
@@ -434,12 +441,23 @@ def test_verify_reranks_by_xlas_verdict_and_shows_the_peak_beside_the_estimate()
 
 
 def test_every_fitted_constant_says_where_it_was_measured():
-    """The planner's one table of constants: each fitted one has its row (compiler, jaxlib, date) in
-    ``MEASURED``, and each row names a constant of the table."""
+    """The planner's constants: one table per compiler, each fitted field with its row (compiler,
+    jaxlib, date) naming that compiler; GPUs take XLA:GPU's table, the simulated CPU devices XLA:CPU's."""
     from meshtrain.planner import constants
+    from meshtrain.planner.roofline import Hardware
 
-    sizes = {"FP32", "BATCH_BYTES_PER_TOKEN", "STATE_SCALAR_BYTES", "MEASURED"}
-    fitted = {name for name in vars(constants) if name.isupper() and not name.startswith("_")} - sizes
-    assert fitted == set(constants.MEASURED) and len(fitted) == 6, fitted
-    assert {(m.compiler, m.jaxlib) for m in constants.MEASURED.values()} == {("XLA:CPU", "0.10.2")}
-    assert all(re.fullmatch(r"2026-1[12]-\d\d", m.date) for m in constants.MEASURED.values())
+    assert set(constants.TABLES) == set(constants.Compiler)
+    fitted = {f.name for f in dataclasses.fields(constants.Constants)} - {"compiler", "measured"}
+    assert len(fitted) == 11, fitted
+    for compiler, table in constants.TABLES.items():
+        assert table.compiler is compiler and set(table.measured) == fitted
+        assert {m.compiler for m in table.measured.values()} == {compiler.value}
+        assert all(re.fullmatch(r"2026-1[12]-\d\d", m.date) for m in table.measured.values())
+    assert {m.jaxlib for m in constants.XLA_CPU.measured.values()} == {"0.10.2"}
+    assert {m.jaxlib for m in constants.XLA_GPU.measured.values()} == {"0.11.2"}
+    assert Hardware().compiler is constants.Compiler.XLA_GPU
+    # The terms that describe XLA:CPU alone (fp32 widening of bf16 values, copied loop carries) are XLA:CPU's.
+    assert constants.XLA_CPU.held_bytes(2) == 4 and constants.XLA_GPU.held_bytes(2) == 2
+    assert constants.XLA_CPU.copied_carries and not constants.XLA_GPU.copied_carries
+    with pytest.raises(ValueError, match="measured must name every fitted field"):
+        dataclasses.replace(constants.XLA_GPU, measured={})

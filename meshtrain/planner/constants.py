@@ -1,14 +1,18 @@
-"""The planner's one table of constants: the sizes it counts in, and every constant fitted to a
-compiler, with where it was measured (``MEASURED``: compiler, jaxlib, date, what).
+"""The planner's constants: the sizes it counts in, and per compiler one table of fitted constants
+(``Constants``: XLA:GPU's for GPUs, XLA:CPU's for the simulated CPU devices of the tests), each with
+where it was measured (``Measured``: compiler, jaxlib, date, on what).
 
 A fitted constant describes one compiler's buffer assignment on one jaxlib: the same program's
-temporaries move with both (docs/memory.md). Refit them with ``scripts/plan_accuracy.py`` and
-update the constant's row here together with its value.
+temporaries move with both (docs/memory.md). Refit them with ``scripts/plan_accuracy.py`` (XLA:GPU's
+measured rows are kept in scripts/plan_accuracy_gpu.json, so ``--from-record`` refits without
+compiling) and update the constant's row together with its value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+from collections.abc import Mapping
 
 from models.common import RematPolicy
 
@@ -16,6 +20,15 @@ from models.common import RematPolicy
 FP32 = 4
 BATCH_BYTES_PER_TOKEN = 3 * 4  # inputs, targets (int32) and mask (f32)
 STATE_SCALAR_BYTES = 64  # step, skipped_steps, loss scale, Adam/schedule counts (rounded up)
+# The remat policies the estimate models (every table fits a coefficient for each).
+MODELLED_REMATS = (RematPolicy.NONE, RematPolicy.FULL, RematPolicy.DOTS)
+
+
+class Compiler(str, enum.Enum):
+    """The compiler whose buffer assignment a table of constants describes."""
+
+    XLA_CPU = "XLA:CPU"
+    XLA_GPU = "XLA:GPU"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,43 +41,119 @@ class Measured:
     on: str
 
 
-# Fitted to XLA:CPU's ``memory_analysis`` of the real train step (scripts/plan_accuracy.py).
-# The margin on temp bytes a layout without a pipeline must fit with to be vouched for (``fits``):
-# set at 12% of the estimate when the accuracy matrix's largest shortfall was -10.5% of XLA:CPU's (8B,
-# remat none, since modelled); on the matrix of 2026-12-05 (28 layouts, dropless MoE and FP8 included)
-# the largest is -3.5%, and the margin is kept for the shapes it lacks.
+@dataclasses.dataclass(frozen=True)
+class Constants:
+    """One compiler's fitted constants (``TABLES``); ``measured``: each field's ``Measured`` row.
+
+    ``activation_coefficients``: multiplier of one layer's structural working set
+    (``FamilyCosts.layer_bytes``' ``working``) per remat policy: XLA reuses some buffers within the
+    layer's backward. ``logits_fp32_copies``: fp32 [chunk tokens, vocab] buffers of the loss phase
+    beside one chunk's logits in the compute dtype (fp32 logits, softmax, their gradient).
+    ``tensor_reduction_buffers``: residual-stream-wide fp32 buffers per token that a layer's backward
+    holds for tensor parallelism's reductions below fp32 (XLA:CPU promotes bf16 all-reduces to fp32).
+    ``cut_fp32_residuals``: residual-wide fp32 vectors per token and layer in ZB-H1's cut beside its
+    compute-dtype values. ``held``: bytes per element the step holds the values it keeps (stash,
+    compute copies of the layers, context parallelism's gathered keys and values) in; None: the
+    compute dtype (XLA:CPU widens bf16 to fp32, its dynamic-update-slices of bf16 are upcast).
+    ``widened_chunk``: a pipeline chunk's layers are widened to fp32 while they run (XLA:CPU computes
+    bf16 matmuls in fp32). ``copied_carries``: a loop that both writes and reads a carried buffer
+    holds it twice (XLA:CPU copies it instead of updating it in place). ``projection_copies``: copies
+    the loss phase holds of the vocabulary projection ZeRO-3 gathers and of its fp32 gradient summed
+    over the batch's devices (XLA:CPU: the forward's and the backward's gathers, the all-reduce's
+    operand and result; XLA:GPU reduce-scatters, one each). ``update_in_place``: the optimizer's update
+    writes the moments and parameters in place, holding no fp32 temporary per optimizer element
+    (``meshtrain.planner.state.held_state``). ``checked_pipelines``: every pipeline layout of the
+    compiler's accuracy matrix is within its bound, so the planner vouches for pipelines (``fits``)
+    as for the rest. ``gathered_copies``: one layer's ZeRO-3-gathered fp32 weights the layer phase holds
+    at once (XLA:GPU's asynchronous gathers fetch the next layer's while one runs, beside its bf16 cast)."""
+
+    compiler: Compiler
+    activation_coefficients: Mapping[RematPolicy, float]
+    logits_fp32_copies: float
+    tensor_reduction_buffers: float
+    cut_fp32_residuals: float
+    held: int | None
+    widened_chunk: bool
+    copied_carries: bool
+    projection_copies: int
+    update_in_place: bool
+    checked_pipelines: bool
+    gathered_copies: float
+    measured: Mapping[str, Measured]
+
+    def __post_init__(self):
+        fields = {f.name for f in dataclasses.fields(self)} - {"compiler", "measured"}
+        if set(self.measured) != fields:
+            raise ValueError(f"Constants.measured must name every fitted field {sorted(fields)}, "
+                             f"got {sorted(self.measured)}")
+        if set(self.activation_coefficients) != set(MODELLED_REMATS):
+            raise ValueError("Constants.activation_coefficients must have one coefficient per remat policy in "
+                             f"{[r.value for r in MODELLED_REMATS]}")
+
+    def held_bytes(self, compute_bytes: int) -> int:
+        """Bytes per element of the values the step keeps, for a step computing in ``compute_bytes``."""
+        return compute_bytes if self.held is None else self.held
+
+
+# The margin on temp bytes a layout must fit with to be vouched for (``fits``), both compilers: set at
+# 12% of the estimate when XLA:CPU's accuracy matrix's largest shortfall was -10.5% (8B, remat none,
+# since modelled); kept for the shapes the matrices lack.
 TEMP_MARGIN = 0.12
-# Multiplier of one layer's structural working set (``FamilyCosts.layer_bytes``' ``working``), fitted
-# (minimax) to XLA:CPU's temp bytes of the real fp32 train step on mesh (1, 8, 1, 1), ZeRO-3, over 13
-# model shapes per policy (docs/memory.md): XLA reuses some buffers within the layer's backward.
-ACTIVATION_COEFFICIENTS: dict[RematPolicy, float] = {
-    RematPolicy.NONE: 0.82,
-    RematPolicy.FULL: 0.92,
-    RematPolicy.DOTS: 0.75,
-}
-# The loss phase holds one chunk's logits (``train.loss_chunk`` positions per row: ``meshtrain.loss``)
-# in the compute dtype and three fp32 [chunk tokens, vocab] buffers (fp32 logits, softmax, their
-# gradient); it is live before the layers' backward, so the peak takes the larger of the two phases.
-LOGITS_FP32_COPIES = 3
-# Residual-stream-wide fp32 buffers per token that a layer's backward holds for tensor parallelism's
-# reductions, fitted on 8B-class layouts (1, 1, 8, 1) and (1, 2, 4, 1) with sequence parallelism
-# (docs/memory.md): 12.8 and 13.8 of them, 11 keeping the other TP layouts of the matrix within 10%.
-TENSOR_REDUCTION_BUFFERS = 11
-# Residual-stream-wide fp32 vectors per token and layer in ZB-H1's cut besides its compute-dtype
-# values (XLA:CPU's buffers of the 8B ZB-H1 layouts: four, beside their bf16 copies).
-CUT_FP32_RESIDUALS = 4
-# Bytes per element XLA:CPU holds the values the step keeps (stash, compute copies of the layers)
-# in: it widens bf16 to fp32.
-HELD = 4
+MARGIN_MEASURED = Measured("XLA:CPU", "0.10.2", "2026-12-05", "the accuracy matrix: 28 layouts at 8B-10B widths")
 
 _CPU_NOV30 = Measured("XLA:CPU", "0.10.2", "2026-11-30", "fp32 train steps of 13 Llama shapes, mesh (1, 8, 1, 1)")
 _CPU_DEC05 = Measured("XLA:CPU", "0.10.2", "2026-12-05", "the accuracy matrix: 28 layouts at 8B-10B widths "
                       "(docs/memory.md)")
-MEASURED: dict[str, Measured] = {
-    "TEMP_MARGIN": _CPU_DEC05,
-    "ACTIVATION_COEFFICIENTS": _CPU_NOV30,
-    "LOGITS_FP32_COPIES": _CPU_NOV30,
-    "TENSOR_REDUCTION_BUFFERS": _CPU_DEC05,
-    "CUT_FP32_RESIDUALS": _CPU_DEC05,
-    "HELD": _CPU_DEC05,
-}
+XLA_CPU = Constants(
+    Compiler.XLA_CPU,
+    # Fitted (minimax) to XLA:CPU's temp bytes of the real fp32 train step on mesh (1, 8, 1, 1),
+    # ZeRO-3, over 13 model shapes per policy (docs/memory.md).
+    activation_coefficients={RematPolicy.NONE: 0.82, RematPolicy.FULL: 0.92, RematPolicy.DOTS: 0.75},
+    logits_fp32_copies=3,
+    # Fitted on 8B-class layouts (1, 1, 8, 1) and (1, 2, 4, 1) with sequence parallelism: 12.8 and 13.8
+    # of them, 11 keeping the other TP layouts of the matrix within 10%.
+    tensor_reduction_buffers=11,
+    # XLA:CPU's buffers of the 8B ZB-H1 layouts: four, beside their bf16 copies.
+    cut_fp32_residuals=4,
+    held=4,
+    widened_chunk=True,
+    copied_carries=True,
+    projection_copies=2,
+    update_in_place=False,
+    checked_pipelines=False,
+    gathered_copies=1,
+    measured={"activation_coefficients": _CPU_NOV30, "logits_fp32_copies": _CPU_NOV30, "projection_copies": _CPU_NOV30,
+              **dict.fromkeys(("tensor_reduction_buffers", "cut_fp32_residuals", "held", "widened_chunk",
+                               "copied_carries", "update_in_place", "checked_pipelines", "gathered_copies"),
+                              _CPU_DEC05)},
+)
+
+_GPU_DEC07 = Measured("XLA:GPU", "0.11.2", "2026-12-07", "H100 and H200 accuracy matrix (scripts/plan_accuracy.py "
+                      "--compiler gpu, scripts/plan_accuracy_gpu.json)")
+_GPU_KEPT = Measured("XLA:GPU", "0.11.2", "2026-12-07", "XLA:CPU's value kept, checked on the same matrix: the "
+                     "rows it decides are within 10% with it")
+XLA_GPU = Constants(
+    Compiler.XLA_GPU,
+    # ``full`` and ``dots`` fitted (minimax on temp bytes) to the matrix's layouts that fit their target;
+    # ``none``'s rows are bound by the loss phase, so XLA:CPU's coefficient is kept.
+    activation_coefficients={RematPolicy.NONE: 0.82, RematPolicy.FULL: 1.2, RematPolicy.DOTS: 1.3},
+    logits_fp32_copies=3,
+    tensor_reduction_buffers=0,
+    cut_fp32_residuals=4,
+    held=None,
+    widened_chunk=False,
+    copied_carries=False,
+    projection_copies=1,
+    update_in_place=True,
+    # The pipelines at 8B-10B widths are within 8% of XLA:GPU's peak, but the GPU tier's 4-layer ones
+    # are not (1F1B +11%, interleaved with one layer per chunk +27%): they stay ``fits?``.
+    checked_pipelines=False,
+    gathered_copies=2,
+    measured={"logits_fp32_copies": _GPU_KEPT, "cut_fp32_residuals": _GPU_KEPT,
+              **dict.fromkeys(("activation_coefficients", "tensor_reduction_buffers", "held", "widened_chunk",
+                               "copied_carries", "projection_copies", "update_in_place", "checked_pipelines",
+                               "gathered_copies"), _GPU_DEC07)},
+)
+TABLES: dict[Compiler, Constants] = {Compiler.XLA_CPU: XLA_CPU, Compiler.XLA_GPU: XLA_GPU}
+# XLA:CPU's, for the CPU tests that bound a loss phase's buffers (tests/test_chunked_loss.py).
+LOGITS_FP32_COPIES = XLA_CPU.logits_fp32_copies

@@ -27,7 +27,7 @@ from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.pipeline import Schedule
 from meshtrain.parallel.rules import Preset
 from meshtrain.planner.cache import Cache
-from meshtrain.planner.constants import ACTIVATION_COEFFICIENTS, STATE_SCALAR_BYTES
+from meshtrain.planner.constants import MODELLED_REMATS, STATE_SCALAR_BYTES, TABLES
 from meshtrain.planner.head import head_phase
 from meshtrain.planner.layer import layer_phase, layer_shape
 from meshtrain.planner.pipeline import pipeline_stash, pipeline_temporaries, schedule_table
@@ -111,6 +111,7 @@ class Estimate:
     bubble: float = 0.0  # the pipeline table's idle share (F = 1, B = 2, I = W = 1)
     in_flight: int = 0  # the table's peak chunk activations in flight on a stage (0 without a pipeline)
     reasons: list[str] = dataclasses.field(default_factory=list)  # structural: cannot run at all
+    pipelines_checked: bool = False  # the compiler's matrix holds its pipelines to the bound (``Constants``)
 
     @property
     def total(self) -> int:
@@ -142,8 +143,9 @@ class Estimate:
 
     @property
     def reliable(self) -> bool:
-        """False where the model is known to be far off: pipeline layouts' activation (temp) bytes."""
-        return self.candidate.stage == 1
+        """False where the model is not checked at scale: a pipeline layout's temp bytes, unless the
+        compiler's constants were fitted with its pipelines within the bound (XLA:GPU's)."""
+        return self.candidate.stage == 1 or self.pipelines_checked
 
     @property
     def step_s(self) -> float:
@@ -161,11 +163,12 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     computed once (the spec tables, the parameters' terms and their divisibility); a fresh one
     without."""
     cache = Cache() if cache is None else cache
-    est = Estimate(candidate)
+    constants = TABLES[hw.compiler]
+    est = Estimate(candidate, pipelines_checked=constants.checked_pipelines)
     mesh, zero = tuple(layout.mesh_shape.values()), candidate.zero
     where = (candidate.preset, mesh, zero)
     # Structural feasibility: the trainer's own checks (``Layout.problems``), as short reasons.
-    if candidate.remat not in ACTIVATION_COEFFICIENTS:
+    if candidate.remat not in MODELLED_REMATS:
         est.reasons.append(f"remat {candidate.remat.value} is not modelled")
     est.reasons += [problem.reason for problem in layout.problems(parameters=False)]
     est.reasons += [reason for reason in cache.get(_parameter_reasons, where[:2], layout) if reason not in est.reasons]
@@ -173,25 +176,25 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     specs = cache.get(spec_tables, (candidate.preset, candidate.stage > 1, zero), layout)
     terms = cache.get(param_terms, where, layout, specs)
     adapters = cache.get(lora_terms, where, layout) if layout.train.lora.enabled else None
-    state = held_state(layout, terms, adapters, compute_bytes, candidate.offload)
+    state = held_state(layout, terms, adapters, compute_bytes, candidate.offload, constants)
     est.params, est.grads, est.optimizer = state.params, state.grads, state.optimizer
     est.optimizer_host, est.update, est.batch = state.optimizer_host, state.update, state.batch
 
     costs = layout.family.costs(layout.model)
     shape = layer_shape(layout)
-    layer = layer_phase(layout, shape, costs, terms, candidate.remat, compute_bytes)
-    head = head_phase(layout, shape, terms, compute_bytes)
+    layer = layer_phase(layout, shape, costs, terms, candidate.remat, compute_bytes, constants)
+    head = head_phase(layout, shape, terms, compute_bytes, constants)
     table = None if est.reasons else schedule_table(layout)  # a layout that cannot be built has none
     if table is None:
         est.activations = round(shape.layers_here * shape.tokens * layer.saved)
-        est.temporaries = round(held_through_backward(layout, terms, state, compute_bytes)
+        est.temporaries = round(held_through_backward(layout, terms, state, compute_bytes, constants)
                                 + max(layer.gathered + layer.layer_experts + layer.layer_work, head.loss_phase)
                                 + layer.residual)
     else:
-        stash = pipeline_stash(layout, table, shape, costs, layer, compute_bytes, cache)
+        stash = pipeline_stash(layout, table, shape, costs, layer, compute_bytes, constants, cache)
         est.activations = stash.activations
         est.temporaries = pipeline_temporaries(table, stash, terms, layer, head, compute_bytes,
-                                               accumulator_bytes(layout, state))
+                                               accumulator_bytes(layout, state), constants)
 
     time = step_time(layout, candidate.remat, zero, candidate.devices, costs, terms, shape, head, table,
                      compute_bytes, hw, cache)
@@ -199,11 +202,12 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     return est
 
 
-def layout_estimate(layout: Layout, compute_bytes: int) -> Estimate:
+def layout_estimate(layout: Layout, compute_bytes: int, hardware: Hardware | None = None) -> Estimate:
     """``estimate`` of the layout a run was configured with (its mesh, ZeRO stage, remat, pipeline
-    microbatches, offload and accumulation as they are)."""
+    microbatches, offload and accumulation as they are) on ``hardware`` (default: ``Hardware()``, an
+    H100's, compiled by XLA:GPU)."""
     mesh = layout.mesh_shape
     candidate = Candidate(mesh["data"], mesh["fsdp"], mesh["tensor"], mesh["stage"], int(layout.zero.stage),
                           layout.model.remat, layout.pipeline.microbatches, layout.offload.optimizer,
                           layout.train.grad_accum, layout.pipeline.schedule, layout.pipeline.virtual_stages)
-    return estimate(layout, candidate, compute_bytes=compute_bytes, hw=Hardware())
+    return estimate(layout, candidate, compute_bytes=compute_bytes, hw=Hardware() if hardware is None else hardware)

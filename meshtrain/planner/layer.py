@@ -1,8 +1,8 @@
 """The layer's phase: how one stacked layer's tokens split on a device (``LayerShape``), what the
 backward keeps of each layer under the remat policy, and one layer's working set while its backward
-runs (``LayerPhase``): the family's ``FamilyCosts.layer_bytes`` scaled by the fitted
-``ACTIVATION_COEFFICIENTS``, with the layer's ZeRO-gathered weights, its experts, and tensor and
-context parallelism's buffers."""
+runs (``LayerPhase``): the family's ``FamilyCosts.layer_bytes`` scaled by the compiler's fitted
+``Constants.activation_coefficients``, with the layer's ZeRO-gathered weights, its experts, and
+tensor and context parallelism's buffers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import math
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.ring_attention import sub_block_length
 from meshtrain.parallel.rules import mesh_axes_of
-from meshtrain.planner.constants import ACTIVATION_COEFFICIENTS, FP32, HELD, TENSOR_REDUCTION_BUFFERS
+from meshtrain.planner.constants import FP32, Constants
 from meshtrain.planner.state import ParamTerms
 from models.api import FamilyCosts, LayerRequest
 from models.common import RematPolicy
@@ -82,8 +82,8 @@ def layer_shape(layout: Layout) -> LayerShape:
 
 @dataclasses.dataclass(frozen=True)
 class LayerPhase:
-    """Per token and layer: ``saved`` (what the backward keeps, at ``HELD`` bytes: XLA:CPU widens it to
-    fp32), ``kept`` (the same in the compute dtype: a pipeline's stash), ``working`` (one layer's live
+    """Per token and layer: ``saved`` (what the backward keeps, at the compiler's ``held_bytes``: XLA:CPU
+    widens it to fp32), ``kept`` (the same in the compute dtype: a pipeline's stash), ``working`` (one layer's live
     set). Per device: ``gathered``, one layer's ZeRO-gathered weights (fp32); ``layer_experts``, its
     experts; ``layer_work``, its backward's working set; ``residual``, one microbatch's residual stream
     in fp32."""
@@ -98,10 +98,11 @@ class LayerPhase:
 
 
 def layer_phase(layout: Layout, shape: LayerShape, costs: FamilyCosts, terms: ParamTerms, remat: RematPolicy,
-                compute_bytes: int) -> LayerPhase:
-    """One layer's phase of ``layout`` under ``remat`` (``LayerPhase``)."""
+                compute_bytes: int, constants: Constants) -> LayerPhase:
+    """One layer's phase of ``layout`` under ``remat`` (``LayerPhase``) with ``constants``, the compiler's."""
     model = layout.model
-    saved = costs.layer_bytes(shape.request(remat, HELD)).saved
+    held = constants.held_bytes(compute_bytes)
+    saved = costs.layer_bytes(shape.request(remat, held)).saved
     kept = costs.layer_bytes(shape.request(remat, compute_bytes))
     # And one layer's experts, which no gather counts: their weight gradients in fp32 as the backward
     # sums them (the blocked kernel's accumulators ``dw``, models/kernels/grouped_matmul.py; the one-hot
@@ -109,14 +110,15 @@ def layer_phase(layout: Layout, shape: LayerShape, costs: FamilyCosts, terms: Pa
     # expert weights in the compute dtype (XLA:CPU's buffers of DeepSeek-V3's 8-layer dropless step
     # at EP 8: 5.6 + 2.8 + 2.8 GB).
     layer_experts = terms.layer_experts * (FP32 + 2 * compute_bytes)
-    layer_work = ACTIVATION_COEFFICIENTS.get(remat, 1.0) * shape.working_tokens * kept.working
+    layer_work = constants.activation_coefficients.get(remat, 1.0) * shape.working_tokens * kept.working
     if shape.tensor > 1 and compute_bytes != FP32:
         # Tensor parallelism's partial sums of the residual stream: XLA:CPU promotes the bf16
         # all-reduces of one layer's backward to fp32, operands and results beside the bf16 ones.
-        layer_work += TENSOR_REDUCTION_BUFFERS * shape.working_tokens * model.embed_dim / shape.sp * FP32
+        layer_work += constants.tensor_reduction_buffers * shape.working_tokens * model.embed_dim / shape.sp * FP32
     if shape.cp > 1 and shape.ring_size == 1:
         # Context parallelism's all-gather scheme: the whole rows' keys and values and their
-        # gradients, in fp32 on XLA:CPU.
-        layer_work += 2 * shape.rows / shape.micro * model.seq_len * costs.key_value_width(shape.tensor) * FP32
-    return LayerPhase(saved, kept.saved, kept.working, terms.layer_gathered * FP32, layer_experts, layer_work,
+        # gradients (held: in fp32 on XLA:CPU).
+        layer_work += 2 * shape.rows / shape.micro * model.seq_len * costs.key_value_width(shape.tensor) * held
+    return LayerPhase(saved, kept.saved, kept.working, constants.gathered_copies * terms.layer_gathered * FP32,
+                      layer_experts, layer_work,
                       shape.working_tokens * model.embed_dim * FP32)

@@ -2,7 +2,8 @@
 ZB-H1's cut, the fp32 buffers of received activations and gradients, the layers' gradient sums)
 and, per XLA while loop of its ticks (``tick_loops``), the head's gathered weights, a second copy of
 a buffer the loop both writes and reads, and the loop's largest slot (forward, backward, ZB-H1's
-halves, head). Modelled on XLA:CPU's buffers of 8B and 10B steps under every schedule."""
+halves, head). Modelled on XLA:CPU's buffers of 8B and 10B steps under every schedule; the
+compiler's ``Constants`` say which of XLA:CPU's habits XLA:GPU lacks."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from meshtrain.parallel.executor import Signature, tick_runs
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.schedules import SENDS_GRADIENT, ScheduleTable, Work
 from meshtrain.planner.cache import Cache
-from meshtrain.planner.constants import CUT_FP32_RESIDUALS, FP32, HELD
+from meshtrain.planner.constants import FP32, Constants
 from meshtrain.planner.head import HeadPhase
 from meshtrain.planner.layer import LayerPhase, LayerShape
 from meshtrain.planner.state import ParamTerms
@@ -73,7 +74,7 @@ class Stash:
 
 
 def pipeline_stash(layout: Layout, table: ScheduleTable, shape: LayerShape, costs: FamilyCosts, layer: LayerPhase,
-                   compute_bytes: int, cache: Cache) -> Stash:
+                   compute_bytes: int, constants: Constants, cache: Cache) -> Stash:
     """The stash: its slots of one chunk's residuals (1/V of a stage's layers, one microbatch) in the
     compute dtype, as the forward makes them; ZB-H1's cut: its slots of what a microbatch's
     input-gradient half hands its weight-gradient half for the chunk's layers. And the executor's fp32
@@ -84,11 +85,11 @@ def pipeline_stash(layout: Layout, table: ScheduleTable, shape: LayerShape, cost
     # ZB-H1's cut per token and layer, what the input-gradient half hands the weight-gradient half:
     # each weight matmul's input and its output's cotangent, counted as twice the outputs ``dots``
     # keeps (XLA:CPU, 8B: 4d + 2q + 2k + 4f in the compute dtype), and beside them four
-    # residual-width vectors in fp32 (``CUT_FP32_RESIDUALS``); the weight-gradient half widens
-    # all of it to fp32 (``cut_per_token``: compute dtype, fp32).
-    cut_residuals = CUT_FP32_RESIDUALS * model.embed_dim / shape.sp * FP32
+    # residual-width vectors in fp32 (``cut_fp32_residuals``); the weight-gradient half holds
+    # all of it at ``held_bytes`` (``cut_per_token``: compute dtype, fp32).
+    cut_residuals = constants.cut_fp32_residuals * model.embed_dim / shape.sp * FP32
     cut_per_token = tuple(2 * costs.layer_bytes(shape.request(RematPolicy.DOTS, nbytes)).saved + cut_residuals
-                          for nbytes in (compute_bytes, HELD))
+                          for nbytes in (compute_bytes, constants.held_bytes(compute_bytes)))
     stash = buffers.stash * chunk_tokens * layer.kept
     cut = buffers.cut * chunk_tokens * cut_per_token[0] if table.splits_backward else 0.0
     # A loop's second copy of the cut is of its compute-dtype values only (the fp32 ones stay single).
@@ -99,7 +100,7 @@ def pipeline_stash(layout: Layout, table: ScheduleTable, shape: LayerShape, cost
 
 
 def pipeline_temporaries(table: ScheduleTable, stash: Stash, terms: ParamTerms, layer: LayerPhase, head: HeadPhase,
-                         compute_bytes: int, accumulator: float) -> int:
+                         compute_bytes: int, accumulator: float, constants: Constants) -> int:
     """A pipeline's temp bytes besides the stash: through the whole table the stage holds its layers'
     compute copy, its layers' and the rest's gradients summed over the microbatches in fp32 (the
     executor's carry, with ``accumulator``); the rest is per loop of ticks (``tick_loops``)."""
@@ -115,7 +116,7 @@ def pipeline_temporaries(table: ScheduleTable, stash: Stash, terms: ParamTerms, 
     head_weights = [(compute_bytes * terms.lookup_stored if low_precision else 0.0)
                     + head.vocab_bytes * terms.projection * (2 * left if terms.gathering else 1) for left in heads_left]
     # A chunk's layers widened to fp32 while they run (XLA:CPU computes bf16 matmuls in fp32).
-    chunk_fp32 = (HELD * terms.layer_copy if low_precision else 0.0) / table.chunks
+    chunk_fp32 = (FP32 * terms.layer_copy if low_precision and constants.widened_chunk else 0.0) / table.chunks
     # A forward slot: one layer's gathered weights, the microbatch's residuals as its layers make
     # them, and on the first stage the lookup table gathered for the embedding.
     forward = (chunk_fp32 + gathered + chunk_tokens * layer.kept
@@ -139,9 +140,9 @@ def pipeline_temporaries(table: ScheduleTable, stash: Stash, terms: ParamTerms, 
     # two halves) holds that buffer twice: XLA:CPU copies the carried buffer there instead of
     # updating it in place (1F1B's, interleaved's and ZB-H1's steady loops; GPipe's forwards and
     # backwards are separate loops, and ZB-H1's cut is single until its W slots start).
-    backward_kinds = (Work.BACKWARD, Work.INPUT_GRAD, Work.WEIGHT_GRAD)
+    backward_kinds, copies = (Work.BACKWARD, Work.INPUT_GRAD, Work.WEIGHT_GRAD), constants.copied_carries
     phases = [weights + max([slot[w] for w in works] + ([head.work] if has_head else []))
-              + (stash.stash if Work.FORWARD in works and any(w in works for w in backward_kinds) else 0.0)
-              + (stash.cut_copy if Work.INPUT_GRAD in works and Work.WEIGHT_GRAD in works else 0.0)
+              + (stash.stash if copies and Work.FORWARD in works and any(w in works for w in backward_kinds) else 0.0)
+              + (stash.cut_copy if copies and Work.INPUT_GRAD in works and Work.WEIGHT_GRAD in works else 0.0)
               for (works, has_head), weights in zip(loops, head_weights)]
     return round(held + max(phases) + layer.residual)

@@ -14,7 +14,7 @@ from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.rules import mesh_axes_of
 from meshtrain.parallel.schedules import ScheduleTable
 from meshtrain.planner.cache import Cache
-from meshtrain.planner.constants import FP32
+from meshtrain.planner.constants import FP32, Compiler
 from meshtrain.planner.head import HeadPhase
 from meshtrain.planner.layer import LayerShape
 from meshtrain.planner.pipeline import tick_traffic
@@ -25,12 +25,16 @@ from models.common import RematPolicy
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """Roofline constants: peak FLOP/s per device, link bandwidths (bytes/s), devices per node."""
+    """Roofline constants: peak FLOP/s per device, link bandwidths (bytes/s), devices per node; and
+    the compiler that builds the step for these devices, whose fitted constants the memory estimate
+    takes (``meshtrain.planner.constants.TABLES``): XLA:GPU for GPUs, XLA:CPU for the CPU devices
+    the tests simulate."""
 
     peak_flops: float = 989e12
     intra_node_bandwidth: float = 450e9
     inter_node_bandwidth: float = 50e9
     node_size: int = 8
+    compiler: Compiler = Compiler.XLA_GPU
 
 
 @dataclasses.dataclass(frozen=True)

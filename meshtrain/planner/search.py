@@ -27,7 +27,7 @@ from meshtrain.parallel.pipeline import Schedule
 from meshtrain.parallel.rules import Preset, ShardingRules, mesh_axes_of
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
 from meshtrain.planner.cache import Cache
-from meshtrain.planner.constants import ACTIVATION_COEFFICIENTS, TEMP_MARGIN
+from meshtrain.planner.constants import MODELLED_REMATS, TEMP_MARGIN
 from meshtrain.planner.estimate import Candidate, Estimate, estimate
 from meshtrain.planner.roofline import Hardware
 from models.api import family_of
@@ -161,9 +161,9 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
     if not 1 <= devices <= MAX_DEVICES:
         raise ConfigError("--devices", f"must be an integer in [1, {MAX_DEVICES:,}], got {devices:,}")
     for remat in remats:
-        if remat not in ACTIVATION_COEFFICIENTS:
+        if remat not in MODELLED_REMATS:
             raise ConfigError("--remat", f"{remat.value!r} is not modelled; use one of "
-                              f"{[r.value for r in ACTIVATION_COEFFICIENTS]}")
+                              f"{[r.value for r in MODELLED_REMATS]}")
     presets = list(dict.fromkeys([cfg.sharding.preset] if presets is None else presets))
     if not presets:
         raise ConfigError("--preset", "give at least one sharding preset")

@@ -15,7 +15,7 @@ from meshtrain.lora import LoraTraining
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.rules import mesh_axes_of
 from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
-from meshtrain.planner.constants import BATCH_BYTES_PER_TOKEN, FP32, HELD
+from meshtrain.planner.constants import BATCH_BYTES_PER_TOKEN, FP32, Constants
 from models.api import LAYERS_KEY, AxisRole
 from models.common import MATMUL_GROUP, logical_axes_of
 
@@ -157,7 +157,7 @@ class HeldState:
 
 
 def held_state(layout: Layout, terms: ParamTerms, adapters: tuple[float, float, float] | None,
-               compute_bytes: int, offload: bool) -> HeldState:
+               compute_bytes: int, offload: bool, constants: Constants) -> HeldState:
     """fp32 parameters (4 B), fp32 Adam ``mu`` + ``nu`` (8 B) as the ZeRO stage stores them; under
     ``train.lora`` (``adapters``: ``lora_terms``) the parameters frozen in the compute dtype and the
     adapters (fp32, laid out by the rules as their bases) alone with gradients and moments. The batch
@@ -171,20 +171,33 @@ def held_state(layout: Layout, terms: ParamTerms, adapters: tuple[float, float, 
     # The update phase: an offloaded optimizer state is brought to the device, both moments of every
     # leaf at once (XLA:CPU: the offloaded 7B's temp is 8 B per parameter to within 2 kB); else the
     # fp32 gradients (cast from the compute dtype) and one fp32 temporary per optimizer element (the
-    # step every leaf takes, formed before any is applied: 8B models, ZeRO-0 and ZeRO-3).
-    update = round(2 * FP32 * o_local if offload else FP32 * (g_local + o_local))
+    # step every leaf takes, formed before any is applied: 8B models, ZeRO-0 and ZeRO-3). A compiler
+    # that updates in place (``Constants.update_in_place``) holds the fp32 gradients alone, and where
+    # ZeRO-1/2 shards the optimizer but not the parameters the new shards (one fp32 per optimizer
+    # element) and the parameters all-gathered from them (XLA:GPU, 8B ZeRO-0/1/2 on fsdp 8).
+    if offload:
+        update = 2 * FP32 * o_local
+    elif not constants.update_in_place:
+        update = FP32 * (g_local + o_local)
+    else:
+        gathers = 1 <= layout.zero.stage <= 2 and terms.zero_sharded_total > 0
+        update = FP32 * (g_local + (o_local + (terms.zero_sharded_total if adapters is None else 0) if gathers
+                                    else 0))
+    update = round(update)
     batch = BATCH_BYTES_PER_TOKEN * layout.rows_per_shard * layout.train.grad_accum * layout.model.seq_len
     return HeldState(params, round(FP32 * g_local), 0 if offload else moments, moments if offload else 0, update,
                      batch, g_local)
 
 
-def held_through_backward(layout: Layout, terms: ParamTerms, state: HeldState, compute_bytes: int) -> float:
+def held_through_backward(layout: Layout, terms: ParamTerms, state: HeldState, compute_bytes: int,
+                          constants: Constants) -> float:
     """Held from the forward through the backward besides the stash, without a pipeline: below fp32
     the compute copy of the layers' weights (where they rest: the ZeRO shard of a gathered weight,
-    in fp32 on XLA:CPU: ``HELD``), the layers' gradients as the backward writes them (compute dtype,
+    in fp32 on XLA:CPU: ``Constants.held``), the layers' gradients as the backward writes them (compute dtype,
     in the loop's layout), the lookup tables' fp32 gradients, and with accumulation the fp32
     accumulator."""
-    held = (HELD * terms.layer_copy if compute_bytes != FP32 else 0.0) + compute_bytes * terms.layer_loop_grads
+    held = ((constants.held_bytes(compute_bytes) * terms.layer_copy if compute_bytes != FP32 else 0.0)
+            + compute_bytes * terms.layer_loop_grads)
     return held + (FP32 * terms.lookup_grads + accumulator_bytes(layout, state))
 
 
