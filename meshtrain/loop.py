@@ -38,7 +38,9 @@ from meshtrain.loss import Batch
 from meshtrain.mesh import device_memory_bytes, make_mesh, mesh_shape
 from meshtrain.metrics import MetricsLogger, format_bytes, peak_bf16_tflops
 from meshtrain.parallel.sharding import parameter_table, replicated_parameters
+from meshtrain.planner.constants import Compiler
 from meshtrain.planner.estimate import layout_estimate
+from meshtrain.planner.roofline import Hardware
 from meshtrain.policies import (PROFILE_DIR, AppliedStateCheck, Evaluation, NonFiniteGuard, Policy, Preemption,
                                 Profiler, Reporter, Run, Saver, SkipLimit, StepOutput, any_process, data_changed)
 from meshtrain.resume import initial_state
@@ -84,10 +86,12 @@ MEMORY_REFUSAL_FACTOR = 4
 def _check_memory(cfg: Config, trainer: Trainer) -> None:
     """One line, before any array is allocated, for a run that could not fit ``MEMORY_REFUSAL_FACTOR``
     times over (``meshtrain.planner.estimate``'s estimate of this layout against the device memory)."""
-    available = device_memory_bytes(trainer.mesh.devices.flat[0])
+    device = trainer.mesh.devices.flat[0]
+    available = device_memory_bytes(device)
     if available is None:
         return
-    est = layout_estimate(trainer.layout, np.dtype(cfg.train.compute_dtype).itemsize)
+    est = layout_estimate(trainer.layout, np.dtype(cfg.train.compute_dtype).itemsize,
+                          Hardware(compiler=Compiler.of_platform(device.platform)))
     if est.total > MEMORY_REFUSAL_FACTOR * available:
         state, working = est.params + est.grads + est.optimizer, est.activations + est.temporaries
         raise ConfigError("model", f"this run needs about {format_bytes(est.total)} per device ({format_bytes(state)} "

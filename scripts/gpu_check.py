@@ -538,10 +538,16 @@ def fits(compiled, limit: int | None) -> tuple[bool, int]:
 def planner_estimate(cfg, xla_temp: int) -> dict:
     """``meshtrain.plan``'s temp estimate of ``cfg``'s one-device layout beside ``xla_temp``, the
     compiled step's (on a GPU: whether XLA:GPU updates in place as XLA:CPU does)."""
-    from meshtrain import plan as planner
+    import jax
 
+    from meshtrain import plan as planner
+    from meshtrain.planner.constants import Compiler
+    from meshtrain.planner.roofline import Hardware
+
+    # The fitted constants of the compiler that built the step: XLA:GPU's on a GPU, XLA:CPU's in a dry run.
+    compiler = Compiler.of_platform(jax.devices()[0].platform)
     plan = planner.make_plan(cfg, 1, float(1 << 50), meshes=[(1, 1, 1, 1)], zero_stages=[cfg.zero.stage],
-                             remats=[cfg.model.remat])
+                             remats=[cfg.model.remat], hardware=Hardware(compiler=compiler))
     (est,) = plan.estimates
     out = {"estimate_temp_bytes": est.temp_bytes, "estimate_update_bytes": est.update,
            "estimate_backward_bytes": est.backward_bytes, "xla_temp_bytes": xla_temp,

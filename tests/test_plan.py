@@ -456,6 +456,9 @@ def test_every_fitted_constant_says_where_it_was_measured():
     assert {m.jaxlib for m in constants.XLA_CPU.measured.values()} == {"0.10.2"}
     assert {m.jaxlib for m in constants.XLA_GPU.measured.values()} == {"0.11.2"}
     assert Hardware().compiler is constants.Compiler.XLA_GPU
+    # A run's own start-up estimate (meshtrain.loop) and gpu_check take the compiler of the devices they run on.
+    assert [constants.Compiler.of_platform(p) for p in ('cpu', 'gpu')] == [constants.Compiler.XLA_CPU,
+                                                                          constants.Compiler.XLA_GPU]
     # The terms that describe XLA:CPU alone (fp32 widening of bf16 values, copied loop carries) are XLA:CPU's.
     assert constants.XLA_CPU.held_bytes(2) == 4 and constants.XLA_GPU.held_bytes(2) == 2
     assert constants.XLA_CPU.copied_carries and not constants.XLA_GPU.copied_carries

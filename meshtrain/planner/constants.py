@@ -30,6 +30,11 @@ class Compiler(str, enum.Enum):
     XLA_CPU = "XLA:CPU"
     XLA_GPU = "XLA:GPU"
 
+    @classmethod
+    def of_platform(cls, platform: str) -> Compiler:
+        """The compiler that builds steps for devices of ``platform`` (``jax.Device.platform``)."""
+        return cls.XLA_CPU if platform == "cpu" else cls.XLA_GPU
+
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
