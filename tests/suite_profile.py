@@ -53,9 +53,9 @@ class SuiteProfile:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         out = _out_dir(session.config)
         out.mkdir(exist_ok=True)
-        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        worker = getattr(session.config, "workerinput", None)  # pytest-xdist's, in a worker only
         if worker is not None:  # a worker: its own totals; the controller merges them
-            (out / f"{worker}.json").write_text(json.dumps(self.files))
+            (out / f"{worker['workerid']}.json").write_text(json.dumps(self.files))
             return
         merged: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         for part in [*out.glob("gw*.json"), None]:
@@ -82,7 +82,7 @@ class SuiteProfile:
 def pytest_configure(config: pytest.Config) -> None:
     import jax
 
-    if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without workers): a fresh directory
+    if not hasattr(config, "workerinput"):  # the controller (or a run without workers): a fresh directory
         for stale in _out_dir(config).glob("*.json"):
             stale.unlink()
     profile = SuiteProfile()
