@@ -296,16 +296,16 @@ class BlockedExperts(Protocol):
 class LayerRequest:
     """What the planner asks of one stacked layer's activations on one device (``FamilyCosts.layer_bytes``).
 
-    ``tensor``: the tensor-parallel split of heads and MLP units; ``remat``: the policy whose kept
-    values ``saved`` counts; ``compute_bytes``: bytes per element the values are held in;
-    ``sequence``: how many more ways the residual stream's positions are split than the blocks'
-    (sequence parallelism's ``tensor``); ``keys``: the key positions a query's attention scores span at
+    ``block_ways``: how many ways tensor parallelism splits the blocks' heads and MLP units;
+    ``remat``: the policy whose kept values ``saved`` counts; ``compute_bytes``: bytes per element the
+    values are held in; ``sequence``: how many more ways the residual stream's positions are split than
+    the blocks' (sequence parallelism's ``block_ways``); ``keys``: the key positions a query's attention scores span at
     once, on average (None: the whole sequence; under ring attention one ``[block, block]`` tile's
     over the rank's positions, ``block^2 / (seq_len / ring size)``); ``experts``: how many ways expert
     parallelism splits the experts over the devices holding the tokens (1: none); ``fp8``: the
     ``MatmulGroup``s whose matmuls run in FP8, whose operands the backward may keep as E4M3 (1 B)."""
 
-    tensor: int
+    block_ways: int
     remat: RematPolicy
     compute_bytes: int
     sequence: int = 1
@@ -314,7 +314,7 @@ class LayerRequest:
     fp8: frozenset[MatmulGroup] = frozenset()
 
     def __post_init__(self):
-        for name in ("tensor", "compute_bytes", "sequence", "experts"):
+        for name in ("block_ways", "compute_bytes", "sequence", "experts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LayerRequest.{name} must be >= 1, got {getattr(self, name)}")
         if self.keys is not None and self.keys <= 0:
@@ -358,11 +358,11 @@ class FamilyCosts(abc.ABC):
         del experts, compute_bytes
         return 0.0
 
-    def key_value_width(self, tensor: int) -> float:
+    def key_value_width(self, block_ways: int) -> float:
         """Elements per token of the keys and values one layer's attention hands the kernel on one
-        device of a ``tensor``-way split (what context parallelism's all-gather scheme gathers); by
+        device of a ``block_ways``-way split (what context parallelism's all-gather scheme gathers); by
         default bounded by ``2 * embed_dim``."""
-        del tensor
+        del block_ways
         return 2 * self.cfg.embed_dim
 
 

@@ -200,9 +200,9 @@ def score_bytes(cfg: BlockConfig, tensor: int, keys: float | None) -> tuple[floa
 class BlockCosts(FamilyCosts):
     """The costs the shared blocks fix for any family built of them: the attention's keys and values."""
 
-    def key_value_width(self, tensor: int) -> float:
-        """``kv_heads * head_dim`` keys and as many values per token, the heads split ``tensor`` ways."""
-        return 2 * self.cfg.num_kv_heads * self.cfg.head_dim / tensor
+    def key_value_width(self, block_ways: int) -> float:
+        """``kv_heads * head_dim`` keys and as many values per token, the heads split ``block_ways`` ways."""
+        return 2 * self.cfg.num_kv_heads * self.cfg.head_dim / block_ways
 
 
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:

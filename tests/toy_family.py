@@ -158,7 +158,7 @@ class ToyCosts(FamilyCosts):
 
     def layer_bytes(self, request: LayerRequest) -> LayerBytes:
         # Its residual stream runs along `length`: sequence parallelism does not split it; FP8 copies not counted.
-        cfg, tensor, c = self.cfg, request.tensor, request.compute_bytes
+        cfg, tensor, c = self.cfg, request.block_ways, request.compute_bytes
         d, a, f = cfg.embed_dim, cfg.num_heads * cfg.head_dim / tensor, cfg.mlp_dim / tensor
         scores = cfg.num_heads / tensor * (request.keys or cfg.seq_len) * 4
         everything = (6 * d + 4 * a + 2 * f) * c + 2 * scores

@@ -32,11 +32,11 @@ class DeepSeekCosts(ExpertCosts):
         return {RematPolicy.DOTS: attention_forward,
                 RematPolicy.FULL: 2 * layer_matmul + attention_forward}.get(remat, 0.0)
 
-    def key_value_width(self, tensor: int) -> float:
+    def key_value_width(self, block_ways: int) -> float:
         """MLA hands the kernel per-head keys (``qk_head_dim``) and values (``v_head_dim``) expanded from
-        the latent, the heads split ``tensor`` ways."""
+        the latent, the heads split ``block_ways`` ways."""
         cfg = self.cfg
-        return cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) / tensor
+        return cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) / block_ways
 
     def layer_bytes(self, request: LayerRequest) -> LayerBytes:
         """Per stacked (mixture-of-experts) layer. As the MoE family's, with MLA's attention: the
@@ -50,7 +50,7 @@ class DeepSeekCosts(ExpertCosts):
         two, 104.3 GB with none); XLA:CPU removes a scan's loop of one trip, and a ``prevent_cse=True``
         checkpoint there does not change it (docs/memory.md). FP8's E4M3 copies are not counted, as
         the MoE family's."""
-        cfg, tensor = self.cfg, request.tensor
+        cfg, tensor = self.cfg, request.block_ways
         d = cfg.embed_dim / request.sequence
         width = max(cfg.qk_head_dim, cfg.v_head_dim)
         q = cfg.num_heads * width / tensor

@@ -43,7 +43,7 @@ class LlamaCosts(BlockCosts):
         only an FP8 matmul reads, the attention's output (the output projection's input) and the
         hidden (the down projection's), as their E4M3 copies, 1 B each (XLA:CPU, 8B with
         ``remat=none``: 3.63 GB less temp than bf16's, 3 B x (q + f) per token and layer)."""
-        cfg, tensor = self.cfg, request.tensor
+        cfg, tensor = self.cfg, request.block_ways
         d = cfg.embed_dim / request.sequence
         q = cfg.num_heads * cfg.head_dim / tensor
         k = cfg.num_kv_heads * cfg.head_dim / tensor

@@ -36,7 +36,7 @@ class MoECosts(ExpertCosts):
         experts' dispatch (``models.experts.expert_terms``). FP8's E4M3 copies are not counted: what
         ``none`` keeps is counted wide, an overestimate under FP8 (measured for Llama's layers only:
         ``models.llama.costs.LlamaCosts``)."""
-        cfg, tensor = self.cfg, request.tensor
+        cfg, tensor = self.cfg, request.block_ways
         d = cfg.embed_dim / request.sequence
         q = cfg.num_heads * cfg.head_dim / tensor
         k = cfg.num_kv_heads * cfg.head_dim / tensor
