@@ -185,16 +185,23 @@ def incomplete_saves(root: pathlib.Path) -> list[pathlib.Path]:
 
 
 _ORBAX_SOURCE = pathlib.Path(ocp.__file__).parent  # where orbax's own log records come from
-# Orbax's warnings that a read-only manager is read-only (every tool run would print them).
-_READ_ONLY_NOTICE = lambda record: record.getMessage().startswith(  # noqa: E731
-    ("Given directory is read only", "CheckpointManagerOptions.read_only=True"))
-# The tracebacks orbax's threads and waits log when a save's write fails (the caller gets the error too).
-_FAILED_WRITE_REPORT = lambda record: record.levelno >= logging.ERROR and record.exc_info is not None \
-    and pathlib.Path(record.pathname).is_relative_to(_ORBAX_SOURCE)  # noqa: E731
-# asyncio's "Event loop is closed" as a failed save's tensorstore writes complete after orbax closed its loop.
-_LATE_WRITE_CALLBACK = lambda args: isinstance(args.exc_value, RuntimeError) \
-    and str(args.exc_value) == "Event loop is closed" \
-    and any(f.f_code.co_name == "call_soon_threadsafe" for f, _ in traceback.walk_tb(args.exc_traceback))  # noqa: E731
+
+
+def _read_only_notice(record: logging.LogRecord) -> bool:
+    """Orbax's warnings that a read-only manager is read-only (every tool run would print them)."""
+    return record.getMessage().startswith(("Given directory is read only", "CheckpointManagerOptions.read_only=True"))
+
+
+def _failed_write_report(record: logging.LogRecord) -> bool:
+    """The tracebacks orbax's threads and waits log when a save's write fails (the caller gets the error too)."""
+    return (record.levelno >= logging.ERROR and record.exc_info is not None
+            and pathlib.Path(record.pathname).is_relative_to(_ORBAX_SOURCE))
+
+
+def _late_write_callback(args) -> bool:
+    """asyncio's "Event loop is closed" as a failed save's tensorstore writes complete after orbax closed its loop."""
+    return (isinstance(args.exc_value, RuntimeError) and str(args.exc_value) == "Event loop is closed"
+            and any(f.f_code.co_name == "call_soon_threadsafe" for f, _ in traceback.walk_tb(args.exc_traceback)))
 
 
 @contextlib.contextmanager
@@ -213,10 +220,10 @@ def _failed_saves_quiet() -> Iterator[None]:
     """While saves are in flight: orbax's reports of a failed write are dropped (it reaches the run as one
     ``SaveFailed`` line), all else passes; the hook it replaced is put back (unless replaced meanwhile)."""
     previous = sys.unraisablehook
-    unraisable = lambda args: None if _LATE_WRITE_CALLBACK(args) else previous(args)  # noqa: E731
+    unraisable = lambda args: None if _late_write_callback(args) else previous(args)
     sys.unraisablehook = unraisable
     try:
-        with _absl_records_dropped(_FAILED_WRITE_REPORT):
+        with _absl_records_dropped(_failed_write_report):
             yield
     finally:
         if sys.unraisablehook is unraisable:
@@ -238,7 +245,7 @@ class RunCheckpoints:
         self.root = pathlib.Path(root).absolute()
         self.read_only = read_only
         self._quiet: contextlib.ExitStack | None = None  # _failed_saves_quiet() from a save until waited for
-        with _absl_records_dropped(_READ_ONLY_NOTICE):
+        with _absl_records_dropped(_read_only_notice):
             options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                    create=not read_only, read_only=read_only)
             self._manager = ocp.CheckpointManager(self.root, options=options, item_handlers={
