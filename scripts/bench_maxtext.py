@@ -17,7 +17,8 @@ dispatches, which with one step in flight is the device's step time (its step is
 so the mean is reported beside the median. The first ``warmup`` steps (step 0 returns at dispatch, step
 1 waits for it) are dropped and the median of the next ``steps`` is reported. Without the venv it prints
 one line, ``maxtext: not installed (run scripts/install_maxtext.sh)``, and returns None (exit status 0).
-Nothing here imports meshtrain.
+The shapes and MaxText's overrides for them are ``meshtrain.measure.maxtext``'s (plain data); nothing
+here imports JAX.
 """
 
 from __future__ import annotations
@@ -34,104 +35,19 @@ import sys
 import tempfile
 import time
 
+from meshtrain.measure.maxtext import SHAPES, Shape, maxtext_args
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV = os.path.join(ROOT, ".maxtext-venv")
 NOT_INSTALLED = "maxtext: not installed (run scripts/install_maxtext.sh)"
 JAX_VERSION = re.compile(r"Jax Version: (\S+)")
 STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([0-9.]+),.*? loss: ([0-9.naif]+)")
-# meshtrain's remat names -> MaxText's remat_policy ("minimal" saves the matmul outputs, as meshtrain's dots).
-REMAT = {"full": "full", "dots": "minimal"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """A Llama (or, with ``experts``, a Mixtral) shape, batch, mesh and precision, as both frameworks take them.
-
-    With ``experts`` every layer's feed-forward block is ``experts`` SwiGLU experts of hidden size ``mlp``,
-    ``top_k`` of them per token (softmax over the top-k router logits), dropless, no shared expert."""
-
-    embed: int
-    layers: int
-    mlp: int
-    heads: int
-    head_dim: int
-    vocab: int = 32000
-    seq: int = 256
-    batch: int = 8  # global batch in sequences
-    kv_heads: int | None = None  # None: as many as heads
-    fsdp: int = 4
-    tensor: int = 2
-    dtype: str = "bfloat16"  # compute dtype; master weights stay float32 in both
-    remat: str = "full"
-    experts: int = 0  # routed experts per layer (0: a dense Llama)
-    top_k: int = 0  # experts per token (with experts)
-    load_balancing: float = 0.0  # weight of the load-balancing loss (with experts)
-
-    def __post_init__(self):
-        if self.experts and not 1 <= self.top_k <= self.experts:
-            raise ValueError(f"top_k {self.top_k} must be between 1 and experts={self.experts}")
-        if not self.experts and (self.top_k or self.load_balancing):
-            raise ValueError("top_k and load_balancing need experts")
-
-    @property
-    def devices(self) -> int:
-        return self.fsdp * self.tensor
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.kv_heads or self.heads
-
-
-# The shapes of issue #13: its 20.6M-parameter Llama and a larger one; issue #32's Mixtral-like MoE (8
-# experts, top-2, GQA); and smoke-test shapes that compile and run in seconds on CPU devices (the test
-# suite's, against a stand-in MaxText).
-SHAPES = {
-    "issue": Shape(embed=256, layers=4, mlp=1024, heads=4, head_dim=64),
-    "large": Shape(embed=512, layers=8, mlp=2048, heads=8, head_dim=64),
-    "tiny": Shape(embed=32, layers=1, mlp=64, heads=2, head_dim=16, vocab=256, seq=32),
-    "moe": Shape(embed=256, layers=4, mlp=512, heads=4, kv_heads=2, head_dim=64, seq=256, batch=16,
-                 experts=8, top_k=2, load_balancing=0.01),
-    "moe_tiny": Shape(embed=32, layers=1, mlp=64, heads=2, head_dim=16, vocab=256, seq=32, experts=4, top_k=2,
-                      load_balancing=0.01),
-}
-
-
 def installation(venv: str | None = None) -> tuple[str, str] | None:
     """``(python, MaxText's base.yml)`` of the MaxText venv, or None when it (or MaxText in it) is absent."""
     venv = venv or os.environ.get("MAXTEXT_VENV") or VENV
     python = os.path.join(venv, "bin", "python")
     configs = glob.glob(os.path.join(venv, "lib", "python3*", "site-packages", "maxtext", "configs", "base.yml"))
     return (python, configs[0]) if os.access(python, os.X_OK) and configs else None
-
-
-def maxtext_args(shape: Shape, total_steps: int, out_dir: str) -> list[str]:
-    """MaxText ``key=value`` overrides for ``shape`` (after the config file argument)."""
-    if shape.remat not in REMAT:
-        raise ValueError(f"remat {shape.remat!r}: the MaxText comparison knows {sorted(REMAT)}")
-    if shape.batch % shape.devices:
-        raise ValueError(f"global batch {shape.batch} is not a multiple of the {shape.devices} devices")
-    return [
-        "run_name=bench", f"base_output_directory={out_dir}",
-        "dataset_type=synthetic", "packing=false", "attention=dot_product", "enable_checkpointing=false",
-        "enable_tensorboard=false", "enable_goodput_recording=false", "monitor_goodput=false", "log_config=false",
-        "ici_data_parallelism=1", f"ici_fsdp_parallelism={shape.fsdp}", f"ici_tensor_parallelism={shape.tensor}",
-        "dcn_data_parallelism=1",
-        f"base_emb_dim={shape.embed}", f"base_num_decoder_layers={shape.layers}", f"base_mlp_dim={shape.mlp}",
-        f"base_num_query_heads={shape.heads}", f"base_num_kv_heads={shape.num_kv_heads}",
-        f"head_dim={shape.head_dim}", f"vocab_size={shape.vocab}", f"max_target_length={shape.seq}",
-        f"per_device_batch_size={shape.batch // shape.devices}", f"dtype={shape.dtype}", "weight_dtype=float32",
-        f"remat_policy={REMAT[shape.remat]}", f"steps={total_steps}", *moe_args(shape),
-    ]
-
-
-def moe_args(shape: Shape) -> list[str]:
-    """MaxText's Mixtral decoder, dropless through its sparse path with ``jax.lax.ragged_dot`` (no megablox:
-    a Pallas TPU kernel); none for a dense shape."""
-    if not shape.experts:
-        return []
-    return ["decoder_block=mixtral", f"num_experts={shape.experts}", f"num_experts_per_tok={shape.top_k}",
-            f"base_moe_mlp_dim={shape.mlp}", "sparse_matmul=true", "megablox=false", "use_tokamax_gmm=false",
-            "capacity_factor=-1", f"load_balance_loss_weight={shape.load_balancing}"]
 
 
 def subprocess_env(devices: int) -> dict[str, str]:

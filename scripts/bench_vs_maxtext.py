@@ -5,7 +5,7 @@
 
 Times MaxText (``scripts/bench_maxtext.py``, in its own venv made by ``scripts/install_maxtext.sh``)
 and meshtrain on one ``--shape`` (model, global batch, mesh fsdp x tensor, bf16 compute, full remat;
-``bench_maxtext.SHAPES``; without ``--config``, a dense shape starts from ``configs/tiny.yaml`` and a
+``meshtrain.measure.maxtext.SHAPES``; without ``--config``, a dense shape starts from ``configs/tiny.yaml`` and a
 shape with experts from ``configs/moe_tiny.yaml``, every field the shape names overridden: the MoE
 dropless, its tokens sorted by expert, as MaxText's sparse path), ``--rounds`` runs of ``--steps``
 steps each, alternating which goes first (ABBA): each run's median, each framework's pooled median
@@ -26,35 +26,7 @@ import sys
 import bench_common
 import bench_maxtext
 
-
-CONFIGS = {"llama": "configs/tiny.yaml", "moe": "configs/moe_tiny.yaml"}  # each family's starting config
-
-
-def default_config(shape: bench_maxtext.Shape) -> str:
-    """The config a shape starts from: the MoE family's with experts, else the Llama's."""
-    return CONFIGS["moe" if shape.experts else "llama"]
-
-
-def moe_overrides(shape: bench_maxtext.Shape) -> list[str]:
-    """The experts of a Mixtral shape, dropless as MaxText's sparse path: the sorted dispatch, exchange
-    buffers for the worst case (nothing dropped), one routing group per row, the top-k gate weights
-    renormalised (Mixtral's softmax over the top-k logits), no shared expert, routing bias or z-loss."""
-    return [f"model.num_experts={shape.experts}", f"model.top_k={shape.top_k}", f"model.expert_mlp_dim={shape.mlp}",
-            "model.dispatch=dropless", "model.exchange_buffer_factor=0", "model.group_size=0",
-            "model.norm_topk_prob=true", "model.shared_mlp_dim=0", "model.bias_update_rate=0",
-            f"model.load_balancing_coef={shape.load_balancing}", "model.z_loss_coef=0"]
-
-
-def maxtext_overrides(shape: bench_maxtext.Shape) -> list[str]:
-    """meshtrain overrides for a ``bench_maxtext.Shape``: its model, batch, mesh, precision and remat."""
-    precision = {"bfloat16": "bf16", "float32": "fp32"}[shape.dtype]
-    mlp = moe_overrides(shape) if shape.experts else [f"model.mlp_dim={shape.mlp}"]
-    return [f"model.embed_dim={shape.embed}", f"model.num_layers={shape.layers}", *mlp,
-            f"model.num_heads={shape.heads}", f"model.num_kv_heads={shape.num_kv_heads}",
-            f"model.head_dim={shape.head_dim}", f"model.vocab_size={shape.vocab}", f"model.seq_len={shape.seq}",
-            f"model.remat={shape.remat}", "model.attention=xla", f"train.batch_size={shape.batch}",
-            "train.grad_accum=1", f"train.precision={precision}",
-            *bench_common.layout_overrides((1, shape.fsdp, shape.tensor, 1), "fsdp_tp")]
+from meshtrain.measure.maxtext import SHAPES, default_config, maxtext_overrides
 
 
 def runs_summary(runs: list[dict]) -> dict:
@@ -74,7 +46,7 @@ def vs_maxtext(config: str, overrides: list[str], shape_name: str, steps: int, r
     from meshtrain.measure import benchmark
     from meshtrain.config import load_config
 
-    shape = dataclasses.replace(bench_maxtext.SHAPES[shape_name], dtype=dtype)
+    shape = dataclasses.replace(SHAPES[shape_name], dtype=dtype)
     cfg = load_config(config, [*maxtext_overrides(shape), *overrides])
     prepared = benchmark.prepare(cfg)
     runs = {"meshtrain": [], "maxtext": []}
@@ -134,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     bench_common.add_arguments(parser, steps=20)
     parser.set_defaults(config=None)
-    parser.add_argument("--shape", choices=sorted(bench_maxtext.SHAPES), default="issue",
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="issue",
                         help="issue #13's 20.6M Llama, 8 layers of embed 512, issue #32's Mixtral-like MoE, "
-                             "or a smoke-test shape (bench_maxtext.SHAPES)")
+                             "or a smoke-test shape (SHAPES)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each framework")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), nargs="+", default=["bfloat16"],
                         help="compute dtype(s) of both (master weights fp32 in both); both dtypes: each is run "
@@ -147,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if bench_maxtext.installation() is None:
         print(bench_maxtext.NOT_INSTALLED)
         return 0
-    args.host_devices = args.host_devices or bench_maxtext.SHAPES[args.shape].devices
-    args.config = args.config or default_config(bench_maxtext.SHAPES[args.shape])
+    args.host_devices = args.host_devices or SHAPES[args.shape].devices
+    args.config = args.config or default_config(SHAPES[args.shape])
     header = bench_common.start(parser, args, "bench_vs_maxtext.py", argv)
     by_dtype = {}
     for dtype in dict.fromkeys(args.dtype):

@@ -33,7 +33,7 @@ def known_xla_flags(flags: tuple[str, ...] | list[str]) -> list[str]:
         return flags
     env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
-                          text=True, timeout=120, check=False)
+                          text=True, timeout=600, check=False)
     if proc.returncode == 0:
         return flags
     unknown = _UNKNOWN.search(proc.stderr)

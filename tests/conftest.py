@@ -3,9 +3,8 @@ compilation cache for the whole session, subprocesses included (through the envi
 inherit): many tests compile the same init and step programs, each a few seconds on 2 cores.
 
 The cache directory is new for every session and removed at its end: executables written by an
-earlier session and loaded in a later one intermittently abort XLA:CPU (jax 0.10.2; 5 of 13 runs of
-test_checkpoint.py aborted on a cache kept from earlier runs, none of 6 on a fresh one).
-JAX_COMPILATION_CACHE_DIR set in the environment overrides it.
+earlier session and loaded in a later one intermittently abort XLA:CPU (docs/benchmarks.md, "The
+test suite, measured"). JAX_COMPILATION_CACHE_DIR set in the environment overrides it.
 
 XLA:CPU compiles with the flags of tests/compile_flags.py (LLVM at optimization level 0, the
 elemental fusion emitter; each that this jaxlib knows, unless XLA_FLAGS already sets it; the header
@@ -52,3 +51,30 @@ def no_compile(monkeypatch):
         raise AssertionError("bad input reached Trainer.init_state (compilation) instead of failing early")
 
     monkeypatch.setattr(Trainer, "init_state", fail)
+
+
+@pytest.fixture(scope="session")
+def one_step_run(tmp_path_factory):
+    """A one-step run of configs/tiny.yaml (``utils.config``) with its checkpoint: read, never changed."""
+    from meshtrain.loop import train
+    from utils import config
+
+    run_dir = tmp_path_factory.mktemp("one-step") / "run"
+    train(config(run_dir, "checkpoint.every=1", steps=1))
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def prepared_corpus(tmp_path_factory):
+    """A prepared corpus (one train shard) of 20 documents and its byte-level BPE of 260 ids:
+    {"root": the documents (doc-NN.txt), "tokenizer": its file, "good": the prepared directory}; read, never changed."""
+    from meshtrain.data.corpus import prepare
+    from meshtrain.data.tokenizer import train_bpe
+
+    root = tmp_path_factory.mktemp("prepared")
+    documents = [f"document {i}: the cat sat on the mat " * (i + 1) for i in range(20)]
+    for i, text in enumerate(documents):
+        (root / f"doc-{i:02d}.txt").write_text(text)
+    tokenizer = train_bpe(documents, 260, root / "tokenizer")
+    prepare([str(root / "doc-*.txt")], str(tokenizer), str(root / "good"), progress=False)
+    return {"root": root, "tokenizer": tokenizer, "good": root / "good"}

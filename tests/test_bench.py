@@ -1,15 +1,14 @@
 """The benchmark scripts, the GPU check's CPU dry run and the recommended XLA flags keep working.
 
 The scripts run as docs/benchmarks.md shows them (one subprocess each; the tests import nothing from
-``scripts/`` but the MaxText shapes' override tables, checked without compiling). No timing
-assertions: the fields are printed, timings are positive, and every other number is checked against
-something measured apart from it: the compiled programs' collectives, XLA's memory analysis, the
-model's own parameter arrays, a stand-in MaxText's known step times.
+``scripts/``; the MaxText shapes' override tables, ``meshtrain.measure.maxtext``, are checked without
+compiling). No timing assertions: the fields are printed, timings are positive, and every other
+number is checked against something measured apart from it: the compiled programs' collectives,
+XLA's memory analysis, the model's own parameter arrays, a stand-in MaxText's known step times.
 """
 
 import dataclasses
 import enum
-import importlib
 import json
 import os
 import pathlib
@@ -20,7 +19,7 @@ import pytest
 from compile_flags import FAST_COMPILE_XLA_FLAG
 
 from meshtrain import xla_flags
-from meshtrain.measure.benchmark import baseline_ratios
+from meshtrain.measure import maxtext
 from meshtrain.measure.hlo import collective_counts, footprint_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -84,20 +83,6 @@ def _per_device_bytes(tree) -> int:
 
 
 @pytest.mark.slow
-def test_bench_vs_precision_times_both_arms_interleaved():
-    """fp8 beside the config's bf16, from the same init and batch: both arms' figures and the ratio."""
-    proc = _script("bench.py", "--config", "configs/tiny.yaml", "--host-devices", "8", "--steps", "2",
-                   "--vs-precision", "fp8", "train.precision=bf16")
-    result = _json_line(proc)
-    assert result["precision_ratio"] == pytest.approx(result["fp8_step_time_s_median"]
-                                                      / result["bf16_step_time_s_median"])
-    # The first step's loss before any update: the quantised matmuls move it only a little.
-    assert result["fp8_loss_first"] == pytest.approx(result["bf16_loss_first"], rel=1e-2)
-    assert result["fp8_loss_first"] != result["bf16_loss_first"]
-    assert "\nprecision_ratio: " in proc.stdout
-
-
-@pytest.mark.slow
 def test_bench_vs_baseline_prints_fields(tmp_path):
     from meshtrain.config import load_config
     from utils import trainer_of_config
@@ -142,12 +127,6 @@ def test_bench_vs_baseline_prints_fields(tmp_path):
     temp["meshtrain"] = result["memory_per_device"]["temp_bytes"]
     assert temp["meshtrain"] == pytest.approx(temp["baseline"], rel=1e-3), temp
     assert temp["baseline_guarded"] == pytest.approx(temp["baseline"], rel=1e-3), temp
-
-
-def test_baseline_ratios():
-    """Worked by hand: meshtrain 3 s, plain 2 s, guarded 2.5 s."""
-    assert baseline_ratios(3.0, 2.0, 2.5) == pytest.approx(
-        {"overhead_ratio": 1.5, "guarded_overhead_ratio": 1.2, "guard_ratio": 1.25})
 
 
 @pytest.mark.slow
@@ -314,7 +293,7 @@ def test_xla_flags_known_to_xla():
     """An unknown flag aborts XLA at start-up: every recommended flag must parse in this jaxlib."""
     env = {**os.environ, "XLA_FLAGS": " ".join(xla_flags.recommended_flags()), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"],
-                          env=env, capture_output=True, text=True, timeout=120, check=False)
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "3.0", proc.stderr[-2000:]
 
 
@@ -387,7 +366,7 @@ def test_bench_maxtext_reads_a_maxtext_log(tmp_path):
             "remat_policy=full", "steps=5", "attention=dot_product", "dtype=bfloat16"} <= set(call.split())
 
 
-# Each field of bench_maxtext.Shape -> (meshtrain's config field it sets, MaxText's override key). A Shape
+# Each field of maxtext.Shape -> (meshtrain's config field it sets, MaxText's override key). A Shape
 # field missing here fails the test below; a mapped field whose override is missing fails it too.
 SHAPE_FIELDS = {
     "embed": ("model.embed_dim", "base_emb_dim"), "layers": ("model.num_layers", "base_num_decoder_layers"),
@@ -409,7 +388,7 @@ def _field(cfg, path: str):
     return value.value if isinstance(value, enum.Enum) else value
 
 
-def test_moe_shape_maps_every_field_to_both_frameworks(monkeypatch):
+def test_moe_shape_maps_every_field_to_both_frameworks():
     """The MoE shape of ``bench_vs_maxtext.py --shape moe`` (and a variant whose every field differs from
     configs/moe_tiny.yaml's) becomes the same model, batch, mesh, precision and remat on both sides:
     every Shape field reaches meshtrain's config and MaxText's overrides, meshtrain's MoE is the sorted
@@ -418,22 +397,20 @@ def test_moe_shape_maps_every_field_to_both_frameworks(monkeypatch):
     from meshtrain.config import load_config
     from models.api import family_of
 
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    bench_maxtext, vs = importlib.import_module("bench_maxtext"), importlib.import_module("bench_vs_maxtext")
-    assert set(SHAPE_FIELDS) == {field.name for field in dataclasses.fields(bench_maxtext.Shape)}
-    shape = bench_maxtext.SHAPES["moe"]
+    assert set(SHAPE_FIELDS) == {field.name for field in dataclasses.fields(maxtext.Shape)}
+    shape = maxtext.SHAPES["moe"]
     assert (shape.experts, shape.top_k, shape.fsdp, shape.tensor, shape.dtype, shape.remat) == (
         8, 2, 4, 2, "bfloat16", "full")
     variant = dataclasses.replace(shape, embed=192, layers=3, mlp=384, heads=8, kv_heads=4, head_dim=24,
                                   vocab=1000, seq=128, batch=24, fsdp=8, tensor=1, experts=6, top_k=3,
                                   load_balancing=0.02)
-    config = vs.default_config(shape)
+    config = maxtext.default_config(shape)
     assert config == "configs/moe_tiny.yaml"
     base = load_config(str(ROOT / config), [])
     precision = {"bfloat16": "bf16", "float32": "fp32"}
     for case in (shape, variant):
-        cfg = load_config(str(ROOT / config), vs.maxtext_overrides(case))
-        theirs = dict(arg.split("=", 1) for arg in bench_maxtext.maxtext_args(case, 7, "/out"))
+        cfg = load_config(str(ROOT / config), maxtext.maxtext_overrides(case))
+        theirs = dict(arg.split("=", 1) for arg in maxtext.maxtext_args(case, 7, "/out"))
         for name, (ours, key) in SHAPE_FIELDS.items():
             value = getattr(case, name) if name != "kv_heads" else case.num_kv_heads
             mine = precision[value] if name == "dtype" else value
@@ -443,7 +420,7 @@ def test_moe_shape_maps_every_field_to_both_frameworks(monkeypatch):
             if name == "batch":
                 value //= case.devices  # MaxText takes sequences per device
             elif name == "remat":
-                value = bench_maxtext.REMAT[value]
+                value = maxtext.REMAT[value]
             assert theirs[key] == str(value), (name, key)
         assert (family_of(cfg.model).name, cfg.mesh.data, cfg.mesh.stage) == ("moe", 1, 1)
         assert (_field(cfg, "model.dispatch"), cfg.model.exchange_buffer_factor, cfg.model.group_size,
@@ -453,9 +430,9 @@ def test_moe_shape_maps_every_field_to_both_frameworks(monkeypatch):
                 "megablox": "false", "use_tokamax_gmm": "false", "capacity_factor": "-1",
                 "ici_data_parallelism": "1"}.items() <= theirs.items()
     # A dense shape stays a Llama on both sides.
-    dense = bench_maxtext.SHAPES["issue"]
-    assert vs.default_config(dense) == "configs/tiny.yaml"
-    assert not {"decoder_block", "num_experts"} & set(dict(a.split("=", 1) for a in bench_maxtext.maxtext_args(
+    dense = maxtext.SHAPES["issue"]
+    assert maxtext.default_config(dense) == "configs/tiny.yaml"
+    assert not {"decoder_block", "num_experts"} & set(dict(a.split("=", 1) for a in maxtext.maxtext_args(
         dense, 7, "/out")))
 
 

@@ -25,58 +25,10 @@ from meshtrain.config import load_config, to_dict
 from meshtrain.errors import ConfigError
 from meshtrain.loop import train
 from meshtrain.train import EXIT_NONFINITE, main
-from meshtrain.trainer import Trainer
-from utils import trainer_of_config
+from utils import (TINY, TINY_STEPS, complete_steps, config, flat_params, losses, overrides, records,
+                   restore, trainer_of_config)
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-TINY = str(REPO / "configs" / "tiny.yaml")
-STEPS = 8  # 2N
-HALF = 4  # N
-
-
-def overrides(run_dir, *extra, steps=STEPS):
-    return ["model.embed_dim=32", "train.batch_size=16", f"train.steps={steps}", "train.log_every=1",
-            "run.tensorboard=false", f"run.dir={run_dir}", *extra]
-
-
-def config(run_dir, *extra, steps=STEPS):
-    return load_config(TINY, overrides(run_dir, *extra, steps=steps))
-
-
-def records(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(run_dir) -> dict[int, float]:
-    """step -> loss; a step logged twice (redone after a restart) keeps its last record."""
-    return {record["step"]: record["loss"] for record in records(run_dir)}
-
-
-def complete_steps(run_dir) -> list[int]:
-    root = pathlib.Path(run_dir) / CHECKPOINT_DIR
-    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
-
-
-def restore(run_dir, step, cfg):
-    checkpoints = RunCheckpoints(pathlib.Path(run_dir) / CHECKPOINT_DIR, read_only=True)
-    try:
-        trainer = trainer_of_config(cfg)
-        return checkpoints.restore(step, trainer.abstract_state(), field="test", layer_order=trainer.layer_order)
-    finally:
-        checkpoints.close()
-
-
-def flat_params(state) -> dict[str, np.ndarray]:
-    return {".".join(map(str, path)): np.asarray(value.get_value())
-            for path, value in nnx.to_flat_state(state.params)}
-
-
-@pytest.fixture
-def no_compile(monkeypatch):
-    def fail(*args, **kwargs):
-        raise AssertionError("bad input reached Trainer.init_state (compilation) instead of failing early")
-
-    monkeypatch.setattr(Trainer, "init_state", fail)
+HALF = TINY_STEPS // 2  # N; a run of TINY_STEPS = 2N steps unless said
 
 
 @pytest.fixture(scope="module")
@@ -111,18 +63,18 @@ def test_exact_resume_is_bit_identical(reference, interrupted):
     run_dir, _, first_records, second = interrupted
     assert [r["step"] for r in first_records] == list(range(1, HALF + 1))
     assert second["resumed_from"] == HALF and not second["preempted"]
-    assert [r["step"] for r in records(run_dir)] == list(range(1, STEPS + 1))  # appended, no gap
+    assert [r["step"] for r in records(run_dir)] == list(range(1, TINY_STEPS + 1))  # appended, no gap
     expected = losses(reference)
-    assert list(expected) == list(range(1, STEPS + 1))
+    assert list(expected) == list(range(1, TINY_STEPS + 1))
     assert losses(run_dir) == expected  # bit-identical fp32 floats
-    assert complete_steps(run_dir) == [HALF, STEPS]
-    final = restore(run_dir, STEPS, config(run_dir))
-    reference_final = restore(reference, STEPS, config(reference))
+    assert complete_steps(run_dir) == [HALF, TINY_STEPS]
+    final = restore(run_dir, TINY_STEPS, config(run_dir))
+    reference_final = restore(reference, TINY_STEPS, config(reference))
     for name, value in flat_params(reference_final.state).items():
         np.testing.assert_array_equal(flat_params(final.state)[name], value, err_msg=name)
     assert final.meta["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "stage": 1}
-    assert final.meta["data"] == {"seed": 0, "next_example": STEPS * 16}
-    assert final.meta["config"]["train"]["steps"] == STEPS
+    assert final.meta["data"] == {"seed": 0, "next_example": TINY_STEPS * 16}
+    assert final.meta["config"]["train"]["steps"] == TINY_STEPS
 
 
 @pytest.mark.slow
@@ -135,7 +87,7 @@ def test_restore_onto_another_mesh(reference, interrupted, tmp_path, mesh, devic
     summary = train(cfg, devices=jax.devices()[:devices])
     assert summary["resumed_from"] == HALF and summary["mesh"] == dict(zip(("data", "fsdp", "tensor", "stage"), mesh))
     got, expected = losses(tmp_path), losses(reference)
-    assert list(got) == list(range(HALF + 1, STEPS + 1))
+    assert list(got) == list(range(HALF + 1, TINY_STEPS + 1))
     np.testing.assert_allclose([got[s] for s in got], [expected[s] for s in got], rtol=1e-5, atol=0)
 
 
@@ -174,12 +126,12 @@ def test_nonfinite_skip_leaves_state_unchanged(tmp_path, monkeypatch):
     logged = {r["step"]: r for r in records(tmp_path)}
     assert logged[BAD + 1]["loss"] == "nan" and logged[BAD + 1]["skipped_steps"] == 1
     assert logged[BAD + 1]["update_skipped"] == 1.0 and logged[BAD]["update_skipped"] == 0.0
-    assert all(np.isfinite(logged[s]["loss"]) for s in range(1, STEPS + 1) if s != BAD + 1)
+    assert all(np.isfinite(logged[s]["loss"]) for s in range(1, TINY_STEPS + 1) if s != BAD + 1)
     before, bad, after = (kept.params[s] for s in (BAD, BAD + 1, BAD + 2))
     for name, value in before.items():
         np.testing.assert_array_equal(bad[name], value, err_msg=name)  # unchanged
     assert any(not np.array_equal(after[n], v) for n, v in bad.items())
-    assert complete_steps(tmp_path) == [s for s in range(1, STEPS + 1) if s != BAD + 1]
+    assert complete_steps(tmp_path) == [s for s in range(1, TINY_STEPS + 1) if s != BAD + 1]
     saved = restore(tmp_path, BAD + 2, config(tmp_path))
     assert int(saved.state.skipped_steps) == 1 and int(saved.state.step) == BAD + 2
     for name, value in flat_params(saved.state).items():
@@ -236,7 +188,7 @@ def test_unreadable_latest_falls_back_and_is_kept(reference, tmp_path, capsys):
     shutil.copytree(reference, run_dir)
     root = run_dir / CHECKPOINT_DIR
     shutil.copytree(root / str(HALF), root / "6.orbax-checkpoint-tmp")  # a save killed midway
-    victim = _largest_file(root / str(STEPS) / "state")
+    victim = _largest_file(root / str(TINY_STEPS) / "state")
     size = victim.stat().st_size
     with victim.open("r+b") as f:
         f.truncate(size // 2)
@@ -250,10 +202,10 @@ def test_unreadable_latest_falls_back_and_is_kept(reference, tmp_path, capsys):
         checkpoints.close()
     assert restored.step == HALF
     err = capsys.readouterr().err
-    assert f"checkpoint {root / str(STEPS)} is unreadable" in err and f"trying step {HALF}" in err, err
+    assert f"checkpoint {root / str(TINY_STEPS)} is unreadable" in err and f"trying step {HALF}" in err, err
     assert f"ignoring incomplete checkpoint {root / '6.orbax-checkpoint-tmp'}" in err, err
-    kept = root / f"{STEPS}.unreadable"
-    assert kept.is_dir() and (kept / victim.relative_to(root / str(STEPS))).stat().st_size == size // 2
+    kept = root / f"{TINY_STEPS}.unreadable"
+    assert kept.is_dir() and (kept / victim.relative_to(root / str(TINY_STEPS))).stat().st_size == size // 2
     assert (root / "6.orbax-checkpoint-tmp").is_dir()  # nothing deleted
     assert complete_steps(run_dir) == [HALF]
 
@@ -261,7 +213,7 @@ def test_unreadable_latest_falls_back_and_is_kept(reference, tmp_path, capsys):
 def test_every_checkpoint_unreadable_is_an_error(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
-    for step in (HALF, STEPS):
+    for step in (HALF, TINY_STEPS):
         (run_dir / CHECKPOINT_DIR / str(step) / "meta" / "metadata").write_text("{not json")
     cfg = config(run_dir)
     checkpoints = RunCheckpoints(run_dir / CHECKPOINT_DIR, keep=3)
@@ -272,22 +224,22 @@ def test_every_checkpoint_unreadable_is_an_error(reference, tmp_path):
     checkpoints.close()
     assert err.value.field == "run.dir"
     assert sorted(p.name for p in (run_dir / CHECKPOINT_DIR).iterdir() if "unreadable" in p.name) == [
-        f"{HALF}.unreadable", f"{STEPS}.unreadable"]
+        f"{HALF}.unreadable", f"{TINY_STEPS}.unreadable"]
 
 
 def test_export_then_init_from(reference, tmp_path, capsys):
     out = tmp_path / "export"
     assert export.main(["--run", str(reference), "--out", str(out)]) == 0
-    assert f"step {STEPS}" in capsys.readouterr().err
+    assert f"step {TINY_STEPS}" in capsys.readouterr().err
     meta = json.loads((out / "meshtrain.json").read_text())
-    assert meta["step"] == STEPS and meta["model"]["embed_dim"] == 32
+    assert meta["step"] == TINY_STEPS and meta["model"]["embed_dim"] == 32
     assert not (out / "params" / "opt_state").exists()
     cfg = config(tmp_path / "finetune", f"checkpoint.init_from={out}", "checkpoint.enabled=false")
     trainer = trainer_of_config(cfg)
     target = check_params(str(out), trainer.abstract_params, trainer.param_shardings,
                           model_config=to_dict(cfg)["model"])
     loaded = load_params(str(out), target)
-    expected = flat_params(restore(reference, STEPS, cfg).state)
+    expected = flat_params(restore(reference, TINY_STEPS, cfg).state)
     for path, value in jax.tree_util.tree_flatten_with_path(loaded)[0]:
         name = ".".join(str(getattr(k, "key", k)) for k in path)
         np.testing.assert_array_equal(np.asarray(value), expected[name], err_msg=name)
@@ -297,7 +249,13 @@ def test_export_then_init_from(reference, tmp_path, capsys):
     # End to end: at step 1 the learning rate is 0 (warmup), so its loss is the exported model's loss,
     # well below that of a fresh init (5.415 on this batch).
     train(cfg)
-    assert losses(tmp_path / "finetune")[1] < losses(reference)[STEPS] + 0.1 < 5.2
+    assert losses(tmp_path / "finetune")[1] < losses(reference)[TINY_STEPS] + 0.1 < 5.2
+
+
+def test_tools_do_not_warn_that_read_only_checkpoints_are_read_only(reference, tmp_path, capsys):
+    export.export(str(reference), str(tmp_path / "export"))
+    err = capsys.readouterr().err
+    assert "read only" not in err and "read_only" not in err, err
 
 
 def _one_line_error(rc, err, field, *hints):
@@ -340,7 +298,7 @@ def test_bad_checkpoint_paths(reference, tmp_path, capsys, no_compile):
         rc = main(["--config", TINY, *overrides(tmp_path / "run", *extra)])
         _one_line_error(rc, capsys.readouterr().err, field, *hints)
     rc = main(["--fresh", "--config", TINY, *overrides(reference)])
-    _one_line_error(rc, capsys.readouterr().err, "--fresh", "already holds checkpoints", f"step {STEPS}")
+    _one_line_error(rc, capsys.readouterr().err, "--fresh", "already holds checkpoints", f"step {TINY_STEPS}")
 
 
 def test_export_bad_input(tmp_path, capsys):
@@ -364,6 +322,23 @@ def test_sigint_is_preemption_and_a_second_one_aborts(capsys, inherited):
         assert signal.getsignal(signal.SIGINT) is inherited
     finally:
         signal.signal(signal.SIGINT, outside)
+
+
+def test_two_signals_coalesced_before_the_handler_runs_still_abort(capsys):
+    """Python runs one handler for signals that arrive before it gets to run (a second SIGTERM 50 ms
+    after the first, during a long device call); the wakeup fd still holds one byte per delivery."""
+    from meshtrain.policies import Preemption
+
+    with Preemption() as preemption:
+        os.write(preemption._wakeup[1], bytes([signal.SIGINT]) * 2)  # what two deliveries leave
+        with pytest.raises(KeyboardInterrupt):
+            preemption._handle(signal.SIGINT, None)
+    assert preemption.received is None  # aborted at once: no "finishing the current step"
+    assert "finishing the current step" not in capsys.readouterr().err
+    with Preemption() as preemption:  # one delivery: the normal preemption
+        os.write(preemption._wakeup[1], bytes([signal.SIGTERM]))
+        preemption._handle(signal.SIGTERM, None)
+        assert preemption.received == "SIGTERM"
 
 
 def test_time_based_saves(tmp_path, monkeypatch):

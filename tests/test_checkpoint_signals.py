@@ -21,8 +21,7 @@ import pytest
 
 from meshtrain.checkpoint import CHECKPOINT_DIR
 from meshtrain.loop import train
-from test_checkpoint import (REPO, TINY, complete_steps, config, losses,
-                             overrides, records)
+from utils import REPO, TINY, complete_steps, config, losses, overrides, records
 
 LONG = 30
 KILLS = 10
@@ -54,7 +53,7 @@ def _count_records(run_dir) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _wait_for(condition, proc, what: str, timeout: float = 120) -> None:
+def _wait_for(condition, proc, what: str, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert proc.poll() is None, f"the run ended (rc {proc.returncode}) while waiting for {what}"
@@ -89,7 +88,7 @@ def test_sigterm_saves_and_resumes(reference, tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(lambda: _count_records(run_dir) >= 3, proc, "three logged steps")
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
+    _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr
     last = stderr.strip().splitlines()[-1]
     match = re.fullmatch(r"preempted at step (\d+) \(saved to (\S+)\); resume with: (.+)", last)
@@ -103,7 +102,7 @@ def test_sigterm_saves_and_resumes(reference, tmp_path):
     resume = shlex.split(match.group(3))
     assert resume[:3] == ["python", "-m", "meshtrain.train"]
     done = subprocess.run([sys.executable, *resume[1:]], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert _resumed_step(done.stderr) == step
     assert [r["step"] for r in records(run_dir)] == list(range(1, LONG + 1))

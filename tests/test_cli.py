@@ -117,7 +117,7 @@ def test_bad_input_is_one_line_error(argv, field, hints, tmp_path, capsys, no_co
 def test_bad_input_subprocess(argv, field, hints):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", "meshtrain.train", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=600)
     _assert_one_line_error(proc.returncode, proc.stderr, field, hints)
     assert proc.stdout == ""
 
@@ -160,13 +160,23 @@ def test_print_config_round_trips(tmp_path, capsys, no_compile):
     assert load_config(tmp_path / "printed.yaml") == load_config(TINY, overrides)
 
 
+def test_print_config_into_a_closed_pipe_is_quiet(monkeypatch, capsys):
+    read, write = os.pipe()
+    os.close(read)  # the reader (`head`) is gone
+    stdout = os.fdopen(write, "w")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(["--config", TINY, "--print-config"]) == 0
+    assert "BrokenPipeError" not in capsys.readouterr().err
+    stdout.close()
+
+
 def test_overrides_may_stand_anywhere_among_the_flags():
     """``--config X a.b=1 --host-devices 8 c.d=2``, as MaxText users type them (a fresh process:
     --host-devices must come before JAX starts)."""
     result = subprocess.run(
         [sys.executable, "-m", "meshtrain.train", "--config", TINY, "train.steps=7", "--host-devices", "8",
          "model.embed_dim=32", "--print-config", "optimizer.eps=1e-6"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr
     printed = yaml.safe_load(result.stdout)
     assert (printed["train"]["steps"], printed["model"]["embed_dim"], printed["optimizer"]["eps"]) == (7, 32, 1e-6)

@@ -27,8 +27,8 @@ from models.blocks import RopeScaling, RopeScalingConfig, rotary_tables
 from models.common import InvalidField, unconstrained
 from models.deepseek import DeepSeek, DeepSeekConfig
 from models.experts import RouterScore, route
-from test_packing import _alone, _packed_dataset
-from utils import loss_grads_and_statistics, make_trainer, one_line_error, relative_l2
+from utils import (logits_alone, loss_grads_and_statistics, make_trainer, one_line_error, packed_dataset,
+                   relative_l2)
 
 # Distinct sizes: embed 40, q latent 24, kv latent 16, nope 8 + rope 4 = qk 12 != v 6, 8 experts of
 # 16 hidden units in 4 groups, dense hidden 56. One dense layer, then two MoE layers; YaRN rotary.
@@ -85,17 +85,17 @@ def test_packed_documents_equal_each_document_alone_and_one_device():
     """Rows packed from documents: the logits on (2,2,2,1) equal each document run alone, and the
     loss and gradients (multi-token prediction masked at document ends) equal one device's."""
     trainer = make_trainer((2, 2, 2, 1), DEEPSEEK, batch_size=8)
-    batch = global_batch(_packed_dataset(), 0, 8, trainer.batch_sharding)
+    batch = global_batch(packed_dataset(), 0, 8, trainer.batch_sharding)
     params = trainer.init_state(seed=0).params
     shard = activation_sharding(trainer.rules, trainer.mesh)
     logits = jax.jit(lambda p, b: forward(trainer._model_of(p), b["inputs"], shard, documents_of(b)))(params, batch)
     host = {key: np.asarray(value) for key, value in batch.items()}
-    reference = _alone(DEEPSEEK, jax.device_get(params), trainer.graphdef, host["inputs"], host["segments"])
+    reference = logits_alone(jax.device_get(params), trainer.graphdef, host["inputs"], host["segments"])
     valid = host["segments"] > 0
     # fp32 rounding of three layers and two routings: 1.0e-5 measured at logits of magnitude ~2.4
     np.testing.assert_allclose(np.asarray(logits)[valid], reference[valid], atol=2e-5, rtol=0)
     one = make_trainer((1, 1, 1, 1), DEEPSEEK, batch_size=8)
-    _assert_equal(loss_grads_and_statistics(one, global_batch(_packed_dataset(), 0, 8, one.batch_sharding)),
+    _assert_equal(loss_grads_and_statistics(one, global_batch(packed_dataset(), 0, 8, one.batch_sharding)),
                   loss_grads_and_statistics(trainer, batch))
 
 
@@ -217,9 +217,9 @@ def test_invalid_fields_are_named(fields, field):
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (a test extra)")
 torch = pytest.importorskip("torch", reason="torch is not installed (a test extra)")
 
-from test_hf import (_hf_logits, _mesh, _random_norms, generate_cli_matches_transformers,  # noqa: E402
-                     round_trip_through_hf)
-from test_hf_finetune import first_logged_and_transformers_loss  # noqa: E402
+from hf_reference import (first_logged_and_transformers_loss, generate_cli_matches_transformers,  # noqa: E402
+                          hf_logits, random_norms, round_trip_through_hf)
+from utils import mesh_of  # noqa: E402
 
 from meshtrain import convert  # noqa: E402
 from meshtrain.weights import hf, loading  # noqa: E402
@@ -249,7 +249,7 @@ VARIANTS = {
 def _hf_deepseek(variant: str, seed: int = 0, shape: dict = HF_SHAPE):
     torch.manual_seed(seed)
     config = transformers.DeepseekV3Config(**shape, **VARIANTS[variant], attn_implementation="eager")
-    model = _random_norms(transformers.DeepseekV3ForCausalLM(config).eval())
+    model = random_norms(transformers.DeepseekV3ForCausalLM(config).eval())
     with torch.no_grad():  # a non-zero correction bias, so that choice and weights really differ
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -264,7 +264,7 @@ def hf_dirs(tmp_path_factory):
     for variant in VARIANTS:
         model = _hf_deepseek(variant)
         model.save_pretrained(root / variant)
-        dirs[variant] = (root / variant, _hf_logits(model, TOKENS))
+        dirs[variant] = (root / variant, hf_logits(model, TOKENS))
     return dirs
 
 
@@ -272,7 +272,7 @@ def hf_dirs(tmp_path_factory):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_match_transformers(hf_dirs, variant, mesh_shape):
     path, reference = hf_dirs[variant]
-    model = loading.load_model(path, _mesh(mesh_shape), RULES)
+    model = loading.load_model(path, mesh_of(mesh_shape), RULES)
     assert (model.cfg.num_dense_layers, model.cfg.num_layers) == (1, 2)
     assert model.cfg.rope_scaling.kind is (RopeScaling.YARN if variant == "qlora_yarn" else RopeScaling.NONE)
     logits = compute_logits(model, TOKENS)
@@ -281,7 +281,7 @@ def test_logits_match_transformers(hf_dirs, variant, mesh_shape):
 
 def test_hf_to_meshtrain_to_hf_is_bit_identical(hf_dirs, tmp_path):
     path, _ = hf_dirs["qlora_yarn"]
-    mesh = _mesh((1, 2, 2, 1))
+    mesh = mesh_of((1, 2, 2, 1))
     convert.from_hf(str(path), str(tmp_path / "mt"), mesh, RULES)
     convert.to_hf(str(tmp_path / "mt"), str(tmp_path / "hf"), mesh, RULES)
     original, again = hf.SafetensorsFiles(path), hf.SafetensorsFiles(tmp_path / "hf")
@@ -290,7 +290,7 @@ def test_hf_to_meshtrain_to_hf_is_bit_identical(hf_dirs, tmp_path):
         full = (slice(None),) * len(original.shape(name))
         np.testing.assert_array_equal(again.read(name, full), original.read(name, full), err_msg=name)
     reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
-    np.testing.assert_allclose(_hf_logits(reloaded.eval(), TOKENS), hf_dirs["qlora_yarn"][1], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(hf_logits(reloaded.eval(), TOKENS), hf_dirs["qlora_yarn"][1], atol=1e-6, rtol=0)
 
 
 def test_meshtrain_to_hf_to_meshtrain_maps_the_prediction_modules(tmp_path):
@@ -300,7 +300,7 @@ def test_meshtrain_to_hf_to_meshtrain_maps_the_prediction_modules(tmp_path):
     cfg = dataclasses.replace(DEEPSEEK, q_lora_rank=0, mtp_layers=2)
     params = nnx.state(_model(cfg, seed=3))
     params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), params)
-    again = round_trip_through_hf(tmp_path, cfg, params, _mesh((1, 2, 2, 1)))
+    again = round_trip_through_hf(tmp_path, cfg, params, mesh_of((1, 2, 2, 1)))
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_nextn_predict_layers"], config["q_lora_rank"]) == (3, 2, None)
     names = set(hf.SafetensorsFiles(tmp_path / "hf").file_of)
@@ -317,8 +317,8 @@ def test_meshtrain_to_hf_to_meshtrain_maps_the_prediction_modules(tmp_path):
     single.mkdir()
     save_file(tensors, str(single / hf.SINGLE_FILE), metadata={"format": "pt"})
     (single / "config.json").write_text(json.dumps(config))
-    convert.from_hf(str(single), str(tmp_path / "mt3"), _mesh((1, 1, 1, 1)), RULES)
-    third = loading.load_model(tmp_path / "mt3", _mesh((1, 1, 1, 1)), RULES)
+    convert.from_hf(str(single), str(tmp_path / "mt3"), mesh_of((1, 1, 1, 1)), RULES)
+    third = loading.load_model(tmp_path / "mt3", mesh_of((1, 1, 1, 1)), RULES)
     for (path, first), (_, loaded) in zip(nnx.to_flat_state(again.params), nnx.to_flat_state(third.params)):
         np.testing.assert_array_equal(np.asarray(loaded.get_value()), np.asarray(first.get_value()), err_msg=str(path))
 
@@ -402,7 +402,7 @@ def saved_by_transformers(tmp_path_factory):
     path = tmp_path_factory.mktemp("deepseek_saved") / "hf"
     model = _hf_deepseek("plain_query", shape={k: v for k, v in HF_SHAPE.items() if k != "num_mtp_layers"})
     model.save_pretrained(path)
-    return path, _hf_logits(model, TOKENS)
+    return path, hf_logits(model, TOKENS)
 
 
 def test_a_checkpoint_saved_by_transformers_imports_without_its_unwritten_prediction_module(
@@ -415,7 +415,7 @@ def test_a_checkpoint_saved_by_transformers_imports_without_its_unwritten_predic
     assert convert.main(["from-hf", "--hf", str(path), "--out", str(tmp_path / "mt")]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if "num_nextn_predict_layers" in line]
     assert len(notes) == 1 and notes[0].startswith(f"warning: {path}: ") and "model.mtp_layers: 0" in notes[0]
-    model = loading.load_model(tmp_path / "mt", _mesh((1, 1, 1, 1)), RULES)
+    model = loading.load_model(tmp_path / "mt", mesh_of((1, 1, 1, 1)), RULES)
     assert model.cfg.mtp_layers == 0
     np.testing.assert_allclose(compute_logits(model, TOKENS), reference, atol=1e-4, rtol=0)
     assert hf.model_config(hf.read_config(path)).mtp_layers == 0
@@ -431,7 +431,7 @@ def test_a_partial_prediction_module_is_refused_naming_a_missing_tensor(saved_by
     save_file(tensors, str(tmp_path / "hf" / hf.SINGLE_FILE), metadata={"format": "pt"})
     (tmp_path / "hf" / "config.json").write_text((path / "config.json").read_text())
     with pytest.raises(ConfigError, match=r"tensor model\.layers\.3\.\S+ is missing") as err:
-        loading.load_model(tmp_path / "hf", _mesh((1, 1, 1, 1)), RULES)
+        loading.load_model(tmp_path / "hf", mesh_of((1, 1, 1, 1)), RULES)
     assert "enorm" not in err.value.message
 
 

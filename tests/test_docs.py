@@ -134,3 +134,11 @@ def test_the_presets_table_lists_every_preset():
 @pytest.mark.parametrize("figure", FIGURES.figures, ids=lambda f: f"{f.doc}:{f.config}")
 def test_each_figure_the_script_rewrites_is_stated_once(figure):
     assert len(re.findall(figure.pattern, (REPO / figure.doc).read_text())) == 1
+
+
+def test_the_readme_states_the_size_it_has():
+    readme = (REPO / "README.md").read_text()
+    stated = int(re.search(r"\(`meshtrain/`\) is about ([\d,]+) lines", readme).group(1).replace(",", ""))
+    actual = sum(len(p.read_text().splitlines()) for p in (REPO / "meshtrain").rglob("*.py"))
+    assert abs(stated - actual) / actual < 0.1, (stated, actual)
+    assert "source .venv/bin/activate" in readme  # the commands shown run in the environment make creates

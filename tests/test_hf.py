@@ -19,108 +19,28 @@ import numpy as np
 import pytest
 from flax import nnx
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (a test extra: "
-                                   "pip install -e '.[dev]')")
-torch = pytest.importorskip("torch", reason="torch is not installed (a test extra: pip install -e '.[dev]')")
-
-
 from meshtrain import convert, generate
 from meshtrain.weights import hf, loading
-from meshtrain.weights.export_format import save_params
-from meshtrain.config import model_dict
 from meshtrain.errors import ConfigError
 from meshtrain.logits import compute_logits
 from meshtrain.mesh import MeshConfig, make_mesh
-from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.layout import abstract_model
 from meshtrain.parallel.sharding import named_shardings
 from models.blocks import RopeScaling, RopeScalingConfig
 from models.llama import FAMILY as LLAMA
 from models.llama import Llama, LlamaConfig
+from hf_reference import (LLAMA3, RULES, TOKENS, VARIANTS, hf_logits, hf_tensors, llama_model, round_trip_through_hf,
+                          save_variants, transformers)
+from utils import mesh_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RULES = Preset.FSDP_TP.rules
-TOKENS = np.random.default_rng(0).integers(0, 128, (3, 24))  # 3 rows: padded on a 2-way batch split
-# Tiny shapes with GQA (4 query heads share 2 key/value heads).
-HF_SHAPE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-            "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "initializer_range": 0.1}
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # scales at these lengths
-VARIANTS = {
-    "gqa": {"tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}},
-    "tied_llama3": {"tie_word_embeddings": True, "rope_parameters": LLAMA3},
-    # Mistral with a sliding window of 5 positions, shorter than the 24-token rows.
-    "mistral_window": {"tie_word_embeddings": False, "sliding_window": 5},
-}
-
-
-def _mesh(shape: tuple[int, int, int, int]):
-    return make_mesh(MeshConfig(*shape), jax.devices()[: int(np.prod(shape))])
-
-
-def _hf_model(variant: str, seed: int = 0):
-    torch.manual_seed(seed)
-    if variant == "mistral_window":
-        config = transformers.MistralConfig(**HF_SHAPE, **VARIANTS[variant], attn_implementation="eager")
-        return _random_norms(transformers.MistralForCausalLM(config).eval())
-    config = transformers.LlamaConfig(**HF_SHAPE, **VARIANTS[variant])
-    return _random_norms(transformers.LlamaForCausalLM(config).eval())
-
-
-def _random_norms(model):
-    """``model`` with random norm scales: they are ones at init, which would hide their mapping."""
-    with torch.no_grad():
-        for name, tensor in model.named_parameters():
-            if name.endswith("norm.weight"):
-                tensor.copy_(1 + 0.2 * torch.randn_like(tensor))
-    return model
-
-
-def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.float().numpy()
-
-
-def generate_cli_matches_transformers(path: pathlib.Path, reference, tmp_path: pathlib.Path, vocab: int,
-                                      new_tokens: int) -> None:
-    """``meshtrain.generate --hf path`` with a word-level tokenizer (``w0`` .. ``w{vocab-3}`` after
-    ``<unk>`` and ``</s>``) continues ``w3 w7 w9`` with the greedy tokens of transformers' ``reference``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["<unk>", "</s>"] + [f"w{i}" for i in range(vocab - 2)]
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    printed = []
-    argv = ["--hf", str(path), "--prompt", "w3 w7 w9", "--max-new-tokens", str(new_tokens),
-            "--tokenizer", str(tmp_path / "tokenizer.json")]
-    assert generate.main(argv, print_fn=printed.append) == 0
-    with torch.no_grad():
-        ids = reference.generate(torch.tensor([[5, 9, 11]]), max_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=0)[0, 3:].tolist()
-    assert printed == ["w3 w7 w9" + tokenizer.decode(ids)]
-
-
-def save_variants(root: pathlib.Path, build, variants, tokens: np.ndarray, *, sharded: str, bf16: str) -> dict:
-    """{variant: (directory, logits of ``tokens``)} for each ``build(variant)`` saved by transformers under
-    ``root`` (``sharded`` in 40 KB files), and ``"bf16"``: a bfloat16 copy of ``bf16`` (no logits)."""
-    dirs = {}
-    for variant in variants:
-        model = build(variant)
-        model.save_pretrained(root / variant, max_shard_size="40KB" if variant == sharded else "5GB")
-        dirs[variant] = (root / variant, _hf_logits(model, tokens))
-    build(bf16).to(torch.bfloat16).save_pretrained(root / f"{bf16}_bf16")
-    dirs["bf16"] = (root / f"{bf16}_bf16", None)
-    assert (dirs[sharded][0] / hf.INDEX_FILE).is_file()  # the sharded layout is exercised
-    return dirs
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """Each variant saved by transformers (the GQA one in sharded files), its reference logits, and a
     bfloat16 copy of the tied one."""
-    return save_variants(tmp_path_factory.mktemp("hf"), _hf_model, VARIANTS, TOKENS, sharded="gqa",
+    return save_variants(tmp_path_factory.mktemp("hf"), llama_model, VARIANTS, TOKENS, sharded="gqa",
                          bf16="tied_llama3")
 
 
@@ -128,7 +48,7 @@ def hf_dirs(tmp_path_factory):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_match_transformers(hf_dirs, variant, mesh_shape):
     path, reference = hf_dirs[variant]
-    model = loading.load_model(path, _mesh(mesh_shape), RULES)
+    model = loading.load_model(path, mesh_of(mesh_shape), RULES)
     assert model.cfg.tie_embeddings is (variant == "tied_llama3")
     assert model.cfg.rope_scaling.kind is (RopeScaling.LLAMA3 if variant == "tied_llama3" else RopeScaling.NONE)
     assert model.cfg.sliding_window == VARIANTS[variant].get("sliding_window", 0)
@@ -142,7 +62,7 @@ def test_shards_are_read_straight_into_their_devices(hf_dirs):
     path, _ = hf_dirs["gqa"]
     cfg = hf.model_config(hf.read_config(path))
     _, abstract = abstract_model(cfg)
-    mesh = _mesh((1, 2, 2, 1))
+    mesh = mesh_of((1, 2, 2, 1))
     files = hf.SafetensorsFiles(path)
     params = hf.load_params(files, LLAMA.hf, cfg, abstract,
                             named_shardings(loading.inference_layout(cfg, mesh, RULES).param_specs(), mesh))
@@ -155,11 +75,6 @@ def test_shards_are_read_straight_into_their_devices(hf_dirs):
     assert reads["model.embed_tokens.weight"] == {128 * 64 // 4}
 
 
-def _tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
-    files = hf.SafetensorsFiles(path)
-    return {name: files.read(name, ()) for name in files.file_of}
-
-
 @pytest.mark.parametrize("variant", ["gqa", "bf16", "mistral_window"])
 def test_hf_to_meshtrain_to_hf_reproduces_the_tensors(hf_dirs, tmp_path, variant):
     """Every tensor back bit for bit; the sliding window back as Mistral's ``sliding_window``."""
@@ -167,7 +82,7 @@ def test_hf_to_meshtrain_to_hf_reproduces_the_tensors(hf_dirs, tmp_path, variant
     assert convert.main(["from-hf", "--hf", str(path), "--out", str(tmp_path / "mt")]) == 0
     assert convert.main(["to-hf", "--from", str(tmp_path / "mt"), "--out", str(tmp_path / "back"),
                          "--max-shard-size", "40KB"]) == 0
-    before, after = _tensors(path), _tensors(tmp_path / "back")
+    before, after = hf_tensors(path), hf_tensors(tmp_path / "back")
     assert sorted(before) == sorted(after)
     for name, value in before.items():
         assert after[name].dtype == value.dtype, name
@@ -178,21 +93,6 @@ def test_hf_to_meshtrain_to_hf_reproduces_the_tensors(hf_dirs, tmp_path, variant
     assert config["model_type"] == ("mistral" if variant == "mistral_window" else "llama")
 
 
-def round_trip_through_hf(tmp_path: pathlib.Path, cfg, params: nnx.State, mesh) -> loading.LoadedModel:
-    """``params`` of ``cfg`` exported as ``tmp_path/mt``, written as HF files to ``tmp_path/hf`` (sharded),
-    imported again and loaded on ``mesh``; checked equal to ``params``, bit for bit."""
-    save_params(tmp_path / "mt", params, {"model": model_dict(cfg)})
-    files = convert.to_hf(str(tmp_path / "mt"), str(tmp_path / "hf"), mesh, RULES, max_shard_bytes=30_000)
-    assert hf.INDEX_FILE in files
-    convert.from_hf(str(tmp_path / "hf"), str(tmp_path / "mt2"), mesh, RULES)
-    again = loading.load_model(tmp_path / "mt2", mesh, RULES)
-    assert again.cfg == cfg
-    for (path, original), (_, loaded) in zip(nnx.to_flat_state(params), nnx.to_flat_state(again.params)):
-        np.testing.assert_array_equal(np.asarray(loaded.get_value()), np.asarray(original.get_value()),
-                                      err_msg=str(path))
-    return again
-
-
 def test_meshtrain_to_hf_to_meshtrain_is_bit_identical_and_loads_in_transformers(tmp_path):
     """Distinct sizes (embed 40 != heads*head_dim 48) so a transposed axis cannot pass; llama3 rope."""
     cfg = LlamaConfig(vocab_size=96, embed_dim=40, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=6,
@@ -200,10 +100,10 @@ def test_meshtrain_to_hf_to_meshtrain_is_bit_identical_and_loads_in_transformers
                       rope_scaling=RopeScalingConfig(kind=RopeScaling.LLAMA3, original_max_len=16))
     params = nnx.state(Llama(cfg, rngs=nnx.Rngs(3)), nnx.Param)
     params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), params)
-    again = round_trip_through_hf(tmp_path, cfg, params, _mesh((1, 2, 2, 1)))
+    again = round_trip_through_hf(tmp_path, cfg, params, mesh_of((1, 2, 2, 1)))
     reference = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
     tokens = TOKENS[:, :20] % cfg.vocab_size
-    np.testing.assert_allclose(compute_logits(again, tokens), _hf_logits(reference.eval(), tokens),
+    np.testing.assert_allclose(compute_logits(again, tokens), hf_logits(reference.eval(), tokens),
                                atol=1e-4, rtol=0)
 
 
@@ -211,7 +111,7 @@ def test_meshtrain_to_hf_to_meshtrain_is_bit_identical_and_loads_in_transformers
 def test_kv_cache_generation_equals_full_recompute(hf_dirs, variant):
     """Greedy tokens from the KV cache equal the full model's; the windowed model's cache attends
     only the window, as its full forward does."""
-    model = loading.load_model(hf_dirs[variant][0], _mesh((1, 1, 1, 1)), RULES)
+    model = loading.load_model(hf_dirs[variant][0], mesh_of((1, 1, 1, 1)), RULES)
     prompt = TOKENS[:2, :5]
     cached = generate.generate_tokens(model.graphdef, model.params, prompt, 12)
     # The full model on the growing sequence; causal, so zeros after it change nothing (one compile).
@@ -301,7 +201,7 @@ def test_logits_cli_on_a_mesh_matches_transformers(hf_dirs, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "meshtrain.logits", "--model", str(path), "--tokens", str(tmp_path / "ids.npy"),
          "--out", str(tmp_path / "logits.npy"), "--host-devices", "4", "mesh.fsdp=2", "mesh.tensor=2"],
-        check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), reference, atol=1e-4, rtol=0)
 

@@ -10,20 +10,21 @@ import jax
 import numpy as np
 import pytest
 
-from test_hf import RULES, TOKENS, _hf_logits, _hf_model, _mesh, torch, transformers
 from meshtrain import convert
 from meshtrain.weights import loading
 from meshtrain.config import load_config
-from meshtrain.data import make_dataset
 from meshtrain.errors import ConfigError
 from meshtrain.logits import compute_logits
 from meshtrain.loop import train
+from hf_reference import (RULES, TOKENS, first_logged_and_transformers_loss, hf_logits, llama_model,
+                          transformers)
+from utils import mesh_of
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf") / "gqa"
-    _hf_model("gqa").save_pretrained(path)
+    llama_model("gqa").save_pretrained(path)
     return path
 
 
@@ -41,18 +42,6 @@ def finetune(hf_dir, tmp_path_factory):
     return cfg, run_dir
 
 
-def first_logged_and_transformers_loss(cfg, run_dir, model) -> tuple[dict, float]:
-    """The run's first logged metrics, and the fp32 cross-entropy of transformers' ``model`` on the
-    run's first batch."""
-    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
-    vocab = cfg.model.vocab_size
-    batch = make_dataset(cfg.data, vocab_size=vocab, seq_len=cfg.model.seq_len).rows(np.arange(cfg.train.batch_size))
-    logits = torch.tensor(_hf_logits(model.eval(), batch["inputs"]))
-    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab),
-                                                 torch.tensor(batch["targets"]).reshape(-1).long()).item()
-    return first, expected
-
-
 def test_finetune_from_hf_starts_at_the_transformers_loss(hf_dir, finetune):
     cfg, run_dir = finetune
     model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager")
@@ -65,14 +54,14 @@ def test_finetune_from_hf_starts_at_the_transformers_loss(hf_dir, finetune):
 def test_finetuned_run_exports_to_hf(finetune, tmp_path):
     """The run's final checkpoint, written as HF files, gives transformers the logits meshtrain gives."""
     _, run_dir = finetune
-    mesh = _mesh((1, 1, 1, 1))
+    mesh = mesh_of((1, 1, 1, 1))
     model = loading.load_model(run_dir, mesh, RULES)
     assert model.kind is convert.SourceKind.RUN
     convert.to_hf(str(run_dir), str(tmp_path / "hf"), mesh, RULES)
     # Issue 12 item 13: the source's max_position_embeddings (64) is kept, not the run's seq_len (16).
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 64
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
-    np.testing.assert_allclose(compute_logits(model, TOKENS), _hf_logits(exported.eval(), TOKENS),
+    np.testing.assert_allclose(compute_logits(model, TOKENS), hf_logits(exported.eval(), TOKENS),
                                atol=1e-4, rtol=0)
 
 

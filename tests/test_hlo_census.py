@@ -76,7 +76,7 @@ def test_cudnn_attention_flops_from_its_shapes():
 @pytest.mark.skipif(cuda_plugin_installed(), reason="this venv has the CUDA plugin: tests_gpu covers the tool")
 def test_compile_tool_without_the_cuda_plugin_says_how_to_install_it():
     proc = subprocess.run([sys.executable, "-m", "meshtrain.compile", "--config", "configs/tiny.yaml", "--target",
-                           "h100"], capture_output=True, text=True, timeout=120, check=False)
+                           "h100"], capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 2
     assert proc.stderr == ("error: --target: compiling for GPUs needs a JAX CUDA plugin: run `make setup-gpu-compile`, "
                            "then `.venv-gpu/bin/python -m meshtrain.compile ...`\n")
@@ -84,6 +84,6 @@ def test_compile_tool_without_the_cuda_plugin_says_how_to_install_it():
 
 def test_compile_tool_refuses_an_unknown_target_in_one_line():
     proc = subprocess.run([sys.executable, "-m", "meshtrain.compile", "--target", "a100"], capture_output=True,
-                          text=True, timeout=120, check=False)
+                          text=True, timeout=600, check=False)
     assert proc.returncode == 2
     assert proc.stderr == "error: --target: unknown GPU 'a100'; valid: h100, h200, b200\n"

@@ -1,6 +1,7 @@
 """The import graph of the house, read from the source (every import, also inside functions):
-no cycles, no upward imports, no module importing a command-line module, and scripts and tests
-never importing each other.
+no cycles, no upward imports, no module importing a command-line module, scripts and tests never
+importing each other (also not through importlib or a directory put on the path), and no test module
+importing another.
 
 ``LAYERS`` is the architecture as data, lowest first: a module may import its own layer and the
 layers below. An entry is a folder (a package: all its modules share the layer, unless a longer entry
@@ -74,8 +75,23 @@ def _imports(path: pathlib.Path, modules: Collection[str] = ()) -> set[str]:
 
 def _extends_sys_path(path: pathlib.Path) -> bool:
     """Whether ``path`` calls ``sys.path.insert`` or ``sys.path.append``."""
-    return any(isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append")
-               for node in ast.walk(ast.parse(path.read_text(), str(path))))
+    return bool(_calls(path.read_text(), ("sys.path.insert", "sys.path.append")))
+
+
+# Calls that import a module by name or by file, or put a directory on the path for one (pytest's
+# ``monkeypatch.syspath_prepend``): how a test could load a script without an import statement.
+INDIRECT_IMPORTS = ("import_module", "spec_from_file_location", "syspath_prepend")
+
+
+def _calls(source: str, names: Collection[str]) -> list[str]:
+    """The calls in Python ``source`` of a function whose dotted name, or its last part, is one of ``names``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name in names or name.rsplit(".", 1)[-1] in names:
+                found.append(name)
+    return found
 
 
 def _layer(module: str) -> int:
@@ -139,6 +155,7 @@ def test_the_layer_table_in_the_docs_is_the_tests():
 
 
 def test_scripts_and_tests_do_not_import_each_other():
+    """Neither by an import statement, nor by importlib, nor by a directory put on the path."""
     scripts = {path.stem for path in (ROOT / "scripts").glob("*.py")}
     tests = {path.stem for path in (ROOT / "tests").glob("*.py")}
     found = []
@@ -146,8 +163,28 @@ def test_scripts_and_tests_do_not_import_each_other():
         found += [(path.name, name) for name in _imports(path) if name.split(".")[0] in scripts]
         if _extends_sys_path(path):
             found.append((path.name, "sys.path"))
+        found += [(path.name, call) for call in _calls(path.read_text(), INDIRECT_IMPORTS)]
     for path in (ROOT / "scripts").glob("*.py"):
         found += [(path.name, name) for name in _imports(path) if name.split(".")[0] in tests]
         if _extends_sys_path(path):
             found.append((path.name, "sys.path"))
+        found += [(path.name, call) for call in _calls(path.read_text(), INDIRECT_IMPORTS)]
+    assert found == []
+
+
+def test_the_indirect_imports_are_seen():
+    """The reader above sees importlib's and pytest's ways (a reader that saw nothing would pass it)."""
+    sample = ("import importlib, importlib.util\nimportlib.import_module('bench')\n"
+              "importlib.util.spec_from_file_location('x', 'scripts/x.py')\n"
+              "def test(monkeypatch):\n    monkeypatch.syspath_prepend('scripts')\n")
+    assert _calls(sample, INDIRECT_IMPORTS) == ["importlib.import_module", "importlib.util.spec_from_file_location",
+                                                "monkeypatch.syspath_prepend"]
+
+
+def test_no_test_module_imports_another():
+    """What test modules share lives in tests/utils.py, tests/hf_reference.py (transformers' reference)
+    and tests/conftest.py (fixtures): a test module imports no ``test_*`` module."""
+    tests = {path.stem for path in (ROOT / "tests").glob("test_*.py")}
+    found = [(path.name, name) for path in (ROOT / "tests").glob("*.py")
+             for name in _imports(path) if name.split(".")[0] in tests]
     assert found == []

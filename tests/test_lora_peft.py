@@ -11,14 +11,15 @@ import jax
 import numpy as np
 import pytest
 
-from test_hf import RULES, TOKENS, _hf_logits, _hf_model, _mesh, transformers
-from test_hf_finetune import first_logged_and_transformers_loss
 from meshtrain import convert
 from meshtrain.weights import loading
 from meshtrain.config import load_config
 from meshtrain.errors import ConfigError
 from meshtrain.logits import compute_logits
 from meshtrain.loop import train
+from hf_reference import (RULES, TOKENS, first_logged_and_transformers_loss, hf_logits, llama_model,
+                          transformers)
+from utils import mesh_of
 
 peft = pytest.importorskip("peft")
 
@@ -30,7 +31,7 @@ MODEL = ["model.vocab_size=128", "model.embed_dim=64", "model.num_layers=2", "mo
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf") / "gqa"
-    _hf_model("gqa").save_pretrained(path)
+    llama_model("gqa").save_pretrained(path)
     return path
 
 
@@ -52,7 +53,7 @@ def lora_run(hf_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def adapter_dir(lora_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("peft") / "adapter"
-    assert convert.to_peft(str(lora_run[1]), str(out), _mesh((1, 1, 1, 1)), RULES) == [
+    assert convert.to_peft(str(lora_run[1]), str(out), mesh_of((1, 1, 1, 1)), RULES) == [
         "adapter_config.json", "adapter_model.safetensors"]
     return out
 
@@ -67,18 +68,18 @@ def test_peft_loads_the_adapter_with_meshtrains_logits(hf_dir, lora_run, adapter
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, [
         "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"])
     assert config["base_model_name_or_path"] == str(hf_dir)
-    ours = compute_logits(loading.load_model(lora_run[1], _mesh((1, 1, 1, 1)), RULES), TOKENS)
-    theirs = _hf_logits(_peft_model(hf_dir, adapter_dir), TOKENS)
+    ours = compute_logits(loading.load_model(lora_run[1], mesh_of((1, 1, 1, 1)), RULES), TOKENS)
+    theirs = hf_logits(_peft_model(hf_dir, adapter_dir), TOKENS)
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
-    base = _hf_logits(transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval(),
+    base = hf_logits(transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval(),
                       TOKENS)
     assert np.abs(theirs - base).max() > 1e-2  # the adapter changed the model
 
 
 def test_merged_export_is_the_peft_model(hf_dir, lora_run, adapter_dir, tmp_path):
-    convert.to_hf(str(lora_run[1]), str(tmp_path / "merged"), _mesh((1, 1, 1, 1)), RULES)
+    convert.to_hf(str(lora_run[1]), str(tmp_path / "merged"), mesh_of((1, 1, 1, 1)), RULES)
     merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager")
-    np.testing.assert_allclose(_hf_logits(merged.eval(), TOKENS), _hf_logits(_peft_model(hf_dir, adapter_dir), TOKENS),
+    np.testing.assert_allclose(hf_logits(merged.eval(), TOKENS), hf_logits(_peft_model(hf_dir, adapter_dir), TOKENS),
                                atol=1e-4, rtol=0)
 
 

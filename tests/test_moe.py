@@ -26,19 +26,11 @@ from meshtrain.trainer import Trainer
 from models.common import RematPolicy, unconstrained
 from models.moe import Dispatch, MoEConfig
 from models.experts import SparseMoE
-from utils import loss_grads_and_statistics, make_trainer, relative_l2
+from utils import MOE, MOE_YAML, assert_moe_matches, loss_grads_and_statistics, moe_trainer, relative_l2
 
-# Distinct sizes so that a swapped axis cannot pass: 8 experts, expert hidden 24, embed 40.
-MOE = MoEConfig(vocab_size=96, embed_dim=40, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=6,
-                num_experts=8, top_k=2, expert_mlp_dim=24, seq_len=32, group_size=16,
-                load_balancing_coef=0.01, z_loss_coef=1e-3)
 FOUR_LAYERS = dataclasses.replace(MOE, num_layers=4)
 # capacity ceil(0.5 * 16 * 2 / 8) = 2 slots per expert and group: tokens really are dropped.
 CAPACITY = dataclasses.replace(MOE, dispatch=Dispatch.CAPACITY, capacity_factor=0.5)
-
-
-def _trainer(mesh_shape, model=MOE, pipeline=PipelineConfig(), **fields):
-    return make_trainer(mesh_shape, model, pipeline=pipeline, **fields)
 
 
 # --- the layer against a for-loop reference ---------------------------------------------------------
@@ -131,29 +123,17 @@ def test_routing_statistics_are_what_they_say():
 
 @pytest.fixture(scope="module")
 def reference():
-    return loss_grads_and_statistics(_trainer((1, 1, 1, 1)))
+    return loss_grads_and_statistics(moe_trainer((1, 1, 1, 1)))
 
 
 @pytest.fixture(scope="module")
 def reference_four_layers():
-    return loss_grads_and_statistics(_trainer((1, 1, 1, 1), FOUR_LAYERS))
+    return loss_grads_and_statistics(moe_trainer((1, 1, 1, 1), FOUR_LAYERS))
 
 
 @pytest.fixture(scope="module")
 def reference_capacity():
-    return loss_grads_and_statistics(_trainer((1, 1, 1, 1), CAPACITY))
-
-
-def _assert_matches(reference, result):
-    ref_loss, ref_grads, ref_stats = reference
-    loss, grads, stats = result
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=0)
-    assert grads.keys() == ref_grads.keys()
-    for name, expected in ref_grads.items():
-        assert relative_l2(grads[name], expected) < 1e-5, name
-    assert stats.keys() == ref_stats.keys() and "moe_expert_load" in stats
-    for name, expected in ref_stats.items():
-        np.testing.assert_allclose(stats[name], expected, rtol=0, atol=1e-6, err_msg=name)
+    return loss_grads_and_statistics(moe_trainer((1, 1, 1, 1), CAPACITY))
 
 
 EP_LAYOUTS = [
@@ -175,13 +155,14 @@ EP_LAYOUTS = [
 
 @pytest.mark.parametrize("mesh_shape, fields", EP_LAYOUTS)
 def test_expert_parallel_layouts_equal_one_device(reference, mesh_shape, fields):
-    _assert_matches(reference, loss_grads_and_statistics(_trainer(mesh_shape, **fields)))
+    assert_moe_matches(reference, loss_grads_and_statistics(moe_trainer(mesh_shape, **fields)))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", [RematPolicy.FULL, RematPolicy.NAMED], ids=lambda r: r.value)
 def test_remat_with_expert_parallelism_equals_one_device(reference, remat):
-    _assert_matches(reference, loss_grads_and_statistics(_trainer((2, 2, 2, 1), dataclasses.replace(MOE, remat=remat))))
+    trainer = moe_trainer((2, 2, 2, 1), dataclasses.replace(MOE, remat=remat))
+    assert_moe_matches(reference, loss_grads_and_statistics(trainer))
 
 
 PIPELINES = [
@@ -193,21 +174,21 @@ PIPELINES = [
 
 @pytest.mark.parametrize("mesh_shape, pipeline", PIPELINES)
 def test_moe_layers_inside_pipeline_stages_equal_one_device(reference_four_layers, mesh_shape, pipeline):
-    _assert_matches(reference_four_layers,
-                    loss_grads_and_statistics(_trainer(mesh_shape, FOUR_LAYERS, pipeline)))
+    assert_moe_matches(reference_four_layers,
+                       loss_grads_and_statistics(moe_trainer(mesh_shape, FOUR_LAYERS, pipeline)))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(2, 2, 2, 1), (8, 1, 1, 1)], ids=["ep4-fsdp-tp", "ep8"])
 def test_capacity_mode_drops_tokens_and_equals_one_device(reference_capacity, mesh_shape):
     assert float(reference_capacity[2]["moe_dropped_fraction"]) > 0.05
-    _assert_matches(reference_capacity, loss_grads_and_statistics(_trainer(mesh_shape, CAPACITY)))
+    assert_moe_matches(reference_capacity, loss_grads_and_statistics(moe_trainer(mesh_shape, CAPACITY)))
 
 
 @pytest.mark.slow
 def test_the_aux_losses_are_part_of_the_objective(reference):
     without_aux = loss_grads_and_statistics(
-        _trainer((1, 1, 1, 1), dataclasses.replace(MOE, load_balancing_coef=0.0, z_loss_coef=0.0)))
+        moe_trainer((1, 1, 1, 1), dataclasses.replace(MOE, load_balancing_coef=0.0, z_loss_coef=0.0)))
     loss, _, stats = reference
     expected = (without_aux[0] + MOE.load_balancing_coef * MOE.num_layers * float(stats["moe_load_balancing_loss"])
                 + MOE.z_loss_coef * MOE.num_layers * float(stats["moe_router_z_loss"]))
@@ -247,7 +228,7 @@ def test_the_detector_sees_a_gathered_expert_weight():
 
 @pytest.fixture(scope="module")
 def expert_parallel_step():
-    trainer = _trainer((4, 1, 2, 1))
+    trainer = moe_trainer((4, 1, 2, 1))
     compiled = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     return trainer, compiled
 
@@ -266,7 +247,7 @@ def test_expert_parallelism_compiles_to_all_to_all_and_never_gathers_expert_weig
 def test_inside_pipeline_stages_the_experts_exchange_rows_and_never_gather_weights():
     """The sorted dispatch's exchange inside a 1F1B stage (XLA's all-to-all of a resharding
     transpose, meshtrain/parallel/experts.py): the rows travel, the expert weights stay split."""
-    trainer = _trainer((2, 1, 1, 2), FOUR_LAYERS, PipelineConfig(2, Schedule.ONE_F_ONE_B))
+    trainer = moe_trainer((2, 1, 1, 2), FOUR_LAYERS, PipelineConfig(2, Schedule.ONE_F_ONE_B))
     hlo = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile().as_text()
     assert _gathered_expert_weights(hlo, FOUR_LAYERS) == []
     # At least the forward's rows, ids and results and the backward's two transposes (the
@@ -276,7 +257,7 @@ def test_inside_pipeline_stages_the_experts_exchange_rows_and_never_gather_weigh
 
 def test_each_device_holds_one_ep_th_of_the_expert_weights(expert_parallel_step):
     trainer, compiled = expert_parallel_step
-    replicated = _trainer((4, 1, 2, 1), rules=Preset.FSDP_TP.rules.overridden({"experts": AxisRule()}))
+    replicated = moe_trainer((4, 1, 2, 1), rules=Preset.FSDP_TP.rules.overridden({"experts": AxisRule()}))
     baseline = replicated.train_step.lower(replicated.abstract_state(), replicated.abstract_batch()).compile()
     ep, tensor = 4, 2
     # fp32 parameters plus Adam's two moments; expert_mlp is split over tensor in both layouts.
@@ -291,14 +272,6 @@ def test_each_device_holds_one_ep_th_of_the_expert_weights(expert_parallel_step)
 
 
 # --- bad input ---------------------------------------------------------------------------------------
-
-MOE_YAML = """
-mesh: {data: 2, fsdp: 2, tensor: 2, stage: 1}
-model: {family: moe, vocab_size: 128, embed_dim: 32, num_layers: 2, num_heads: 4, num_kv_heads: 2,
-        head_dim: 8, num_experts: 8, top_k: 2, expert_mlp_dim: 16, seq_len: 32}
-train: {steps: 2, batch_size: 8}
-"""
-
 
 @pytest.fixture
 def moe_yaml(tmp_path, monkeypatch):

@@ -20,9 +20,8 @@ from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.loop import train
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from models.experts import RouterScore, route
-from test_checkpoint import restore
-from test_moe import MOE, _assert_matches, _trainer
-from utils import loss_grads_and_statistics, relative_l2, trainer_of_config
+from utils import (MOE, assert_moe_matches, loss_grads_and_statistics, moe_trainer, relative_l2, restore,
+                   trainer_of_config)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BALANCED = dataclasses.replace(MOE, bias_update_rate=0.01)
@@ -36,7 +35,7 @@ def test_the_bias_moves_against_each_experts_load_as_a_numpy_reference_over_20_s
     """One layer, so that the step's ``moe_expert_load`` is that layer's: after each step the bias is
     the last one plus rate * sign(1/E - load), the load measured with the last bias."""
     cfg = dataclasses.replace(BALANCED, num_layers=1)
-    trainer = _trainer((1, 1, 1, 1), cfg)
+    trainer = moe_trainer((1, 1, 1, 1), cfg)
     data = make_dataset(DataConfig(), vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
     state, expected = trainer.init_state(seed=0), np.zeros((1, cfg.num_experts))
     for step in range(20):
@@ -51,8 +50,8 @@ def test_the_bias_changes_neither_the_loss_nor_the_other_gradients():
     """At a zero bias routing is unchanged: the loss and every parameter's gradient equal the model
     without it (the bias's term is zero in value); the bias's own gradient is each layer's expert
     load above the mean."""
-    plain_loss, plain_grads, plain_stats = loss_grads_and_statistics(_trainer((1, 1, 1, 1)))
-    loss, grads, _ = loss_grads_and_statistics(_trainer((1, 1, 1, 1), BALANCED))
+    plain_loss, plain_grads, plain_stats = loss_grads_and_statistics(moe_trainer((1, 1, 1, 1)))
+    loss, grads, _ = loss_grads_and_statistics(moe_trainer((1, 1, 1, 1), BALANCED))
     np.testing.assert_allclose(loss, plain_loss, rtol=1e-7)
     for name, expected in plain_grads.items():
         assert relative_l2(grads[name], expected) < 1e-5, name
@@ -67,8 +66,8 @@ def test_the_bias_changes_neither_the_loss_nor_the_other_gradients():
 ], ids=["ep4-tp2", "ep2-stage2-1f1b"])
 def test_the_bias_gradient_is_the_same_on_every_layout(mesh_shape, pipeline):
     cfg = dataclasses.replace(BALANCED, num_layers=4)
-    reference = loss_grads_and_statistics(_trainer((1, 1, 1, 1), cfg))
-    _assert_matches(reference, loss_grads_and_statistics(_trainer(mesh_shape, cfg, pipeline)))
+    reference = loss_grads_and_statistics(moe_trainer((1, 1, 1, 1), cfg))
+    assert_moe_matches(reference, loss_grads_and_statistics(moe_trainer(mesh_shape, cfg, pipeline)))
 
 
 @pytest.mark.slow

@@ -22,21 +22,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (a test extra: "
-                                   "pip install -e '.[dev]')")
-torch = pytest.importorskip("torch", reason="torch is not installed (a test extra: pip install -e '.[dev]')")
-
-from test_hf import (
-    _hf_logits,
-    generate_cli_matches_transformers,
-    _mesh,
-    _random_norms,
-    _tensors,
-    round_trip_through_hf,
-    save_variants,
-)
-from test_hf_finetune import first_logged_and_transformers_loss
-
 from meshtrain import convert
 from meshtrain.weights import hf, loading
 from meshtrain.weights.export_format import save_params
@@ -51,6 +36,9 @@ from models.api import AUX_LOSS
 from models.moe import FAMILY as MOE
 from models.moe import Dispatch, MoEConfig
 from models.experts import load_balancing_loss, route
+from hf_reference import (first_logged_and_transformers_loss, generate_cli_matches_transformers, hf_logits, hf_tensors,
+                          random_norms, round_trip_through_hf, save_variants, torch, transformers)
+from utils import mesh_of, random_params
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RULES = Preset.FSDP_TP.rules
@@ -77,7 +65,7 @@ VARIANTS = {
 def _hf_model(variant: str, seed: int = 0):
     config_class, model_class, fields = VARIANTS[variant]
     torch.manual_seed(seed)
-    return _random_norms(model_class(config_class(**fields, experts_implementation="eager")).eval())  # q/k_norm too
+    return random_norms(model_class(config_class(**fields, experts_implementation="eager")).eval())  # q/k_norm too
 
 
 def _from_pretrained(path: pathlib.Path):
@@ -85,17 +73,6 @@ def _from_pretrained(path: pathlib.Path):
     (the default grouped_mm needs 16-byte strides that these tiny sizes do not have)."""
     return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
                                                              experts_implementation="eager").eval()
-
-
-def _random_params(cfg: MoEConfig) -> nnx.State:
-    """Parameters of ``cfg`` drawn with numpy (random norm scales around 1, the rest N(0, 0.1^2)):
-    no compilation, where a jitted init takes XLA:CPU many seconds to compile its random draws."""
-    rng = np.random.default_rng(3)
-    _, abstract = abstract_model(cfg)
-    return nnx.from_flat_state([
-        (path, variable.replace(jax.numpy.asarray(
-            (path[-1] == "scale") + rng.normal(0.0, 0.2 if path[-1] == "scale" else 0.1, variable.shape),
-            np.float32))) for path, variable in nnx.to_flat_state(abstract)])
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +88,7 @@ def hf_dirs(tmp_path_factory):
     ("qwen3_norm_tied", EP_TP)])
 def test_logits_match_transformers(hf_dirs, variant, mesh_shape):
     path, reference = hf_dirs[variant]
-    model = loading.load_model(path, _mesh(mesh_shape), RULES)
+    model = loading.load_model(path, mesh_of(mesh_shape), RULES)
     cfg = model.cfg
     assert (cfg.qk_norm, cfg.dispatch, cfg.group_size) == (variant != "mixtral", Dispatch.DROPLESS, 0)
     assert cfg.norm_topk_prob is (variant != "qwen3") and cfg.tie_embeddings is (variant == "qwen3_norm_tied")
@@ -130,7 +107,7 @@ def test_experts_are_read_shard_by_shard(hf_dirs):
     path, _ = hf_dirs["mixtral"]
     cfg = hf.model_config(hf.read_config(path))
     _, abstract = abstract_model(cfg)
-    mesh = _mesh(EP_TP)
+    mesh = mesh_of(EP_TP)
     files = hf.SafetensorsFiles(path)
     hf.load_params(files, MOE.hf, cfg, abstract,
                    named_shardings(loading.inference_layout(cfg, mesh, RULES).param_specs(), mesh))
@@ -184,7 +161,7 @@ def test_load_balancing_loss_equals_transformers(hf_dirs, variant):
         theirs = float(func((layer_logits,), cfg.num_experts, cfg.top_k))
         np.testing.assert_allclose(float(ours_of(layer_logits.numpy())), theirs, atol=1e-6, rtol=0)
         per_layer.append(theirs)
-    model = loading.load_model(path, _mesh((1, 1, 1, 1)), RULES)
+    model = loading.load_model(path, mesh_of((1, 1, 1, 1)), RULES)
 
     @jax.jit
     def aux_of(params: nnx.State, tokens: jax.Array) -> dict:
@@ -205,7 +182,7 @@ def test_hf_to_meshtrain_to_hf_reproduces_the_tensors(hf_dirs, tmp_path, variant
     assert convert.main(["from-hf", "--hf", str(path), "--out", str(tmp_path / "mt"), *mesh]) == 0
     assert convert.main(["to-hf", "--from", str(tmp_path / "mt"), "--out", str(tmp_path / "back"),
                          "--max-shard-size", "40KB", *mesh]) == 0
-    before, after = _tensors(path), _tensors(tmp_path / "back")
+    before, after = hf_tensors(path), hf_tensors(tmp_path / "back")
     assert sorted(before) == sorted(after)
     for name, value in before.items():
         assert after[name].dtype == value.dtype, name
@@ -223,11 +200,11 @@ def test_meshtrain_to_hf_to_meshtrain_is_bit_identical_and_loads_in_transformers
     cfg = MoEConfig(vocab_size=96, embed_dim=40, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=6,
                     num_experts=8, top_k=2, expert_mlp_dim=24, norm_topk_prob=norm_topk_prob, qk_norm=qk_norm,
                     tie_embeddings=tied, seq_len=32, rope_theta=20000.0, norm_eps=1e-6, load_balancing_coef=0.004)
-    again = round_trip_through_hf(tmp_path, cfg, _random_params(cfg), _mesh(EP_TP))  # per-expert tensors, sharded
+    again = round_trip_through_hf(tmp_path, cfg, random_params(cfg), mesh_of(EP_TP))  # per-expert tensors, sharded
     reference = _from_pretrained(tmp_path / "hf")
     assert type(reference).__name__ == ("Qwen3MoeForCausalLM" if qk_norm else "MixtralForCausalLM")
     assert reference.config.router_aux_loss_coef == pytest.approx(0.008)
-    np.testing.assert_allclose(compute_logits(again, TOKENS), _hf_logits(reference.eval(), TOKENS),
+    np.testing.assert_allclose(compute_logits(again, TOKENS), hf_logits(reference.eval(), TOKENS),
                                atol=1e-4, rtol=0)
 
 
@@ -237,7 +214,7 @@ def test_meshtrain_to_hf_to_meshtrain_is_bit_identical_and_loads_in_transformers
 ])
 def test_export_refuses_what_neither_architecture_has(tmp_path, capsys, change, field):
     cfg = MoEConfig(**change)
-    save_params(tmp_path / "mt", _random_params(cfg), {"model": model_dict(cfg)})
+    save_params(tmp_path / "mt", random_params(cfg), {"model": model_dict(cfg)})
     assert convert.main(["to-hf", "--from", str(tmp_path / "mt"), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {field}: "), err
@@ -294,7 +271,7 @@ def test_logits_cli_on_an_expert_parallel_mesh_matches_transformers(hf_dirs, tmp
     result = subprocess.run(
         [sys.executable, "-m", "meshtrain.logits", "--model", str(path), "--tokens", str(tmp_path / "ids.npy"),
          "--out", str(tmp_path / "logits.npy"), "--host-devices", "8", "mesh.data=2", "mesh.fsdp=2",
-         "mesh.tensor=2"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=180)
+         "mesh.tensor=2"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), reference, atol=1e-4, rtol=0)
 

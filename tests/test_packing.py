@@ -7,7 +7,6 @@ Tolerances (fp32): logits abs 1e-5; losses rel 1e-5; gradients rel L2 1e-5 per p
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -19,24 +18,12 @@ from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.activations import activation_sharding
 from models.api import forward
-from models.common import unconstrained
 from toy_family import ToyGPTConfig
-from utils import MODEL, make_trainer
+from utils import MODEL, logits_alone, make_trainer, packed_dataset
 
 SEQ = 32
 LLAMA = dataclasses.replace(MODEL, num_layers=4, seq_len=SEQ)
 TOY = ToyGPTConfig(vocab_size=96, embed_dim=32, num_layers=4, num_heads=4, head_dim=8, mlp_dim=64, seq_len=SEQ)
-
-
-def _packed_dataset(seed: int = 0, num_tokens: int = 600) -> FileDataset:
-    """Random tokens cut into documents of 1..16 tokens (every window holds at least two; some cross
-    windows)."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, 17, num_tokens)
-    starts = np.concatenate([[0], np.cumsum(lengths)])
-    starts = np.concatenate([starts[starts < num_tokens], [num_tokens]])
-    info = StreamInfo("random documents", document_starts=starts)
-    return FileDataset(ArrayStream(rng.integers(0, 96, num_tokens)), info, seq_len=SEQ, seed=seed)
 
 
 def test_layout_of_windows_across_boundaries_and_the_padded_tail():
@@ -60,24 +47,6 @@ def _trainer(model, mesh_shape, pipeline=PipelineConfig(), batch_size=8):
     return make_trainer(mesh_shape, model, pipeline=pipeline, batch_size=batch_size)
 
 
-def _alone(model, params, graphdef, inputs, segments):
-    """Logits [rows, length, vocab] where every document piece of each row ran alone (one device):
-    each piece at the start of a row of its own, zero-padded after it (causal attention: what follows
-    a token does not change its logits)."""
-    pieces, places = [], []
-    for row in range(inputs.shape[0]):
-        for segment in np.unique(segments[row]):
-            where = np.flatnonzero(segments[row] == segment)
-            pieces.append(np.pad(inputs[row, where], (0, inputs.shape[1] - where.size)))
-            places.append((row, where))
-    run = jax.jit(lambda p, tokens: forward(nnx.merge(graphdef, p), tokens, unconstrained))
-    logits = np.asarray(run(params, jnp.asarray(np.stack(pieces))))
-    out = np.zeros((*inputs.shape, logits.shape[-1]), np.float32)
-    for piece, (row, where) in zip(logits, places):
-        out[row, where] = piece[:where.size]
-    return out
-
-
 @pytest.mark.parametrize("model,mesh_shape", [
     (LLAMA, (2, 2, 2, 1)), pytest.param(TOY, (2, 2, 2, 1), marks=pytest.mark.slow),
     pytest.param(LLAMA, (1, 1, 1, 1), marks=pytest.mark.slow),
@@ -85,14 +54,14 @@ def _alone(model, params, graphdef, inputs, segments):
                                                                     "llama-1x1x1x1", "toy_gpt-1x1x1x1"])
 def test_packed_logits_equal_each_document_alone(model, mesh_shape):
     trainer = _trainer(model, mesh_shape)
-    dataset = _packed_dataset()
+    dataset = packed_dataset()
     batch = global_batch(dataset, 0, 8, trainer.batch_sharding)
     params = trainer.init_state(seed=0).params
     shard = activation_sharding(trainer.rules, trainer.mesh)
     logits = jax.jit(lambda p, b: forward(trainer._model_of(p), b["inputs"], shard, documents_of(b)))(params, batch)
     host = {key: np.asarray(value) for key, value in batch.items()}
     assert (host["segments"].max(1) >= 2).all()  # every row holds at least two documents
-    reference = _alone(model, jax.device_get(params), trainer.graphdef, host["inputs"], host["segments"])
+    reference = logits_alone(jax.device_get(params), trainer.graphdef, host["inputs"], host["segments"])
     valid = host["segments"] > 0
     np.testing.assert_allclose(np.asarray(logits)[valid], reference[valid], atol=1e-5, rtol=0)
     # Without the document layout the same rows give other logits (the test can fail).
@@ -107,11 +76,11 @@ def _flat(tree):
 @pytest.fixture(scope="module")
 def single_device():
     trainer = _trainer(LLAMA, (1, 1, 1, 1))
-    batch = global_batch(_packed_dataset(1), 0, 8, trainer.batch_sharding)
+    batch = global_batch(packed_dataset(1), 0, 8, trainer.batch_sharding)
     state = trainer.init_state(seed=0)
     loss, grads, *_ = jax.jit(trainer.gradients)(state, batch)
     host = {key: np.asarray(value) for key, value in batch.items()}
-    logits = _alone(LLAMA, jax.device_get(state.params), trainer.graphdef, host["inputs"], host["segments"])
+    logits = logits_alone(jax.device_get(state.params), trainer.graphdef, host["inputs"], host["segments"])
     log_probs = jax.nn.log_softmax(logits, -1)
     token_loss = -np.take_along_axis(np.asarray(log_probs), host["targets"][..., None], -1)[..., 0]
     alone_loss = float((token_loss * host["mask"]).sum() / host["mask"].sum())
@@ -131,7 +100,7 @@ def test_packed_loss_and_gradients_through_every_layout(single_device, mesh_shap
     ref_loss, ref_grads, alone_loss, ref_eval = single_device
     assert ref_loss == pytest.approx(alone_loss, rel=1e-5)  # the objective is each document's alone
     trainer = _trainer(LLAMA, mesh_shape, PIPELINES.get(pipeline, PipelineConfig()))
-    batch = global_batch(_packed_dataset(1), 0, 8, trainer.batch_sharding)
+    batch = global_batch(packed_dataset(1), 0, 8, trainer.batch_sharding)
     state = trainer.init_state(seed=0)
     loss, grads, *_ = jax.jit(trainer.gradients)(state, batch)
     assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
@@ -149,7 +118,7 @@ def test_packed_loss_and_gradients_under_context_parallelism(single_device, pres
     """Segment ids travel with their keys (the ring) or are gathered with them (all-gather)."""
     ref_loss, ref_grads, _, _ = single_device
     trainer = make_trainer((1, 4, 1, 1), LLAMA, rules=preset.rules, batch_size=8)
-    batch = global_batch(_packed_dataset(1), 0, 8, trainer.batch_sharding)
+    batch = global_batch(packed_dataset(1), 0, 8, trainer.batch_sharding)
     loss, grads, *_ = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
     assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
     for name, grad in _flat(grads).items():

@@ -168,7 +168,7 @@ def test_val_input_is_its_own_split(corpus, tmp_path):
 
 def _run_cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshtrain.data", *argv], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=600)
 
 
 def test_cli_errors_are_one_line_naming_the_field(corpus, tmp_path):
@@ -253,7 +253,7 @@ def test_rerun_after_sigkill_writes_the_same_bytes(corpus, tmp_path, capsys):
     for target, after in [("_SplitWriter._write", "9"), ("write_file", "1"), ("write_file", INDEX_FILE)]:
         out = tmp_path / f"killed-{target}-{after}"
         killed = subprocess.run([sys.executable, "-c", _KILLED_RUN, target, after, corpus["inputs"][0],
-                                 corpus["tokenizer"], str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+                                 corpus["tokenizer"], str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
         assert killed.returncode == -9, killed.stderr
         assert (out / INCOMPLETE_MARKER).exists() and (out / INDEX_FILE).exists() == (after == INDEX_FILE)
         with pytest.raises(ConfigError, match="preparation was interrupted; rerun prepare"):

@@ -18,14 +18,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (a test extra: "
-                                   "pip install -e '.[dev]')")
-torch = pytest.importorskip("torch", reason="torch is not installed (a test extra: pip install -e '.[dev]')")
-
-from test_hf import _hf_logits, _mesh, _random_norms, _tensors, round_trip_through_hf, save_variants
-from test_hf_finetune import first_logged_and_transformers_loss
-from test_moe_hf import _random_params
-
 from meshtrain import convert
 from meshtrain.weights import hf, loading
 from meshtrain.config import load_config
@@ -36,6 +28,9 @@ from meshtrain.parallel.layout import abstract_model
 from meshtrain.parallel.rules import Preset
 from models.blocks import RopeScaling
 from models.llama import LlamaConfig
+from hf_reference import (first_logged_and_transformers_loss, hf_logits, hf_tensors, random_norms,
+                          round_trip_through_hf, save_variants, torch, transformers)
+from utils import mesh_of, random_params
 
 RULES = Preset.FSDP_TP.rules
 MESH = (2, 2, 2, 1)  # data x fsdp x tensor: heads, kv_heads, mlp and vocab split over tensor
@@ -62,7 +57,7 @@ def _hf_model(variant: str, seed: int = 0):
     """A random Qwen3ForCausalLM with random norm scales (q_norm and k_norm included: ones would hide them)."""
     torch.manual_seed(seed)
     config = transformers.Qwen3Config(**QWEN3, **VARIANTS[variant], attn_implementation="eager")
-    return _random_norms(transformers.Qwen3ForCausalLM(config).eval())
+    return random_norms(transformers.Qwen3ForCausalLM(config).eval())
 
 
 def _from_pretrained(path):
@@ -90,7 +85,7 @@ def exports(hf_dirs, tmp_path_factory):
                                                  ("qwen3_tied_window", MESH), ("qwen3_yarn", MESH)])
 def test_converted_logits_match_transformers(hf_dirs, exports, variant, mesh_shape):
     _, reference = hf_dirs[variant]
-    model = loading.load_model(exports[variant], _mesh(mesh_shape), RULES)
+    model = loading.load_model(exports[variant], mesh_of(mesh_shape), RULES)
     cfg = model.cfg
     assert cfg.qk_norm and (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 14)
     assert cfg.tie_embeddings is (variant == "qwen3_tied_window")
@@ -110,7 +105,7 @@ def test_hf_to_meshtrain_to_hf_reproduces_the_tensors(hf_dirs, exports, tmp_path
     path, reference = hf_dirs[variant]
     assert convert.main(["to-hf", "--from", str(exports[variant]), "--out", str(tmp_path / "back"),
                          "--max-shard-size", "40KB", "mesh.fsdp=4", "mesh.tensor=2"]) == 0
-    before, after = _tensors(path), _tensors(tmp_path / "back")
+    before, after = hf_tensors(path), hf_tensors(tmp_path / "back")
     assert sorted(before) == sorted(after)
     assert "model.layers.1.self_attn.k_norm.weight" in after
     for name, value in before.items():
@@ -122,7 +117,7 @@ def test_hf_to_meshtrain_to_hf_reproduces_the_tensors(hf_dirs, exports, tmp_path
     if reference is not None:
         back = _from_pretrained(tmp_path / "back")
         assert back.config.layer_types == source["layer_types"]  # sliding_attention on every layer, or none
-        np.testing.assert_allclose(_hf_logits(back, TOKENS), reference, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(hf_logits(back, TOKENS), reference, atol=1e-6, rtol=0)
 
 
 def test_meshtrain_to_hf_to_meshtrain_is_bit_identical_and_loads_in_transformers(hf_dirs, tmp_path):
@@ -131,11 +126,11 @@ def test_meshtrain_to_hf_to_meshtrain_is_bit_identical_and_loads_in_transformers
     logits. (The shapes and mesh of test_converted_logits_match_transformers: no new compile.)"""
     cfg = hf.model_config(hf.read_config(hf_dirs["qwen3_tied_window"][0]))
     assert isinstance(cfg, LlamaConfig) and cfg.qk_norm and cfg.sliding_window == 5
-    again = round_trip_through_hf(tmp_path, cfg, _random_params(cfg), _mesh(MESH))
+    again = round_trip_through_hf(tmp_path, cfg, random_params(cfg), mesh_of(MESH))
     reference = _from_pretrained(tmp_path / "hf")
     assert type(reference).__name__ == "Qwen3ForCausalLM"
     assert reference.config.layer_types == ["sliding_attention"] * 2 and reference.config.sliding_window == 5
-    np.testing.assert_allclose(compute_logits(again, TOKENS), _hf_logits(reference, TOKENS), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(compute_logits(again, TOKENS), hf_logits(reference, TOKENS), atol=1e-4, rtol=0)
 
 
 def test_parameter_count_includes_the_qk_norms():

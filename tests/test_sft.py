@@ -724,9 +724,9 @@ def test_generate_chat_renders_the_prompt_as_prepare_sft_does(data, tmp_path, mo
     from transformers import PreTrainedTokenizerFast
 
     from meshtrain import generate
-    from test_hardening import _tiny_hf
+    from utils import tiny_hf
 
-    model_dir = _tiny_hf(tmp_path / "hf", model=[f"model.vocab_size={SFT_MODEL.vocab_size}"])
+    model_dir = tiny_hf(tmp_path / "hf", model=[f"model.vocab_size={SFT_MODEL.vocab_size}"])
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(data["chatml"] / name, model_dir / name)
     sent = {}

@@ -169,7 +169,7 @@ def wandb_records(run_path: pathlib.Path) -> tuple[dict, list[dict]]:
                                            check=False).returncode != 0:
         pytest.skip("this wandb has no `wandb leet inspect`, W&B's reader of .wandb files")
     inspect = lambda *flags: subprocess.run([wandb_cli, "leet", "inspect", "--json", *flags, str(run_path)],
-                                            capture_output=True, text=True, check=True, timeout=60).stdout
+                                            capture_output=True, text=True, check=True, timeout=600).stdout
     return json.loads(inspect("--summary")), [json.loads(line) for line in inspect().splitlines()]
 
 

@@ -2,5 +2,6 @@
 
 - ``benchmark.py`` times a compiled step (and a plain-``jax.jit`` baseline of the same model);
 - ``flops.py``     counts the matmul FLOPs of a traced step, scan trip counts included;
-- ``hlo.py``       reads a compiled program: collectives, bytes, memory, kernels launched.
+- ``hlo.py``       reads a compiled program: collectives, bytes, memory, kernels launched;
+- ``maxtext.py``   the shapes compared with MaxText, as each framework's overrides.
 """

@@ -1,150 +1,54 @@
-"""Hardening, round 4 (issue 53). Files a user may download run no code (items 1 and 9): a run's
-checkpoint or an export that names a ``model.plugin`` is refused by every tool that loads it unless
-``--trust-plugin`` is given; a plugin that fails to import is one line naming its file. A run writes
-nothing through a link in its directory (2a), and a file where its checkpoints go is found at
-start-up (10). A full disk is one line and leaves no half-written output (7), a checkpoint save that
-fails in orbax's writer threads included (no traceback of theirs beside it)."""
+"""A full disk is one line and leaves no half-written output: a checkpoint save (checked before
+writing, and failing in orbax's writer threads, whose tracebacks stay quiet only while a save is in
+flight), an export or HF import, and metrics.jsonl; the complete checkpoints stay and a resume from
+them is exact.
+"""
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from meshtrain import convert, export, generate, logits
+from meshtrain import convert, export
 from meshtrain.checkpoint import CHECKPOINT_DIR
-from meshtrain.weights.export_format import EXPORT_META, PARAMS_DIR
 from meshtrain.loop import train
-from meshtrain.train import main as train_main
-from test_checkpoint import REPO, TINY, config
-
-PAYLOAD = """
-import pathlib
-pathlib.Path({marker!r}).write_text("ran")
-"""
+from meshtrain.run_lock import LOCK_FILE
+from meshtrain.train import main
+from utils import REPO, TINY, complete_steps, config, overrides, records, restore
 
 
-def _payload(directory: pathlib.Path, name: str) -> tuple[pathlib.Path, pathlib.Path]:
-    """A plugin file (module ``name``) that leaves a marker file when imported: (the file, the marker)."""
-    marker = directory / f"{name}.ran"
-    plugin = directory / f"{name}.py"
-    plugin.write_text(PAYLOAD.format(marker=str(marker)))
-    return plugin, marker
+def test_a_full_disk_stops_with_one_line_before_writing_and_keeps_earlier_checkpoints(tmp_path, monkeypatch,
+                                                                                           capsys):
+    import collections
+    import shutil
 
+    from meshtrain import checkpoint as checkpoint_module
 
-@pytest.fixture(scope="module")
-def one_step_run(tmp_path_factory):
-    """A one-step tiny run with its checkpoint."""
-    run_dir = tmp_path_factory.mktemp("one-step") / "run"
-    train(config(run_dir, "checkpoint.every=1", steps=1))
-    return run_dir
+    real = shutil.disk_usage
+    calls = []
 
+    def filling_up(path):
+        calls.append(path)
+        usage = real(path)
+        free = usage.free if len(calls) == 1 else 5 * 10 ** 6  # room for the first save only
+        return collections.namedtuple("usage", "total used free")(usage.total, usage.used, free)
 
-@pytest.fixture(scope="module")
-def run_with_a_plugin(one_step_run, tmp_path_factory):
-    """A copy of ``one_step_run`` whose checkpoint's recorded config names a payload plugin: (run,
-    marker, plugin, tokens)."""
-    root = tmp_path_factory.mktemp("untrusted")
-    run_dir = root / "run"
-    shutil.copytree(one_step_run, run_dir)
-    plugin, marker = _payload(root, "downloaded_payload")
-    meta_path = run_dir / CHECKPOINT_DIR / "1" / "meta" / "metadata"
-    meta = json.loads(meta_path.read_text())
-    meta["config"]["model"]["plugin"] = str(plugin)
-    meta_path.write_text(json.dumps(meta))
-    tokens = root / "tokens.npy"
-    np.save(tokens, np.arange(8, dtype=np.int32)[None])
-    return run_dir, marker, plugin, tokens
-
-
-def _refused(code: int, capsys, plugin: pathlib.Path, field: str) -> None:
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1, err
-    assert err.startswith(f"error: {field}: ") and str(plugin) in err and "--trust-plugin" in err, err
-
-
-def test_every_tool_refuses_a_runs_plugin_without_trust_plugin(run_with_a_plugin, tmp_path, capsys):
-    run_dir, marker, plugin, tokens = run_with_a_plugin
-    _refused(logits.main(["--model", str(run_dir), "--tokens", str(tokens), "--out", str(tmp_path / "l.npy")]),
-             capsys, plugin, "--model")
-    _refused(export.main(["--run", str(run_dir), "--out", str(tmp_path / "export")]), capsys, plugin, "--run")
-    _refused(convert.main(["to-hf", "--from", str(run_dir), "--out", str(tmp_path / "hf")]), capsys, plugin, "--from")
-    _refused(generate.main(["--run", str(run_dir), "--prompt", "a", "--max-new-tokens", "1"]), capsys, plugin,
-             "--run")
-    assert not marker.exists()  # no code ran
-    assert not (tmp_path / "export").exists() and not (tmp_path / "hf").exists() and not (tmp_path / "l.npy").exists()
-
-
-def test_trust_plugin_imports_it(run_with_a_plugin, tmp_path, capsys):
-    run_dir, marker, _, tokens = run_with_a_plugin
-    out = tmp_path / "logits.npy"
-    assert logits.main(["--model", str(run_dir), "--tokens", str(tokens), "--out", str(out), "--trust-plugin"]) == 0
-    assert marker.read_text() == "ran" and np.load(out).shape[:2] == (1, 8)
-
-
-def test_an_export_that_ships_its_own_plugin_is_refused_before_any_read(tmp_path, capsys, monkeypatch):
-    """An export whose meshtrain.json names a plugin file beside it (a relative path)."""
-    export_dir = tmp_path / "export"
-    (export_dir / PARAMS_DIR).mkdir(parents=True)
-    plugin, marker = _payload(export_dir, "shipped_payload")
-    (export_dir / EXPORT_META).write_text(json.dumps({"model": {"family": "llama", "plugin": plugin.name}}))
-    monkeypatch.chdir(export_dir)  # where the relative path would resolve
-    tokens = tmp_path / "tokens.npy"
-    np.save(tokens, np.zeros((1, 4), np.int32))
-    code = logits.main(["--model", str(export_dir), "--tokens", str(tokens), "--out", str(tmp_path / "l.npy")])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and str(export_dir / EXPORT_META) in err and plugin.name in err, err
-    assert "--trust-plugin" in err and not marker.exists()
-
-
-@pytest.mark.parametrize("source, shown", [
-    ("def broken(:\n", "SyntaxError at line 1"),
-    ("raise RuntimeError('the plugin refuses to load')\n", "RuntimeError: the plugin refuses to load"),
-], ids=["syntax-error", "raises"])
-def test_a_plugin_that_fails_to_import_is_one_line_naming_its_file(tmp_path, capsys, source, shown):
-    plugin = tmp_path / f"failing_plugin_{len(source)}.py"
-    plugin.write_text(source)
-    assert train_main(["--config", TINY, f"model.plugin={plugin}", f"run.dir={tmp_path / 'run'}"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"error: model.plugin: cannot import {plugin}: {shown}"), err
-
-
-@pytest.mark.parametrize("name", ["metrics.jsonl", "config.yaml", "summary.json", "loss.png"])
-def test_a_run_dir_with_a_link_where_an_output_goes_is_refused_before_writing(tmp_path, capsys, name):
-    """Issue 53, item 2a: a link to a file outside, or a dangling one, in run.dir."""
-    from test_checkpoint import overrides
-
-    outside = tmp_path / "outside.txt"
-    outside.write_text("keep me")
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / name).symlink_to(outside)
-    (run_dir / "tokenizer.json.tmp").symlink_to(tmp_path / "dangling-target")
-    assert train_main(["--config", TINY, *overrides(run_dir, steps=1)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: run.dir: ") and "symbolic link" in err, err
-    assert outside.read_text() == "keep me" and not (tmp_path / "dangling-target").exists()
-    assert sorted(p.name for p in run_dir.iterdir()) == sorted([name, "tokenizer.json.tmp"])  # nothing written
-
-
-def test_a_checkpoints_path_that_is_a_file_stops_before_the_first_step(tmp_path, capsys):
-    """Issue 53, item 10: found at start-up, not at the first save after training steps."""
-    from test_checkpoint import overrides
-
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / CHECKPOINT_DIR).write_text("a file")
-    assert train_main(["--config", TINY, *overrides(run_dir, "checkpoint.every=1", steps=1)]) == 2
-    err = capsys.readouterr().err
-    assert err == f"error: run.dir: {run_dir / CHECKPOINT_DIR} is a file, not a directory\n", err
-    assert not (run_dir / "metrics.jsonl").exists() and (run_dir / CHECKPOINT_DIR).read_text() == "a file"
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", filling_up)
+    code = main(["--config", TINY, *overrides(tmp_path, "checkpoint.every=1", steps=4)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: checkpoint: cannot write checkpoint 2 in {tmp_path / CHECKPOINT_DIR}: it "
+                             "needs about ") and "MB and 5 MB are free; the complete checkpoints there are " \
+                             "intact ([1])" in err[0]
+    assert complete_steps(tmp_path) == [1]
+    assert not list((tmp_path / CHECKPOINT_DIR).glob("*tmp*"))  # nothing half-written
+    restore(tmp_path, 1, config(tmp_path, steps=4))  # the earlier one is intact
+    assert not (tmp_path / LOCK_FILE).exists()
 
 
 def _fills_the_disk_after_writing_some(path_of):
@@ -159,7 +63,7 @@ def _fills_the_disk_after_writing_some(path_of):
 
 def test_a_full_disk_during_export_or_import_is_one_line_and_keeps_nothing(one_step_run, tmp_path, capsys,
                                                                            monkeypatch):
-    """Issue 53, item 7: orbax's and safetensors' writes (safetensors wraps the OSError in its own
+    """orbax's and safetensors' writes (safetensors wraps the OSError in its own
     error, found by its text)."""
     import orbax.checkpoint as ocp
     import safetensors.numpy
@@ -187,9 +91,8 @@ def test_a_full_disk_during_export_or_import_is_one_line_and_keeps_nothing(one_s
 
 
 def test_a_full_disk_while_writing_metrics_is_one_line(tmp_path, capsys, monkeypatch):
-    """Issue 53, item 7: metrics.jsonl's write at step 2 fails; the checkpoints stay complete."""
+    """metrics.jsonl's write at step 2 fails; the checkpoints stay complete."""
     from meshtrain.metrics import MetricsLogger
-    from test_checkpoint import complete_steps, overrides
 
     real_log = MetricsLogger.log
 
@@ -200,7 +103,7 @@ def test_a_full_disk_while_writing_metrics_is_one_line(tmp_path, capsys, monkeyp
 
     monkeypatch.setattr(MetricsLogger, "log", log)
     run_dir = tmp_path / "run"
-    assert train_main(["--config", TINY, *overrides(run_dir, "checkpoint.every=1", steps=3)]) == 2
+    assert main(["--config", TINY, *overrides(run_dir, "checkpoint.every=1", steps=3)]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
     assert errors == [f"error: {run_dir / 'metrics.jsonl'}: cannot write it: No space left on device; free some "
                       "space and run again"]
@@ -229,11 +132,9 @@ runpy.run_module("meshtrain.train", run_name="__main__")
 
 @pytest.mark.slow
 def test_a_save_failing_in_orbaxs_threads_is_one_line_and_resume_is_exact(tmp_path):
-    """Issue 53, item 7: one error line, exit 2, no traceback of orbax's threads (its logged ones and the
+    """One error line, exit 2, no traceback of orbax's threads (its logged ones and the
     unraisable "Event loop is closed" of writes still completing); checkpoint 2 intact, and the run
     resumed from it repeats steps 3-5 bit-exactly."""
-    from test_checkpoint import complete_steps, overrides, records
-
     run_dir = tmp_path / "run"
     # No compilation cache and no bytecode files (under the limit both would be written truncated); this
     # process's XLA flags, so that both compile the same step.
@@ -261,7 +162,7 @@ def test_a_save_failing_in_orbaxs_threads_is_one_line_and_resume_is_exact(tmp_pa
 
 
 def test_orbaxs_failure_reports_are_dropped_only_while_a_save_is_in_flight(tmp_path, monkeypatch):
-    """Issue 53, item 7: the quiet scope opens at a save and closes at the wait (no global state): then
+    """The quiet scope opens at a save and closes at the wait (no global state): then
     the unraisable hook is the one before and the absl logger passes orbax's error records again."""
     import asyncio
     import logging
