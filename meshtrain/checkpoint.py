@@ -60,7 +60,7 @@ LAYER_ORDER = "layer_order"  # meta key: {stages, virtual_stages, num_layers} (a
 class CheckpointConfig:
     """Saving, resuming and fault handling of a run (``checkpoint`` section).
 
-    ``init_from`` is the issue's ``model.init_from``: it lives here because the model config describes
+    ``init_from`` is also accepted as ``model.init_from``: it lives here because the model config describes
     a model's shape, not where its weights come from.
     """
 

@@ -124,7 +124,7 @@ class Config:
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 _DACITE = dacite.Config(strict=True, cast=[enum.Enum, tuple, float])
-# Spellings users know from the issues, stored where their owner reads them: ``model.init_from``
+# Other spellings accepted, stored where their owner reads them: ``model.init_from``
 # (where the model's weights come from) is read by the checkpoint component.
 _ALIASES = {("model", "init_from"): ("checkpoint", "init_from")}
 

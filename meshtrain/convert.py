@@ -130,13 +130,13 @@ def to_peft(run: str, out: str, mesh: Mesh, rules: ShardingRules, *, step: int |
     out_dir = _new_dir(out)
     if source_kind(run, field="--run") is not SourceKind.RUN:
         raise ConfigError("--run", f"{run} is not a run directory; give the run.dir of a train.lora run")
-    cfg, trainer, restored = restore_run(run, mesh, rules, step=step, field="--run", trust_plugin=trust_plugin)
-    if trainer.lora is None:
+    cfg, sharded, restored = restore_run(run, mesh, rules, step=step, field="--run", trust_plugin=trust_plugin)
+    if sharded.lora is None:
         raise ConfigError("--run", f"{run} trained without train.lora (rank 0), so it has no adapter; write its "
                           "whole model with to-hf")
     base = base_model or (cfg.checkpoint.init_from or "").removeprefix(hf.INIT_PREFIX) or None
     with new_output(out_dir, "--out"):
-        return peft.save_adapter(out_dir, trainer.lora, cfg.model, trainer.abstract_params, restored.state.adapters,
+        return peft.save_adapter(out_dir, sharded.lora, cfg.model, sharded.abstract_params, restored.state.adapters,
                                  base_model=base)
 
 

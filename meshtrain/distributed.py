@@ -124,7 +124,7 @@ def _cluster_tasks(environ) -> tuple[str, int] | None:
     return None
 
 
-def plan(cfg: DistributedConfig, environ=None) -> Launch:
+def launch_of(cfg: DistributedConfig, environ=None) -> Launch:
     """Decides, without starting anything, whether and how to call ``jax.distributed.initialize``."""
     environ = os.environ if environ is None else environ
     coordinator = cfg.coordinator or environ.get(COORDINATOR_ENV) or None
@@ -192,7 +192,7 @@ def initialize(cfg: DistributedConfig | None = None, environ=None) -> Launch:
       ConfigError: inconsistent settings, backends already started, or the coordinator not reached.
     """
     cfg = cfg or DistributedConfig()
-    launch = plan(cfg, environ)
+    launch = launch_of(cfg, environ)
     if launch.kwargs is None:
         return launch
     check_visible_devices(launch.kwargs.get("local_device_ids"), environ)

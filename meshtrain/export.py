@@ -64,17 +64,17 @@ def _written_mesh(run: str, step: int | None, trust_plugin: bool):
 
 def export(run: str, out: str, step: int | None = None, *, trust_plugin: bool = False) -> pathlib.Path:
     """Exports the parameters of checkpoint ``step`` (default latest) of ``run`` to ``out``, in model
-    layer order (whatever pipeline layout wrote the checkpoint). The run's ``model.plugin`` is
+    layer order (whatever pipeline wrote the checkpoint). The run's ``model.plugin`` is
     imported only with ``trust_plugin``."""
     out_dir = pathlib.Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError("--out", f"{out} exists and is not empty; choose a new directory")
-    cfg, trainer, restored = restore_run(run, _written_mesh(run, step, trust_plugin), step=step, field="--run",
+    cfg, sharded, restored = restore_run(run, _written_mesh(run, step, trust_plugin), step=step, field="--run",
                                          trust_plugin=trust_plugin)
     config = to_dict(cfg)
     with new_output(out_dir, "--out"):
         meta = {"step": restored.step, "source": str(restored.path), "model": config["model"], "config": config}
-        written = save_params(out_dir, trainer.model_params(restored.state, jnp.float32), meta)
+        written = save_params(out_dir, sharded.model_params(restored.state, jnp.float32), meta)
         for name in (TOKENIZER_FILE, CHAT_TEMPLATE_FILE):  # the run's, when its data recorded them
             recorded = restored.path.parent.parent / name
             if jax.process_index() == 0 and recorded.is_file():

@@ -208,8 +208,11 @@ def compile_step(cfg, devices: Sequence, target: Target, fraction: float | None 
     from meshtrain.planner.estimate import layout_estimate
     from meshtrain.trainer import Trainer
 
+    device_memory = target.memory_bytes()
+    usable = int(device_memory * (memory_fraction() if fraction is None else fraction))
     mesh = make_mesh(cfg.mesh, devices)
-    trainer = Trainer(cfg.layout(mesh.shape), mesh, cfg.optimizer)
+    # A chunk left to the devices is chosen for what a run's allocator gets on them, as on a real GPU.
+    trainer = Trainer(cfg.layout(mesh.shape), mesh, cfg.optimizer, device_memory=usable)
     packed = cfg.data.packing is Packing.DOCUMENTS
     kernels = trainer.describe_kernels(packed)
     planned = layout_estimate(trainer.layout, np.dtype(cfg.train.compute_dtype).itemsize).total
@@ -224,8 +227,6 @@ def compile_step(cfg, devices: Sequence, target: Target, fraction: float | None 
     memory = memory_of(compiled)
     hlo = compiled.as_text()
     census = Module(hlo).census()
-    device_memory = target.memory_bytes()
-    usable = int(device_memory * (memory_fraction() if fraction is None else fraction))
     peak = max(memory["peak_memory_bytes"] or 0, footprint_bytes(memory))
     whole = lambda counter: {key: round(value) for key, value in sorted(counter.items())}
     report = CompileReport(

@@ -1,15 +1,17 @@
 """The training objective: the token cross-entropy, the ``Objective`` of a microbatch and ``head_loss``,
-the model's head and the token loss over chunks of positions (``train.loss_chunk``).
+the model's output head and the token loss over chunks of the vocabulary (``train.loss_chunk``).
 
-``head_loss`` never holds the fp32 logits of every position: a ``lax.scan`` over chunks of
-positions runs ``model.logits`` and the objective's token loss on one chunk at a time and sums them,
+``head_loss`` never holds the fp32 logits of the whole vocabulary: a ``lax.scan`` over chunks of the
+head weight's columns projects every position onto one chunk at a time and carries the softmax's
+pieces online (the running max, the sum of exponentials, the target's logit: [rows, length] each),
 its body under ``jax.checkpoint``, so the backward recomputes one chunk's logits at a time too. At
-most one chunk's fp32 ``[rows, chunk, vocab]`` logits, softmax and gradient are live, in place of
-three ``[rows, length, vocab]`` arrays; the head's weight gradient accumulates through the scan as
-autodiff does (in the compute dtype). Chunk j holds positions j, j + n, j + 2n, ... of the n chunks
-(strided, as ``split_microbatches`` takes rows), so where the rules split ``length`` over devices
-each device keeps its share of every chunk and nothing moves; under tensor parallelism the logits
-stay split over ``vocab`` and the loss reduces over the split vocabulary (no device gathers it).
+most one chunk's fp32 ``[rows, length, chunk]`` logits, softmax and gradient are live. Each chunk's
+slice of the weight is a scan input, so its gradient is a scan output: reduced over the batch's
+devices (a reduce-scatter to the parameter's split) once per slice, never carried whole and
+unsplit across the chunks; the gradient of the head's input is carried in fp32. Chunk j holds the
+vocabulary entries j, j + n, j + 2n, ... of the n chunks (strided), so where tensor parallelism
+splits ``vocab`` each device keeps its share of every chunk and the loss reduces over the split
+vocabulary (no device gathers it); the positions keep whatever split they have (context parallelism).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtrain.precision import LossScale, cast_floating
-from models.api import AUX_LOSS, MTP_LOSS, Documents, LayerAux, PredictsAhead
+from models.api import AUX_LOSS, HEAD_AXES, MTP_LOSS, Documents, LayerAux, PredictsAhead, head_logits
 from models.common import ActivationSharding
 
 Batch = dict[str, jax.Array]  # the step's arrays by name: inputs, targets, mask [rows, length], ...
@@ -32,9 +34,6 @@ Batch = dict[str, jax.Array]  # the step's arrays by name: inputs, targets, mask
 ModelOf = Callable[[nnx.State], Any]
 # (params, microbatch) -> (its loss, the layers' aux terms).
 Loss = Callable[[nnx.State, Batch], tuple[jax.Array, LayerAux]]
-
-# The head's input: whole positions, as ``DecoderModel.logits`` takes them.
-HEAD_AXES = ("batch", "length", "embed")
 
 
 def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
@@ -49,114 +48,143 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) ->
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """The two (linear) terms of one microbatch's scaled, normalised loss, and the chunks the token
-    term is computed in.
+    """The two (linear) terms of one microbatch's scaled, normalised loss, and the chunks of the
+    vocabulary the token term is computed in.
 
-    of_logits: (logits [batch, positions, vocab], the microbatch's [batch, positions] arrays at those
-    positions) -> the token loss (a sum over tokens, so any split of the tokens adds up to it).
+    token_weights: the microbatch's [batch, positions] arrays -> each token's weight [batch, positions]
+    (fp32): the token loss is the sum over tokens of weight x cross-entropy.
     of_aux: the layers' auxiliary-loss sum over the microbatch's rows (``aux[AUX_LOSS]`` of
     ``DecoderModel.run_layers``) -> its share of the loss.
-    loss_chunk: positions per chunk and row (``train.loss_chunk``; 0: all positions at once).
-    length_ways: how many ways the rules split ``length`` over the mesh: each chunk keeps that split.
+    loss_chunk: vocabulary entries per chunk (``train.loss_chunk``; 0: the whole vocabulary at once).
+    vocab_ways: how many ways the rules split ``vocab`` over the mesh: each chunk keeps that split.
     predicts_ahead: whether a model's multi-token prediction (``models.api.PredictsAhead``) is part
     of it (training: yes; evaluation: the main loss alone).
     """
 
-    of_logits: Callable[[jax.Array, Batch], jax.Array]
+    token_weights: Callable[[Batch], jax.Array]
     of_aux: Callable[[jax.Array], jax.Array]
     loss_chunk: int = 0
-    length_ways: int = 1
+    vocab_ways: int = 1
     predicts_ahead: bool = False
 
     @classmethod
     def training(cls, target_count: jax.Array, rows: int, loss_scale: LossScale, loss_chunk: int,
-                 length_ways: int) -> Objective:
+                 vocab_ways: int) -> Objective:
         """The train step's objective on a global batch of ``rows`` rows and ``target_count`` target
         tokens: the token cross-entropy summed over a microbatch's tokens / ``target_count``, the
         layers' aux losses as a mean over rows, multi-token prediction included, all scaled by
         ``loss_scale`` (fp16); so the microbatches' terms sum to the step's loss."""
-        def of_logits(logits: jax.Array, microbatch: Batch) -> jax.Array:
-            loss = cross_entropy_sum(logits, microbatch["targets"], microbatch["mask"]) / target_count
-            return loss_scale.scale_loss(loss)
+        def token_weights(microbatch: Batch) -> jax.Array:
+            return loss_scale.scale_loss(microbatch["mask"].astype(jnp.float32) / target_count)
 
         def of_aux(aux_sum: jax.Array) -> jax.Array:
             return loss_scale.scale_loss(aux_sum.astype(jnp.float32) / rows)
 
-        return cls(of_logits, of_aux, loss_chunk, length_ways, predicts_ahead=True)
+        return cls(token_weights, of_aux, loss_chunk, vocab_ways, predicts_ahead=True)
 
     @classmethod
-    def evaluation(cls, loss_chunk: int, length_ways: int) -> Objective:
+    def evaluation(cls, loss_chunk: int, vocab_ways: int) -> Objective:
         """The evaluation's objective: the summed token cross-entropy alone (no aux terms, no
         multi-token prediction)."""
-        return cls(lambda logits, mb: cross_entropy_sum(logits, mb["targets"], mb["mask"]),
-                   lambda aux_sum: jnp.zeros((), jnp.float32), loss_chunk, length_ways)
+        return cls(lambda mb: mb["mask"].astype(jnp.float32), lambda aux_sum: jnp.zeros((), jnp.float32),
+                   loss_chunk, vocab_ways)
 
     def of_layers(self, aux: LayerAux) -> jax.Array:
         """The share of the loss of the layers' aux terms ``aux``."""
         return self.of_aux(aux[AUX_LOSS])
 
-    def chunk_length(self, length: int) -> int:
-        """Positions per chunk of a head over ``length`` positions: see ``chunk_length``."""
-        return chunk_length(length, self.loss_chunk, self.length_ways)
+    def chunk_size(self, vocab: int) -> int:
+        """Vocabulary entries per chunk of a head over ``vocab`` entries: see ``chunk_size``."""
+        return chunk_size(vocab, self.loss_chunk, self.vocab_ways)
 
 
-def chunk_length(length: int, loss_chunk: int, length_ways: int = 1) -> int:
-    """Positions per chunk: the largest divisor of ``length`` not above ``loss_chunk`` that is a
-    multiple of ``length_ways`` (every device then holds an equal share of each chunk; at least
-    ``length_ways`` positions); ``length`` when ``loss_chunk`` is 0 or at least ``length``. A length
-    with no divisor near ``loss_chunk`` (e.g. a prime) runs in many small chunks."""
-    if loss_chunk <= 0 or loss_chunk >= length:
-        return length
-    ways = length_ways if length % length_ways == 0 else 1
-    local = length // ways
-    return ways * max(d for d in range(1, max(loss_chunk // ways, 1) + 1) if local % d == 0)
+def chunk_size(size: int, request: int, ways: int = 1) -> int:
+    """Entries per chunk of ``size`` (the vocabulary): the largest divisor of ``size`` not above
+    ``request`` that is a multiple of ``ways`` (every device then holds an equal share of each chunk;
+    at least ``ways`` entries); ``size`` when ``request`` is 0 or at least ``size``. A size with no
+    divisor near ``request`` (e.g. a prime) runs in many small chunks."""
+    if request <= 0 or request >= size:
+        return size
+    ways = ways if size % ways == 0 else 1
+    local = size // ways
+    return ways * max(d for d in range(1, max(request // ways, 1) + 1) if local % d == 0)
 
 
-def _strided(x: jax.Array, chunks: int) -> jax.Array:
-    """[batch, length, ...] -> [chunks, batch, length / chunks, ...]: chunk j holds positions j,
-    j + chunks, j + 2 chunks, ... (a device holding a contiguous block of positions holds its block's
-    share of every chunk)."""
-    rows, length = x.shape[:2]
-    return jnp.moveaxis(x.reshape(rows, length // chunks, chunks, *x.shape[2:]), 2, 0)
+def _strided_columns(weight: jax.Array, chunks: int) -> jax.Array:
+    """[embed, vocab] -> [chunks, embed, vocab / chunks]: chunk j holds columns j, j + chunks, ... (a
+    device holding a contiguous block of the vocabulary holds its block's share of every chunk)."""
+    embed, vocab = weight.shape
+    return jnp.moveaxis(weight.reshape(embed, vocab // chunks, chunks), 2, 0)
 
 
-def head_loss(logits_of: Callable[[jax.Array, ActivationSharding], jax.Array], x: jax.Array, batch: Batch,
-              shard: ActivationSharding, objective: Objective) -> jax.Array:
-    """The token loss ``objective.of_logits`` of a head ``logits_of`` (the model's ``logits``, or a
-    prediction depth's ``ahead_logits``) on ``x`` [batch, length, embed] (the layers' output), in
-    chunks of ``objective.chunk_length(length)`` positions per row (see the module docstring).
-    ``batch``: the microbatch's [batch, length] arrays at the same positions."""
-    def chunk_loss(x_chunk: jax.Array, batch_chunk: Batch) -> jax.Array:
-        return objective.of_logits(logits_of(x_chunk, shard), batch_chunk)
+Softmax = tuple[jax.Array, jax.Array, jax.Array]  # (max, sum of exp(logit - max), target's logit) [batch, length]
 
-    length = x.shape[1]
-    chunks = length // objective.chunk_length(length)
-    if chunks == 1:
-        return chunk_loss(x, batch)
-    x_chunks = shard(_strided(shard(x, HEAD_AXES), chunks), (None, *HEAD_AXES))
-    # prevent_cse off: inside a scan nothing can merge the backward's recomputation with the forward.
-    # The chunks' losses are the scan's outputs, not a carry (inside a pipeline stage a fresh carry
-    # would not be varying over the stage axis).
-    remat_loss = jax.checkpoint(chunk_loss, prevent_cse=False)
-    _, losses = jax.lax.scan(lambda _, chunk: (None, remat_loss(*chunk)), None,
-                             (x_chunks, jax.tree.map(lambda a: _strided(a, chunks), batch)))
-    return jnp.sum(losses)
+
+def _softmax_pieces(logits: jax.Array, targets: jax.Array) -> Softmax:
+    """fp32 logits [batch, length, entries] and int ``targets`` [batch, length] (an entry's index, or
+    -1 where the target lies in another chunk) -> their ``Softmax`` pieces. The max carries no
+    gradient: the log-sum-exp does not depend on it. The target's logit is a one-hot contraction, not
+    a gather: it partitions cleanly when the vocabulary is split over ``tensor``, also inside a
+    pipeline stage (XLA's partitioner aborts on the gather there)."""
+    peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+    sum_exp = jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1)
+    target = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    return peak, sum_exp, target
+
+
+def _merge(a: Softmax, b: Softmax) -> Softmax:
+    """The ``Softmax`` pieces of two disjoint sets of entries -> those of their union."""
+    peak = jnp.maximum(a[0], b[0])
+    return peak, a[1] * jnp.exp(a[0] - peak) + b[1] * jnp.exp(b[0] - peak), a[2] + b[2]
+
+
+def head_loss(normed: jax.Array, weight: jax.Array, batch: Batch, shard: ActivationSharding,
+              objective: Objective) -> jax.Array:
+    """The token loss (``objective.token_weights`` x cross-entropy, summed) of the output head on
+    ``normed`` [batch, length, embed] (the model's ``head_input``, or a prediction depth's stream)
+    through ``weight`` [embed, vocab] (the model's ``head_weight``), in chunks of
+    ``objective.chunk_size(vocab)`` vocabulary entries (see the module docstring). ``batch``: the
+    microbatch's [batch, length] arrays at the same positions."""
+    targets = batch["targets"]
+    vocab = weight.shape[1]
+    chunks = vocab // objective.chunk_size(vocab)
+    if chunks == 1:  # one pass: nothing recomputed
+        pieces = _softmax_pieces(head_logits(normed, weight, shard), targets)
+    else:
+        # The head's input is closed over in fp32: its gradient accumulates over the chunks in fp32.
+        wide = shard(normed, HEAD_AXES).astype(jnp.float32)
+        # The initial pieces derive from the input: inside a pipeline stage a fresh carry would not be
+        # varying over the stage axis. The max starts at -inf: the first chunk's max replaces it.
+        zeros = jax.lax.stop_gradient(wide[..., 0] * 0)
+
+        def chunk(carry: Softmax, weight_and_index: tuple[jax.Array, jax.Array]) -> tuple[Softmax, None]:
+            w, j = weight_and_index
+            local = jnp.where(targets % chunks == j, targets // chunks, -1)
+            logits = head_logits(wide.astype(normed.dtype), w, shard)
+            return _merge(carry, _softmax_pieces(logits, local)), None
+
+        # prevent_cse off: inside a scan nothing can merge the backward's recomputation with the forward.
+        pieces, _ = jax.lax.scan(jax.checkpoint(chunk, prevent_cse=False), (zeros - jnp.inf, zeros, zeros),
+                                 (_strided_columns(weight, chunks), jnp.arange(chunks)))
+    peak, sum_exp, target = pieces
+    return jnp.sum(objective.token_weights(batch) * (peak + jnp.log(sum_exp) - target))
 
 
 def documents_of(batch: Batch) -> Documents | None:
-    """The batch's document layout (``positions`` and ``segments`` [rows, length]) when its rows are
+    """The batch's document spans (``positions`` and ``segments`` [rows, length]) when its rows are
     packed from several documents, else None."""
     return Documents(batch["positions"], batch["segments"]) if "segments" in batch else None
 
 
 def sequential_loss(model_of: ModelOf, objective: Objective, shard: ActivationSharding, compute_dtype) -> Loss:
-    """No pipeline: the whole model's loss (the head's in the objective's chunks of positions)."""
+    """No pipeline: the whole model's loss (the head's in the objective's chunks of the vocabulary)."""
 
     def loss(params: nnx.State, batch: Batch) -> tuple[jax.Array, LayerAux]:
         model, documents = model_of(cast_floating(params, compute_dtype)), documents_of(batch)
         x, aux = model.run_layers(model.embed(batch["inputs"], shard, documents), shard, documents)
         ahead, ahead_aux = ahead_loss(model, x, batch, shard, objective, documents)
-        loss = head_loss(model.logits, x, batch, shard, objective) + objective.of_layers(aux) + ahead
+        loss = head_loss(model.head_input(x, shard), model.head_weight(), batch, shard, objective)
+        loss = loss + objective.of_layers(aux) + ahead
         return loss, {**aux, **ahead_aux}
 
     return loss
@@ -191,12 +219,13 @@ def ahead_loss(model, x: jax.Array, batch: Batch, shard: ActivationSharding, obj
     output ``x`` [batch, length, embed] and its statistic: (``ahead_weight`` x the mean over depths
     of their token losses + the depths' auxiliary loss, {MTP_LOSS: that mean}); (0, {}) for a model
     without it or an objective that leaves it out. ``batch`` holds the depths' arrays
-    (``with_ahead_targets``); each depth's head runs in the objective's chunks."""
+    (``with_ahead_targets``); each depth's stream goes through the output head (``head_weight``) in the
+    objective's chunks."""
     if not (objective.predicts_ahead and isinstance(model, PredictsAhead) and model.ahead_depths):
         return jnp.zeros((), jnp.float32), {}
     depths = range(1, model.ahead_depths + 1)
     streams, aux = model.predict_ahead(x, jnp.stack([batch[ahead_key("inputs", k)] for k in depths]), shard, documents)
-    losses = [head_loss(model.ahead_logits, streams[k - 1],
+    losses = [head_loss(streams[k - 1], model.head_weight(),
                         {"targets": batch[ahead_key("targets", k)], "mask": batch[ahead_key("mask", k)]}, shard,
                         objective) for k in depths]
     mean = sum(losses) / len(losses)

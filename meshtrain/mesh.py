@@ -22,8 +22,8 @@ from meshtrain.errors import ConfigError
 MESH_AXES = ("data", "fsdp", "tensor", "stage")
 # Device-array order (slowest to fastest varying), and its permutation back to MESH_AXES. The memory
 # model reads it too: an axis is inside one node when it and every faster axis together fit in a node.
-LAYOUT_ORDER = ("data", "stage", "fsdp", "tensor")
-_TO_MESH_AXES = tuple(LAYOUT_ORDER.index(axis) for axis in MESH_AXES)
+DEVICE_ORDER = ("data", "stage", "fsdp", "tensor")
+_TO_MESH_AXES = tuple(DEVICE_ORDER.index(axis) for axis in MESH_AXES)
 DCN_AXES = ("data", "fsdp", "stage")  # axes that may cross hosts (never tensor)
 
 
@@ -93,11 +93,11 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     and from the model's ``with_sharding_constraint`` calls; array types carry no sharding."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = cfg.resolve(len(devices))
-    layout_shape = tuple(sizes[axis] for axis in LAYOUT_ORDER)
+    device_shape = tuple(sizes[axis] for axis in DEVICE_ORDER)
     if cfg.hybrid:
         device_array = _hybrid_device_array(cfg, sizes, devices)
     else:
-        device_array = mesh_utils.create_device_mesh(layout_shape, devices, allow_split_physical_axes=True)
+        device_array = mesh_utils.create_device_mesh(device_shape, devices, allow_split_physical_axes=True)
     return Mesh(np.transpose(device_array, _TO_MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
@@ -108,7 +108,7 @@ def _granule_key(devices: Sequence[jax.Device]) -> str:
 
 
 def _hybrid_device_array(cfg: MeshConfig, sizes: dict[str, int], devices: list[jax.Device]) -> np.ndarray:
-    """The devices in layout order, each ``dcn_*`` axis laid over hosts and the rest within a host
+    """The devices in ``DEVICE_ORDER``, each ``dcn_*`` axis laid over hosts and the rest within a host
     (``mesh_utils.create_hybrid_device_mesh``), with its errors turned into ``ConfigError``s."""
     dcn = cfg.dcn
     for axis in DCN_AXES:
@@ -127,14 +127,14 @@ def _hybrid_device_array(cfg: MeshConfig, sizes: dict[str, int], devices: list[j
     if len(set(hosts.values())) > 1:
         raise ConfigError("mesh", f"a hybrid mesh needs the same number of devices on every host; "
                           f"devices per {unit[:-2] if unit == 'processes' else unit[:-1]}: {hosts}")
-    ici = tuple(sizes[axis] // dcn[axis] for axis in LAYOUT_ORDER)
+    ici = tuple(sizes[axis] // dcn[axis] for axis in DEVICE_ORDER)
     per_host = next(iter(hosts.values()))
     if math.prod(ici) != per_host:
-        raise ConfigError("mesh", f"within a host the axes are {dict(zip(LAYOUT_ORDER, ici))} = "
+        raise ConfigError("mesh", f"within a host the axes are {dict(zip(DEVICE_ORDER, ici))} = "
                           f"{math.prod(ici)} devices, but each host has {per_host}")
     try:
         return mesh_utils.create_hybrid_device_mesh(
-            ici, tuple(dcn[axis] for axis in LAYOUT_ORDER), devices,
+            ici, tuple(dcn[axis] for axis in DEVICE_ORDER), devices,
             process_is_granule=key == "process_index", allow_split_physical_axes=True)
     except ValueError as err:
         raise ConfigError("mesh", f"cannot lay the mesh over the hosts: {err}") from None

@@ -114,7 +114,7 @@ def _row(cfg: Config, rank: str, est: Estimate, verdict: str) -> list[str]:
     piped = lay.stage > 1 and est.in_flight
     return [rank, lay.label(), _preset(cfg, lay), str(lay.zero), lay.remat.value, str(lay.grad_accum),
             lay.schedule_label,
-            str(lay.microbatches) if lay.stage > 1 else "-",
+            str(lay.microbatches) if lay.stage > 1 else "-", str(est.loss_chunk or "all"),
             f"{est.bubble:.1%}" if piped else "-", str(est.in_flight) if piped else "-",
             "yes" if lay.offload else "-", _gb(est.params), _gb(est.grads),
             _gb(est.optimizer),
@@ -123,8 +123,9 @@ def _row(cfg: Config, rank: str, est: Estimate, verdict: str) -> list[str]:
             f"{sum(est.comm_s.values()):.3g}", verdict]
 
 
-HEADER = ["#", "mesh d,f,t,s", "preset", "zero", "remat", "acc", "schedule", "mb", "bubble", "flight", "offl", "params",
-          "grads", "optim", "activ", "temps", "update", "total GB", "host GB", "step s", "comp s", "comm s", "verdict"]
+HEADER = ["#", "mesh d,f,t,s", "preset", "zero", "remat", "acc", "schedule", "mb", "chunk", "bubble", "flight", "offl",
+          "params", "grads", "optim", "activ", "temps", "update", "total GB", "host GB", "step s", "comp s", "comm s",
+          "verdict"]
 
 
 LEFT_ALIGNED = {HEADER.index(name) for name in ("mesh d,f,t,s", "preset", "remat", "schedule", "verdict")}
@@ -167,6 +168,10 @@ def format_plan(plan: Plan, top: int, show_infeasible: int, requested_meshes: Se
              "activations a stage holds) from the pipeline schedule's table",
              f"layouts: {len(plan.estimates)} enumerated, {len(fit)} fit, {len(big)} need too much memory, "
              f"{len(broken)} cannot be built",
+             "chunk = positions per row in each chunk of the head and loss ("
+             + (f"train.loss_chunk={plan.cfg.train.loss_chunk}" if plan.cfg.train.loss_chunk is not None else
+                "chosen per layout for these devices' memory")
+             + "; all = one pass, whose backward recomputes nothing)",
              f"per device, GB, as {hw.compiler.value} holds them (activ = what the backward keeps: in fp32, or in a"
              " pipeline the stash in the compute dtype with its cut and buffers; temps = the"
              " compute copy and the gradients the backward writes, then the larger of the loss phase and one"
@@ -250,7 +255,8 @@ def verify(config_path: str | None, overrides: list[str], est: Estimate, devices
     by XLA:CPU on ``devices`` simulated CPU devices."""
     import jax
 
-    cfg = load_config(config_path, list(overrides) + est.candidate.overrides())
+    # The head in the chunk the plan estimated (chosen for its --device-memory where the config leaves it).
+    cfg = load_config(config_path, [*overrides, *est.candidate.overrides(), f"train.loss_chunk={est.loss_chunk}"])
     if gpus is not None:
         from meshtrain.gpu_compile import compile_step
 

@@ -41,13 +41,13 @@ class TrainConfig:
     # Consecutive skipped steps after which a run stops (exit 3) with its checkpoints as they were
     # before them; 0 = no limit. fp16's loss scale starts at 2**15 and halves per skipped step.
     max_consecutive_skips: int = 10
-    # Positions per row in each chunk of the head and loss (meshtrain.loss; the largest divisor of the
-    # positions not above it); 0 = all at once. 256: at a 128k-152k vocabulary one chunk's fp32 logits
-    # are 131-156 MB per row, the loss phase's three such buffers under 0.5 GB per row at any length
-    # (12-15 GB per row at 8k positions unchunked), while a [rows x 256, embed] x [embed, vocab]
-    # matmul still fills a GPU's matrix units; the backward recomputes the head's matmul once (a third
-    # more head FLOPs) whatever the chunk. Lengths up to 256 run in one chunk, unchanged.
-    loss_chunk: int = 256
+    # Vocabulary entries in each chunk of the head and loss (meshtrain.loss; the largest divisor of the
+    # vocabulary not above it); 0 = all at once, in one pass whose backward recomputes nothing. None:
+    # chosen for the devices by the memory estimate (meshtrain.planner.estimate.choose_loss_chunk): one
+    # pass where the step then fits the devices' memory for certain, else the largest chunk (of at
+    # least 1,024 entries) that needs no more memory than the smallest. A chunked head's backward
+    # recomputes its matmul once (a third more head FLOPs) whatever the chunk.
+    loss_chunk: int | None = None
     # Steps to trace with jax.profiler into run.dir/profile: "5-8" (first-last, 1-based) or 5; None = off.
     profile_steps: str | int | None = None
 
@@ -94,8 +94,9 @@ class TrainConfig:
                               "implemented); use bf16 or fp32 with train.lora")
         if self.max_consecutive_skips < 0:
             raise ConfigError("max_consecutive_skips", f"must be >= 0 (0: no limit), got {self.max_consecutive_skips}")
-        if self.loss_chunk < 0:
-            raise ConfigError("loss_chunk", f"must be >= 0 positions per chunk (0: all at once), got {self.loss_chunk}")
+        if self.loss_chunk is not None and self.loss_chunk < 0:
+            raise ConfigError("loss_chunk", f"must be >= 0 vocabulary entries per chunk (0: all at once; null: "
+                              f"chosen for the devices), got {self.loss_chunk}")
         if self.profile_steps is not None:
             text = str(self.profile_steps)
             if not re.fullmatch(r"[1-9][0-9]*(-[1-9][0-9]*)?", text) or self.profile_range[1] < self.profile_range[0]:

@@ -5,8 +5,9 @@ under ring attention) -> precision cast of the master weights (under fp8, the re
 passed as FP8 operands: ``meshtrain.fp8_training``) -> forward/backward per
 accumulation microbatch, through the pipeline schedule when ``mesh.stage`` > 1 (activations
 constrained by the rules, layers rematerialised by the model's policy, the head and the loss in
-chunks of ``train.loss_chunk`` positions: ``meshtrain.loss``) -> gradient accumulation in
-the gradients' layout of the ZeRO stage (split over ``fsdp`` from ZeRO-2 on) -> unscale -> AdamW
+chunks of ``train.loss_chunk`` vocabulary entries, chosen for the devices where the config leaves it:
+``meshtrain.loss``) -> gradient accumulation in
+the gradients' sharding of the ZeRO stage (split over ``fsdp`` from ZeRO-2 on) -> unscale -> optimizer
 update in place (and delayed scaling's amax histories), applied only where the loss, the gradient
 norm and the FP8 amaxes are finite -> the new parameters and moments checked for finiteness
 (``state_finite``).
@@ -25,7 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshtrain.errors import ConfigError
 from meshtrain.fp8_training import Fp8Training
 from meshtrain.lora import LoraTraining
-from meshtrain.loss import Batch, Objective, with_ahead_targets
+from meshtrain.loss import Batch, Objective, chunk_size, with_ahead_targets
+from meshtrain.mesh import device_memory_bytes
 from meshtrain.optim import OptimizerConfig, descended_gradients, make_optimizer, sign_descent_rates
 from meshtrain.parallel.accumulate import accumulate_gradients, split_microbatches
 from meshtrain.parallel.activations import activation_sharding
@@ -35,7 +37,10 @@ from meshtrain.parallel.offload import DEVICE, HOST, check_host_memory, with_mem
 from meshtrain.parallel.pipeline import make_loss, make_value_and_grad
 from meshtrain.parallel.ring_attention import balanced_order
 from meshtrain.parallel.sharding import batch_sharding, named_shardings, optimizer_shardings
-from meshtrain.parallel.zero import StateLayout
+from meshtrain.parallel.zero import StateShardings
+from meshtrain.planner.constants import Compiler
+from meshtrain.planner.estimate import with_chosen_loss_chunk
+from meshtrain.planner.roofline import Hardware
 from meshtrain.precision import LossScale, Precision, cast_floating, initial_loss_scale
 from meshtrain.xla_flags import step_compiler_options
 from models.api import AUX_LOSS, MTP_LOSS, BlockedExperts, DecoderModel, PredictsAhead, RoutedExperts
@@ -75,44 +80,45 @@ def check_expert_block(layout: Layout) -> None:
                           f"use 1 to {tokens:,}, or 0 to choose from the rows")
 
 
-class Trainer:
-    """Creates the born-sharded state and the train step for one model on one mesh, as its
-    ``Layout`` (``self.layout``) lays them out."""
+class ShardedState:
+    """The train state of one ``Layout`` (``self.layout``) on one mesh: its optimizer, FP8 histories and
+    LoRA adapters, the shardings of each part, and the state created in them or described abstractly.
+    It reads the layout's model, rules, ZeRO stage, offload, precision, LoRA and steps, not its batch:
+    the tools restore a run's checkpoint with it (``meshtrain.weights.loading.restore_run``).
+
+    Raises:
+      ConfigError: a parameter dimension that its split does not divide (``Layout.parameter_problems``),
+        or ``offload.optimizer`` on devices without host memory.
+    """
 
     def __init__(self, layout: Layout, mesh: Mesh, optimizer: OptimizerConfig = OptimizerConfig()):
         if dict(mesh.shape) != dict(layout.mesh_shape):
             raise ValueError(f"the layout is for mesh {dict(layout.mesh_shape)}, not {dict(mesh.shape)}")
-        if layout.train.precision is Precision.FP16 and mesh.devices.flat[0].platform == "cpu":
-            raise ConfigError("train.precision", "fp16 needs a GPU (XLA:CPU has no fp16 matmul with fp32 "
-                              "accumulation); use bf16 or fp32 on CPU")
-        layout.check()
-        check_expert_block(layout)
+        problems = layout.parameter_problems()
+        if problems:
+            raise problems[0].error()
         if layout.offload.optimizer:
             check_host_memory(mesh, "offload.optimizer")
         self.layout, self.mesh = layout, mesh
         self.family, self.abstract_params = layout.family, layout.abstract_params
         self.graphdef = layout.graphdef
         self.rules, self.layer_order = layout.rules, layout.layer_order
-        model = nnx.merge(self.graphdef, self.abstract_params)
-        # Multi-token prediction's depths (models.api.PredictsAhead): the batch carries their targets.
-        self.ahead_depths = model.ahead_depths if isinstance(model, PredictsAhead) else 0
-        self.state_layout = sharded_layout(layout.state_specs(), mesh)
-        self.param_shardings = self.state_layout.params
+        self.part_shardings = named_state_shardings(layout.state_specs(), mesh)
+        self.param_shardings = self.part_shardings.params
         self.fp8 = (Fp8Training(layout.train.fp8, self.abstract_params, self.family)
                     if layout.train.precision is Precision.FP8 else None)
         self.lora = (LoraTraining(layout.train.lora, self.abstract_params, self.family)
                      if layout.train.lora.enabled else None)
-        # What the optimizer trains (the parameters, or under LoRA the adapters) and its layout.
+        # What the optimizer trains (the parameters, or under LoRA the adapters) and its shardings.
         self.abstract_trainable = self.lora.abstract_adapters() if self.lora else self.abstract_params
-        self.trainable_layout = (sharded_layout(layout.state_specs(params=self.abstract_trainable), mesh)
-                                 if self.lora else self.state_layout)
+        self.trainable_shardings = (named_state_shardings(layout.state_specs(params=self.abstract_trainable), mesh)
+                                    if self.lora else self.part_shardings)
         self.tx, self.schedule = make_optimizer(optimizer, layout.train.steps, self.abstract_trainable)
-        self.sign_rates = sign_descent_rates(self.abstract_trainable)
         replicated = NamedSharding(mesh, PartitionSpec())
         abstract_opt_state = jax.eval_shape(self.tx.init, self.abstract_trainable)
         # Where the optimizer state is updated (device memory) and where it rests between steps.
         self.optimizer_compute_shardings = optimizer_shardings(abstract_opt_state, self.abstract_trainable,
-                                                               self.trainable_layout.optimizer, mesh)
+                                                               self.trainable_shardings.optimizer, mesh)
         self.state_shardings = TrainState(
             step=replicated, params=self.param_shardings,
             opt_state=with_memory_kind(self.optimizer_compute_shardings,
@@ -120,51 +126,7 @@ class Trainer:
             loss_scale=jax.tree.map(lambda _: replicated, initial_loss_scale(layout.train.uses_dynamic_loss_scale)),
             skipped_steps=replicated,
             fp8=self.fp8.history_shardings(self.param_shardings) if self.fp8 else nnx.State({}),
-            adapters=self.trainable_layout.params if self.lora else nnx.State({}))
-        self.batch_sharding = batch_sharding(self.rules, mesh)
-        self.metrics_sharding = replicated
-        self.train_step = jax.jit(
-            self.step, in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, replicated), donate_argnums=0,
-            compiler_options=step_compiler_options(layout))
-        self.eval_step = jax.jit(self.evaluate, in_shardings=(self.param_shardings, self.batch_sharding),
-                                 out_shardings=replicated)
-
-    def describe_kernels(self, packed: bool) -> list[str]:
-        """The start-up lines saying what runs on this mesh: the FP8 recipe, the attention kernel for
-        rows packed from documents (``packed``) or not, each split experts' exchange, the pipeline
-        (the lines that apply). ``ConfigError`` on ``model.attention`` for a kernel that cannot run here."""
-        model, precision = self.layout.model, self.layout.train.precision
-        lines = [self.fp8 and self.fp8.describe(),
-                 self.lora and self.lora.describe(self.layout.train.compute_dtype),
-                 activation_sharding(self.rules, self.mesh).describe_attention(model.attention_spec, packed,
-                                                                               precision.compute_dtype),
-                 *[describe_exchange(self.rules, self.mesh, axis, isinstance(model, RoutedExperts)
-                                     and model.sorted_dispatch) for axis in self.layout.expert_axes],
-                 self.grouped_kernel_line(),
-                 self.pipeline_description]
-        return [line for line in lines if line]
-
-    def grouped_kernel_line(self) -> str:
-        """The experts' grouped-matmul kernel on this mesh's devices ('' without a sorted dispatch);
-        ``ConfigError`` on ``model.grouped_matmul`` for a kernel that cannot run here."""
-        model = self.layout.model
-        if not (isinstance(model, BlockedExperts) and isinstance(model, RoutedExperts) and model.sorted_dispatch):
-            return ""
-        try:
-            return model.grouped_spec.describe(self.mesh.devices.flat[0].platform, self.layout.train.compute_dtype)
-        except ValueError as err:
-            raise ConfigError("model.grouped_matmul", str(err).removeprefix("model.grouped_matmul=")) from None
-
-    @property
-    def pipeline_description(self) -> str:
-        """One line: the pipeline schedule, its shape and its theoretical bubble ('' without one)."""
-        stages = self.mesh.shape["stage"]
-        if stages == 1:
-            return ""
-        cfg = self.layout.pipeline
-        return (f"pipeline: schedule {cfg.schedule.value}, {stages} stages x {cfg.chunks_per_stage} "
-                f"virtual, {cfg.microbatches} microbatches: {cfg.schedule_table(stages).describe()}")
+            adapters=self.trainable_shardings.params if self.lora else nnx.State({}))
 
     def _fresh_state(self, seed: int) -> TrainState:
         params = self.layer_order.to_storage(nnx.state(self.family.build(self.layout.model, seed)))
@@ -187,7 +149,7 @@ class Trainer:
             return state.params
         return self._merge(None if dtype is None else jnp.dtype(dtype))(state.params, state.adapters)
 
-    @functools.cache  # noqa: B019 - one jitted merge per dtype for the trainer's life (evaluations reuse it)
+    @functools.cache  # noqa: B019 - one jitted merge per dtype for the state's life (evaluations reuse it)
     def _merge(self, dtype: jnp.dtype | None):
         return jax.jit(functools.partial(self.lora.merged, dtype=dtype), out_shardings=self.param_shardings)
 
@@ -201,6 +163,95 @@ class Trainer:
         return jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype,
                                                                          sharding=sharding),
                             shapes, self.state_shardings)
+
+
+class Trainer(ShardedState):
+    """The train and evaluation steps of one model on one mesh, as its ``Layout`` (``self.layout``)
+    lays them out, over the born-sharded state of ``ShardedState``."""
+
+    def __init__(self, layout: Layout, mesh: Mesh, optimizer: OptimizerConfig = OptimizerConfig(),
+                 device_memory: int | None = None):
+        """``device_memory``: bytes per device that a ``train.loss_chunk`` left to the devices (null) is
+        chosen for (default: what ``mesh``'s devices report; ``meshtrain.gpu_compile`` gives its target's)."""
+        device = mesh.devices.flat[0]
+        if layout.train.precision is Precision.FP16 and device.platform == "cpu":
+            raise ConfigError("train.precision", "fp16 needs a GPU (XLA:CPU has no fp16 matmul with fp32 "
+                              "accumulation); use bf16 or fp32 on CPU")
+        problems = layout.problems(parameters=False)  # the parameters' own: ShardedState's, after these
+        if problems:
+            raise problems[0].error()
+        check_expert_block(layout)
+        self.loss_chunk_chosen = layout.train.loss_chunk is None
+        layout = with_chosen_loss_chunk(layout, Hardware(compiler=Compiler.of_platform(device.platform)),
+                                        device_memory_bytes(device) if device_memory is None else device_memory)
+        super().__init__(layout, mesh, optimizer)
+        model = nnx.merge(self.graphdef, self.abstract_params)
+        # Multi-token prediction's depths (models.api.PredictsAhead): the batch carries their targets.
+        self.ahead_depths = model.ahead_depths if isinstance(model, PredictsAhead) else 0
+        self.sign_rates = sign_descent_rates(self.abstract_trainable)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self.batch_sharding = batch_sharding(self.rules, mesh)
+        self.metrics_sharding = replicated
+        self.train_step = jax.jit(
+            self.step, in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=0,
+            compiler_options=step_compiler_options(layout))
+        self.eval_step = jax.jit(self.evaluate, in_shardings=(self.param_shardings, self.batch_sharding),
+                                 out_shardings=replicated)
+
+    def describe_kernels(self, packed: bool) -> list[str]:
+        """The start-up lines saying what runs on this mesh: the FP8 recipe, the attention kernel for
+        rows packed from documents (``packed``) or not, each split experts' exchange, the pipeline
+        (the lines that apply). ``ConfigError`` on ``model.attention`` for a kernel that cannot run here."""
+        model, precision = self.layout.model, self.layout.train.precision
+        lines = [self.fp8 and self.fp8.describe(),
+                 self.lora and self.lora.describe(self.layout.train.compute_dtype),
+                 activation_sharding(self.rules, self.mesh).describe_attention(model.attention_spec, packed,
+                                                                               precision.compute_dtype),
+                 *[describe_exchange(self.rules, self.mesh, axis, isinstance(model, RoutedExperts)
+                                     and model.sorted_dispatch) for axis in self.layout.expert_axes],
+                 self.grouped_kernel_line(),
+                 self.pipeline_description,
+                 self.loss_description]
+        return [line for line in lines if line]
+
+    def grouped_kernel_line(self) -> str:
+        """The experts' grouped-matmul kernel on this mesh's devices ('' without a sorted dispatch);
+        ``ConfigError`` on ``model.grouped_matmul`` for a kernel that cannot run here."""
+        model = self.layout.model
+        if not (isinstance(model, BlockedExperts) and isinstance(model, RoutedExperts) and model.sorted_dispatch):
+            return ""
+        try:
+            return model.grouped_spec.describe(self.mesh.devices.flat[0].platform, self.layout.train.compute_dtype)
+        except ValueError as err:
+            raise ConfigError("model.grouped_matmul", str(err).removeprefix("model.grouped_matmul=")) from None
+
+    @property
+    def vocab_ways(self) -> int:
+        """How many ways the rules split ``vocab`` (tensor parallelism): each of the loss's chunks keeps it."""
+        return self.layout.ways(self.layout.rules.activation_spec(("vocab",)))[0]
+
+    @property
+    def loss_description(self) -> str:
+        """One line: the chunks of the vocabulary the head and the loss run in (``meshtrain.loss``), and
+        who chose them."""
+        vocab = self.layout.model.vocab_size
+        chunk = chunk_size(vocab, self.layout.train.loss_chunk, self.vocab_ways)
+        how = ("one pass (its backward recomputes nothing)" if chunk == vocab else
+               f"{vocab // chunk} chunks of {chunk} entries (its backward recomputes the logits)")
+        who = ("chosen for these devices' memory by the estimate; set train.loss_chunk to fix it"
+               if self.loss_chunk_chosen else f"train.loss_chunk={self.layout.train.loss_chunk}")
+        return f"loss: the head over a vocabulary of {vocab} in {how}: {who}"
+
+    @property
+    def pipeline_description(self) -> str:
+        """One line: the pipeline schedule, its shape and its theoretical bubble ('' without one)."""
+        stages = self.mesh.shape["stage"]
+        if stages == 1:
+            return ""
+        cfg = self.layout.pipeline
+        return (f"pipeline: schedule {cfg.schedule.value}, {stages} stages x {cfg.chunks_per_stage} "
+                f"virtual, {cfg.microbatches} microbatches: {cfg.schedule_table(stages).describe()}")
 
     def abstract_batch(self, documents: bool = False) -> Batch:
         """Shapes and shardings of one global batch {inputs, targets, mask}, and with ``documents``
@@ -238,7 +289,7 @@ class Trainer:
         through the same pipeline schedule's forward. Aux losses are not part of it."""
         compute_dtype = self.layout.train.compute_dtype
         batch = self._ordered(batch)
-        objective = Objective.evaluation(self.layout.train.loss_chunk, self.layout.length_ways)
+        objective = Objective.evaluation(self.layout.train.loss_chunk, self.vocab_ways)
         loss = make_loss(self.layout.pipeline, self.mesh, self._model_of, objective,
                          activation_sharding(self.rules, self.mesh), compute_dtype)
 
@@ -265,16 +316,16 @@ class Trainer:
         rows = batch["mask"].shape[0]
 
         objective = Objective.training(target_count, rows, state.loss_scale, self.layout.train.loss_chunk,
-                                       self.layout.length_ways)
+                                       self.vocab_ways)
         value_and_grad = make_value_and_grad(self.layout.pipeline, self.mesh, self._model_of, objective,
                                              activation_sharding(self.rules, self.mesh), compute_dtype)
 
-        params, grad_shardings = state.params, self.state_layout.grads
+        params, grad_shardings = state.params, self.part_shardings.grads
         if self.lora:
             key = jax.random.fold_in(jax.random.key(self.layout.train.seed), state.step)
             params = self.lora.attach(state.params, state.adapters,
                                       self.lora.dropout_seeds(key, self.layer_order.to_storage))
-            grad_shardings = self.lora.attach(grad_shardings, self.trainable_layout.grads,
+            grad_shardings = self.lora.attach(grad_shardings, self.trainable_shardings.grads,
                                               self.lora.seed_shardings(self.param_shardings))
         if self.fp8:
             params = self.fp8.attach(state.params, state.fp8)
@@ -334,9 +385,9 @@ class Trainer:
         return new_state, metrics
 
 
-def sharded_layout(specs: StateLayout, mesh: Mesh) -> StateLayout:
+def named_state_shardings(specs: StateShardings, mesh: Mesh) -> StateShardings:
     """``specs`` (PartitionSpecs) as NamedShardings on ``mesh``."""
-    return StateLayout(*(named_shardings(part, mesh) for part in (specs.params, specs.grads, specs.optimizer)))
+    return StateShardings(*(named_shardings(part, mesh) for part in (specs.params, specs.grads, specs.optimizer)))
 
 
 def all_finite(tree) -> jax.Array:

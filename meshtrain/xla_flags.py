@@ -18,7 +18,7 @@ What depends on the layout (``meshtrain.parallel.layout.Layout``; none of it sta
   compile it: ``collective_matmul``).
 Without a layout the thresholds stay at the fixed 128 MiB and collective matmul is off.
 
-Arms (``Arm``): FIXED is the set before issue 37 (fixed thresholds, XLA's own command buffers),
+Arms (``Arm``): FIXED is the set before the derived one (fixed thresholds, XLA's own command buffers),
 DERIVED this set, O1 this set compiled at ``jax_optimization_level=O1``. Flags are read once, when a
 backend starts, so an arm is given per compile as the XLA debug options that differ between arms
 (``arm_setting``; ``lowered.compile(compiler_options=...)``, which sets the same debug options, see
@@ -52,7 +52,7 @@ DISABLE_ENV = "MESHTRAIN_XLA_FLAGS"
 PIPELINE_ENUMS_SINCE = (0, 11)
 
 MIB = 1 << 20
-# The combine thresholds before issue 37 (the FIXED arm, and the set without a layout).
+# The fixed combine thresholds (the FIXED arm, and the set without a layout).
 FIXED_COMBINE_BYTES = 128 * MIB
 # Derived thresholds never go below XLA's own default (31,457,287 bytes on jaxlib 0.10.2 and 0.11.2).
 COMBINE_FLOOR_BYTES = 32 * MIB
@@ -253,7 +253,7 @@ def recommended_flags(layout=None) -> list[str]:
 class Arm(str, enum.Enum):
     """One flag set timed by scripts/gpu_check.py."""
 
-    FIXED = "fixed"  # the set before issue 37: 128 MiB thresholds, XLA's command buffers, no collective matmul
+    FIXED = "fixed"  # the set before the derived one: 128 MiB thresholds, XLA's command buffers, no collective matmul
     DERIVED = "derived"  # recommended_set(layout)
     O1 = "o1"  # recommended_set(layout), compiled at jax_optimization_level=O1
 

@@ -33,7 +33,7 @@ from flax import nnx
 
 from models.kernels.attention import AttentionSpec, attention_mask
 from models.kernels.grouped_matmul import GroupedSpec
-from models.common import ActivationSharding, RematPolicy
+from models.common import ActivationSharding, RematPolicy, matmul
 from models.kernels.fp8 import MatmulGroup
 
 # Logical axes the framework itself names: batch rows; positions in the residual stream
@@ -168,7 +168,28 @@ class DecoderModel(Protocol):
         """
 
     def logits(self, x: jax.Array, shard: ActivationSharding) -> jax.Array:
-        """x [batch, length, embed] -> logits [batch, length, vocab]."""
+        """x [batch, length, embed] -> logits [batch, length, vocab]:
+        ``head_logits(head_input(x, shard), head_weight(), shard)``."""
+
+    def head_input(self, x: jax.Array, shard: ActivationSharding) -> jax.Array:
+        """x [batch, length, embed] (``run_layers``' output) -> the output head's input [batch, length,
+        embed] (e.g. the final norm's output), which ``head_logits`` projects onto the vocabulary."""
+
+    def head_weight(self) -> jax.Array:
+        """The output head's weight [embed, vocab] (a tied embedding's transpose). The training loss
+        projects onto it one slice of the vocabulary at a time (``meshtrain.loss.head_loss``)."""
+
+
+# The head's input: whole positions (the vocabulary may split over tensor).
+HEAD_AXES = ("batch", "length", "embed")
+
+
+def head_logits(normed: jax.Array, weight: jax.Array, shard: ActivationSharding) -> jax.Array:
+    """The output projection: normed [batch, length, embed] (``head_input``'s output) and ``weight``
+    [embed, vocab] (``head_weight``'s, or a slice of its columns) -> fp32 logits [batch, length, vocab]
+    (the fp32 sums, not rounded to the compute dtype)."""
+    logits = matmul("btd,dv->btv", shard(normed, HEAD_AXES), weight, result_dtype=jnp.float32)
+    return shard(logits, ("batch", "length", "vocab"))
 
 
 # The metric of multi-token prediction: the mean over depths of their token losses, in the units of
@@ -194,11 +215,9 @@ class PredictsAhead(Protocol):
                       documents: Documents | None = None) -> tuple[jax.Array, LayerAux]:
         """x [batch, length, embed] (``run_layers``' output over all the layers), ahead_inputs int
         [depths, batch, length] (depth k's: the input token k positions after each position, in the
-        batch's order) -> (streams [depths, batch, length, embed], each read by ``ahead_logits``; aux
-        with ``AUX_LOSS``, the depths' auxiliary loss summed over the rows, as ``run_layers``')."""
-
-    def ahead_logits(self, stream: jax.Array, shard: ActivationSharding) -> jax.Array:
-        """One depth's stream [batch, length, embed] -> logits [batch, length, vocab]."""
+        batch's order) -> (streams [depths, batch, length, embed], each an input of the output head
+        as ``head_input``'s output is: projected by ``head_weight``; aux with ``AUX_LOSS``, the depths'
+        auxiliary loss summed over the rows, as ``run_layers``')."""
 
 
 @runtime_checkable

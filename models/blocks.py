@@ -16,7 +16,8 @@ What a pre-norm decoder with rotary attention is made of, whatever its feed-forw
   parameter, run with ``lax.scan``), the final norm and the head [embed, vocab] (absent when tied):
   the three pieces of ``models.api.DecoderModel`` and ``cached_forward``.
 
-The blocks read a family's config through the field names of ``BlockConfig``. Norms, rotary
+The blocks read a family's config through the field names of ``DecoderConfig`` (the fields every
+family shares, and their checks) and ``GroupedQueryConfig`` (the grouped-query attention's). Norms, rotary
 embeddings and the softmax run in fp32; matmuls in the dtype of the parameters handed in.
 """
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Protocol
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +34,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.kernels.attention import AttentionKernel, AttentionSpec, attention_mask
-from models.api import RESIDUAL_AXES, AxisRole, Documents, FamilyCosts, LayerAux, forward, no_aux, positions_of
-from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, logical_param, matmul,
-                           stacked_layers, unconstrained)
+from models.api import (HEAD_AXES, RESIDUAL_AXES, AxisRole, Documents, FamilyCosts, LayerAux, forward, head_logits,
+                        no_aux, positions_of)
+from models.common import (ActivationSharding, InvalidField, RematPolicy, check_finite, check_positive, coerce_enums,
+                           logical_param, matmul, stacked_layers, unconstrained)
 from models.kernels.fp8 import MatmulGroup
 
 # Activations the blocks tag with ``checkpoint_name``, which a NAMED remat policy may keep.
@@ -140,51 +142,83 @@ def _yarn_frequencies(inv_freq: jax.Array, head_dim: int, theta: float, scaling:
     return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
 
 
-class BlockConfig(Protocol):
-    """The config fields the blocks read (every family built on them names its fields so)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """The config fields every decoder family shares, checked in ``__post_init__`` (a family's
+    config derives from it, or from ``GroupedQueryConfig`` / ``models.experts.ExpertsConfig``, and
+    adds its own fields and checks after ``super().__post_init__()``). ``checkpoint_names``: what the
+    family's NAMED remat may keep. The blocks read these names; ``Decoder`` also reads ``head_dim``
+    (the rotary width) and its cache ``num_kv_heads``, which a family with other attention gives as
+    properties."""
 
-    vocab_size: int
-    embed_dim: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rope_scaling: RopeScalingConfig
-    norm_eps: float
-    tie_embeddings: bool
-    init_std: float
-    qk_norm: bool  # read by QKNormAttention only
-    attention: AttentionKernel
-    attention_block: int
-    sliding_window: int
-    remat: RematPolicy
-    remat_names: tuple[str, ...]
+    checkpoint_names: ClassVar[tuple[str, ...]] = BLOCK_CHECKPOINT_NAMES
+
+    vocab_size: int = 96
+    embed_dim: int = 40
+    num_layers: int = 2
+    num_heads: int = 8
+    seq_len: int = 32
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attention: AttentionKernel = AttentionKernel.AUTO
+    attention_block: int = 512  # positions per query and key block of the blockwise kernel
+    remat: RematPolicy = RematPolicy.NONE
+    remat_names: tuple[str, ...] = ("attention", "mlp_hidden")
+
+    def __post_init__(self):
+        coerce_enums(self)
+        check_positive(self, "vocab_size", "embed_dim", "num_layers", "num_heads", "seq_len", "attention_block")
+        check_finite(self, "rope_theta", "norm_eps", "init_std", positive=True)
+        unknown = sorted(set(self.remat_names) - set(self.checkpoint_names))
+        if unknown:
+            raise InvalidField("remat_names", f"unknown names {unknown}; valid: {list(self.checkpoint_names)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupedQueryConfig(DecoderConfig):
+    """``DecoderConfig`` and the fields of the grouped-query ``Attention`` / ``QKNormAttention``."""
+
+    num_kv_heads: int = 4
+    head_dim: int = 6
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3)
+    sliding_window: int = 0  # positions a query attends, itself included (Mistral); 0 = all earlier
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive(self, "num_kv_heads", "head_dim")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidField("num_kv_heads", f"must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise InvalidField("head_dim", f"must be even for rotary embeddings, got {self.head_dim}")
+        if self.sliding_window < 0:
+            raise InvalidField("sliding_window", f"must be >= 0 (0: no window), got {self.sliding_window}")
 
     @property
-    def attention_spec(self) -> AttentionSpec: ...
+    def attention_spec(self) -> AttentionSpec:
+        return AttentionSpec(self.attention, self.sliding_window, self.attention_block)
+
+    @property
+    def attention_dim(self) -> int:
+        """heads * head_dim: the width of the attention score/value matmuls."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention projections (query, key, value, out)."""
+        qkv = self.embed_dim * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return qkv + self.attention_dim * self.embed_dim
+
+    @property
+    def layer_norm_params(self) -> int:
+        """Norm scales of one decoder layer: attention and MLP norms, and the per-head query and key
+        norms when ``qk_norm``."""
+        return 2 * self.embed_dim + (2 * self.head_dim if self.qk_norm else 0)
 
 
-def check_attention_fields(cfg, checkpoint_names: tuple[str, ...]) -> None:
-    """``InvalidField`` for the first invalid attention, rotary, norm or remat field of ``cfg`` (a
-    ``BlockConfig``); ``checkpoint_names``: the names its family's remat may keep."""
-    if cfg.num_heads % cfg.num_kv_heads:
-        raise InvalidField("num_kv_heads", f"must divide num_heads={cfg.num_heads}, got {cfg.num_kv_heads}")
-    if cfg.head_dim % 2:
-        raise InvalidField("head_dim", f"must be even for rotary embeddings, got {cfg.head_dim}")
-    if cfg.attention_block < 1:
-        raise InvalidField("attention_block", f"must be a positive integer, got {cfg.attention_block}")
-    if cfg.sliding_window < 0:
-        raise InvalidField("sliding_window", f"must be >= 0 (0: no window), got {cfg.sliding_window}")
-    for name in ("rope_theta", "norm_eps", "init_std"):
-        if getattr(cfg, name) <= 0:
-            raise InvalidField(name, f"must be > 0, got {getattr(cfg, name)}")
-    unknown = sorted(set(cfg.remat_names) - set(checkpoint_names))
-    if unknown:
-        raise InvalidField("remat_names", f"unknown names {unknown}; valid: {list(checkpoint_names)}")
-
-
-def score_bytes(cfg: BlockConfig, tensor: int, keys: float | None) -> tuple[float, float]:
+def score_bytes(cfg: DecoderConfig, tensor: int, keys: float | None) -> tuple[float, float]:
     """(saved, working) fp32 attention-score bytes per token and layer on one device (``heads /
     tensor`` heads). ``keys`` None: the dense kernel, whose backward keeps the scores and
     probabilities over the whole sequence. Else the key positions per query of the tile a blockwise
@@ -264,7 +298,7 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
     """Grouped-query causal self-attention with rotary embeddings."""
 
-    def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: GroupedQueryConfig, rngs: nnx.Rngs):
         d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         in_std, out_std = d ** -0.5, (n * h) ** -0.5 / math.sqrt(2 * cfg.num_layers)
         attention = MatmulGroup.ATTENTION
@@ -323,7 +357,7 @@ class QKNormAttention(Attention):
     before the rotary embedding, with the config's ``norm_eps``) when ``cfg.qk_norm``; exactly
     ``Attention`` otherwise."""
 
-    def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: GroupedQueryConfig, rngs: nnx.Rngs):
         super().__init__(cfg, rngs)
         self.query_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, "head_dim") if cfg.qk_norm else None
         self.key_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, "head_dim") if cfg.qk_norm else None
@@ -338,7 +372,7 @@ class SwiGLU(nnx.Module):
     """SwiGLU feed-forward, down(silu(x @ gate) * (x @ up)), over [embed, mlp] with ``hidden`` units
     (a dense layer's MLP, or a mixture's shared experts)."""
 
-    def __init__(self, cfg: BlockConfig, hidden: int, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, hidden: int, rngs: nnx.Rngs):
         d, m = cfg.embed_dim, hidden
         self.gate = logical_param(normal(rngs, (d, m), d ** -0.5), ("embed", "mlp"), MatmulGroup.MLP)
         self.up = logical_param(normal(rngs, (d, m), d ** -0.5), ("embed", "mlp"), MatmulGroup.MLP)
@@ -400,7 +434,7 @@ class Decoder(nnx.Module):
 
     layer_class: type[PreNormLayer]
 
-    def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = logical_param(normal(rngs, (cfg.vocab_size, cfg.embed_dim), cfg.init_std),
                                        ("vocab", "embed"))
@@ -452,15 +486,20 @@ class Decoder(nnx.Module):
 
     def logits(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
         """x: [batch, length, embed] -> logits [batch, length, vocab] in fp32 (the head's fp32 sums,
-        not rounded to the compute dtype: the loss takes them in fp32)."""
-        x = shard(x, ("batch", "length", "embed"))  # whole positions: the vocabulary may split over tensor
-        return self.vocab_logits(self.final_norm(x), shard)
+        not rounded to the compute dtype)."""
+        return self.vocab_logits(self.head_input(x, shard), shard)
+
+    def head_input(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
+        """x [batch, length, embed] -> the final norm's output, the head's input [batch, length, embed]."""
+        return self.final_norm(shard(x, HEAD_AXES))  # whole positions: the vocabulary may split over tensor
+
+    def head_weight(self) -> jax.Array:
+        """The output head's weight [embed, vocab] (the tied embedding's transpose)."""
+        return self.embedding[...].T if self.head is None else self.head[...]
 
     def vocab_logits(self, normed: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
         """The output head alone: normed [batch, length, embed] -> fp32 logits [batch, length, vocab]."""
-        head = self.embedding[...].T if self.head is None else self.head[...]
-        logits = matmul("btd,dv->btv", shard(normed, ("batch", "length", "embed")), head, result_dtype=jnp.float32)
-        return shard(logits, ("batch", "length", "vocab"))
+        return head_logits(normed, self.head_weight(), shard)
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
         """An empty cache for ``batch`` sequences of up to ``max_len`` positions."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import typing
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -32,6 +33,29 @@ class InvalidField(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field, self.message = field, message
+
+
+def check_positive(cfg: Any, *names: str) -> None:
+    """``InvalidField`` for the first of ``names`` whose value in ``cfg`` is not a positive integer."""
+    for name in names:
+        if getattr(cfg, name) <= 0:
+            raise InvalidField(name, f"must be a positive integer, got {getattr(cfg, name)}")
+
+
+def check_non_negative(cfg: Any, *names: str) -> None:
+    """``InvalidField`` for the first of ``names`` whose value in ``cfg`` is below 0."""
+    for name in names:
+        if getattr(cfg, name) < 0:
+            raise InvalidField(name, f"must be >= 0, got {getattr(cfg, name)}")
+
+
+def check_finite(cfg: Any, *names: str, positive: bool) -> None:
+    """``InvalidField`` for the first of ``names`` whose value in ``cfg`` is not a finite number
+    above 0 (``positive``) or at least 0."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not ((value > 0 if positive else value >= 0) and math.isfinite(value)):
+            raise InvalidField(name, f"must be a finite number {'>' if positive else '>='} 0, got {value}")
 
 
 def coerce_enums(config: Any, error: Callable[[str, str], Exception] = InvalidField) -> None:

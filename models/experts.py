@@ -35,7 +35,7 @@ import dataclasses
 import enum
 import functools
 import math
-from typing import Protocol
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -43,12 +43,12 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.api import AUX_LOSS, RESIDUAL_AXES, AxisRole, Documents, LayerAux
-from models.blocks import (BLOCK_CHECKPOINT_NAMES, BlockCosts, Decoder, PreNormLayer, QKNormAttention, RMSNorm, SwiGLU,
-                           normal)
-from models.common import (CHECKPOINT_DOT, ActivationSharding, InvalidField, logical_param, matmul,
-                           sign_descent_variable, unconstrained)
+from models.blocks import (BLOCK_CHECKPOINT_NAMES, BlockCosts, Decoder, DecoderConfig, PreNormLayer, QKNormAttention,
+                           RMSNorm, SwiGLU, normal)
+from models.common import (CHECKPOINT_DOT, ActivationSharding, InvalidField, check_finite, check_positive,
+                           logical_param, matmul, sign_descent_variable, unconstrained)
 from models.kernels.fp8 import Fp8Weight, MatmulGroup
-from models.kernels.grouped_matmul import (BlockLayout, GroupedKernel, GroupedSpec, auto_block, grouped_product,
+from models.kernels.grouped_matmul import (BlockSlots, GroupedKernel, GroupedSpec, auto_block, grouped_product,
                                            ragged_matmul, tokamax_matmul)
 
 CHECKPOINT_NAMES = BLOCK_CHECKPOINT_NAMES + ("expert_hidden",)
@@ -82,30 +82,74 @@ class RouterScore(str, enum.Enum):
     SOFTMAX = "softmax"
     SIGMOID = "sigmoid"
 
-class ExpertsConfig(Protocol):
-    """What the experts read of a family's config (``MoEConfig``, ``DeepSeekConfig``; the shared
-    blocks' fields besides: ``embed_dim``, ``num_layers``, ``norm_eps``, ``seq_len``, attention's)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertsConfig(DecoderConfig):
+    """``DecoderConfig`` and the experts' fields (routing, dispatch, kernel, auxiliary losses) with
+    their checks; a family deriving from it gives ``shared_mlp_dim`` too (a field, or a property:
+    the shared experts' hidden units, 0 for none)."""
 
-    num_experts: int
-    top_k: int
-    expert_mlp_dim: int
-    shared_mlp_dim: int
-    dispatch: Dispatch
-    group_size: int
-    exchange_buffer_factor: float
-    norm_topk_prob: bool
-    router_score: RouterScore
-    bias_update_rate: float
-    expert_groups: int
-    groups_per_token: int
-    routed_scaling_factor: float
+    checkpoint_names: ClassVar[tuple[str, ...]] = CHECKPOINT_NAMES
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_mlp_dim: int = 32
+    norm_topk_prob: bool = True
+    router_score: RouterScore = RouterScore.SOFTMAX
+    # Group-limited routing (DeepSeek-V3): a token's experts come from its ``groups_per_token`` best
+    # of ``expert_groups`` equal groups (a group scored by its two best scores); 1, 1: no limit.
+    expert_groups: int = 1
+    groups_per_token: int = 1
+    routed_scaling_factor: float = 1.0  # multiplies the gate weights
+    # Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the scores for the top-k
+    # choice only, moved by this much per step against each expert's load above the mean (0: none).
+    bias_update_rate: float = 0.0
+    dispatch: Dispatch = Dispatch.DROPLESS
+    capacity_factor: float = 1.25
+    # Expert parallelism under DROPLESS: rows per peer buffer, as a multiple of an even share
+    # (a device's token choices / the number of expert ranks); 0: the worst case, never dropping.
+    exchange_buffer_factor: float = 0.0
+    grouped_matmul: GroupedKernel = GroupedKernel.AUTO  # DROPLESS's kernel (models/kernels/grouped_matmul.py)
+    expert_block: int = 0  # rows per block of the blocked kernel (0: auto_block)
+    group_size: int = 0  # positions per routing group (0: the whole row)
+    load_balancing_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    remat_names: tuple[str, ...] = ("attention", "mlp_hidden", "expert_hidden")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive(self, "num_experts", "expert_mlp_dim")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise InvalidField("top_k", f"must be between 1 and num_experts={self.num_experts}, got {self.top_k}")
+        _check_routing_groups(self)
+        check_finite(self, "capacity_factor", positive=True)
+        if not (self.bias_update_rate >= 0 and math.isfinite(self.bias_update_rate)):
+            raise InvalidField("bias_update_rate", f"must be a finite number >= 0 (0: no routing bias), "
+                               f"got {self.bias_update_rate}")
+        if self.expert_block < 0:
+            raise InvalidField("expert_block", f"must be >= 0 (0: chosen from the rows), got {self.expert_block}")
+        if not (self.exchange_buffer_factor >= 0 and math.isfinite(self.exchange_buffer_factor)):
+            raise InvalidField("exchange_buffer_factor", "must be a finite number >= 0 (0: buffers for the worst "
+                               f"case, nothing dropped), got {self.exchange_buffer_factor}")
+        if self.group_size < 0 or (self.group_size and self.seq_len % self.group_size):
+            raise InvalidField("group_size", f"must divide seq_len={self.seq_len} (0: one group per row), "
+                               f"got {self.group_size}")
+        check_finite(self, "load_balancing_coef", "z_loss_coef", positive=False)
 
     @property
     def grouped_spec(self) -> GroupedSpec:
         """The grouped-matmul kernel and block of the sorted dispatch (``model.grouped_matmul``)."""
+        return GroupedSpec(self.grouped_matmul, self.expert_block)
+
+    @property
+    def sorted_dispatch(self) -> bool:
+        return self.dispatch is Dispatch.DROPLESS
 
     def slots(self, group: int) -> int:
-        """Slots per expert in a group of ``group`` tokens under a one-hot dispatch."""
+        """Slots per expert of the one-hot dispatches in a routing group of ``group`` positions (at
+        most ``group``)."""
+        if self.dispatch is not Dispatch.CAPACITY:
+            return group
+        return min(group, math.ceil(self.capacity_factor * group * self.top_k / self.num_experts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +261,7 @@ class Routing:
         return jnp.sum(choice * self.weights[..., None], axis=3), slot
 
 
-def check_routing_groups(cfg) -> None:
+def _check_routing_groups(cfg: ExpertsConfig) -> None:
     """``InvalidField`` for group-limited routing fields (``expert_groups``, ``groups_per_token``,
     ``routed_scaling_factor``) that cannot route ``cfg.top_k`` of ``cfg.num_experts`` experts."""
     if cfg.expert_groups < 1 or cfg.num_experts % cfg.expert_groups:
@@ -298,12 +342,12 @@ def grouped_swiglu(rows: jax.Array, ids: jax.Array, gate: jax.Array, up: jax.Arr
         out = tagged(product(checkpoint_name(hidden, "expert_hidden"), down, sizes))
         return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
     groups = (gate.weight if fp8 else gate).shape[0]
-    layout = BlockLayout.of(ids, groups, spec.block or auto_block(ids.shape[0], groups))
-    x = layout.gather(rows)
-    hidden = (jax.nn.silu(tagged(grouped_product(x, gate, layout.block_group)))
-              * tagged(grouped_product(x, up, layout.block_group)))
-    return layout.scatter(tagged(grouped_product(checkpoint_name(hidden, "expert_hidden"), down,
-                                                 layout.block_group)))
+    slots = BlockSlots.of(ids, groups, spec.block or auto_block(ids.shape[0], groups))
+    x = slots.gather(rows)
+    hidden = (jax.nn.silu(tagged(grouped_product(x, gate, slots.block_group)))
+              * tagged(grouped_product(x, up, slots.block_group)))
+    return slots.scatter(tagged(grouped_product(checkpoint_name(hidden, "expert_hidden"), down,
+                                                slots.block_group)))
 
 
 EXPERT_PARAM_AXES = (("experts", "expert_embed", "expert_mlp"),) * 2 + (("experts", "expert_mlp", "expert_embed"),)

@@ -1,5 +1,5 @@
 """What the Hugging Face adapters of Llama-shaped decoders share (the Llama, MoE and DeepSeek-V3
-families): the attention, MLP, norm and global tensors' names and layouts, the experts' tensors, the
+families): the attention, MLP, norm and global tensors' names and shapes, the experts' tensors, the
 rotary-embedding and sliding-window keys, and ``DecoderHF``, the adapter machinery a family's
 ``HFAdapter`` builds on (checks, common fields, ``config.json`` writing, tensor lookup, overrides).
 """

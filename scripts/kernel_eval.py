@@ -47,7 +47,7 @@ def figures(label: str, fn, *args, backward: bool) -> dict:
 def grouped(args, mesh) -> None:
     import tokamax
 
-    from models.kernels.grouped_matmul import BlockLayout, auto_block, blocked_matmul
+    from models.kernels.grouped_matmul import BlockSlots, auto_block, blocked_matmul
 
     m, k, n, g = args.rows, args.embed, args.mlp, args.experts
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
@@ -67,8 +67,8 @@ def grouped(args, mesh) -> None:
         return run
 
     def blocked(x, w, ids):
-        layout = BlockLayout.of(ids, g, auto_block(m, g))
-        return layout.scatter(blocked_matmul(layout.gather(x), w, layout.block_group))
+        slots = BlockSlots.of(ids, g, auto_block(m, g))
+        return slots.scatter(blocked_matmul(slots.gather(x), w, slots.block_group))
 
     lax_ragged = lambda x, w, s: jax.lax.ragged_dot(x, w, s, preferred_element_type=jnp.float32).astype(x.dtype)
     tokamax_impl = lambda impl: lambda x, w, s: tokamax.ragged_dot(x, w, s, preferred_element_type=x.dtype,

@@ -170,7 +170,7 @@ def test_enum_fields_given_as_plain_values_become_members_in_every_config_class(
     import typing
 
     from models.common import InvalidField
-    from models.moe.model import Dispatch
+    from models.moe import Dispatch
 
     checked = []
     for cls in _config_classes():

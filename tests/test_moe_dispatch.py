@@ -27,28 +27,27 @@ from meshtrain.parallel.activations import activation_sharding
 from meshtrain.train import main
 from models.kernels.attention import AttentionKernel
 from models.common import unconstrained
-from models.kernels.grouped_matmul import BlockLayout, GroupedKernel, blocked_matmul
+from models.kernels.grouped_matmul import BlockSlots, GroupedKernel, blocked_matmul
 from models.moe import FAMILY, Dispatch, MoEConfig
 from models.experts import SparseMoE, grouped_swiglu
-from test_moe import MOE, MOE_YAML, _assert_matches, _trainer
-from utils import loss_grads_and_statistics
+from utils import MOE, MOE_YAML, assert_moe_matches, loss_grads_and_statistics, moe_trainer
 
 ONEHOT = dataclasses.replace(MOE, dispatch=Dispatch.ONEHOT)
 
 
 @pytest.fixture(scope="module")
 def one_hot_reference():
-    return loss_grads_and_statistics(_trainer((1, 1, 1, 1), ONEHOT))
+    return loss_grads_and_statistics(moe_trainer((1, 1, 1, 1), ONEHOT))
 
 
 def test_sorted_dispatch_equals_the_one_hot_dispatch(one_hot_reference):
     assert MOE.dispatch is Dispatch.DROPLESS
-    _assert_matches(one_hot_reference, loss_grads_and_statistics(_trainer((1, 1, 1, 1))))
+    assert_moe_matches(one_hot_reference, loss_grads_and_statistics(moe_trainer((1, 1, 1, 1))))
 
 
 @pytest.mark.slow
 def test_the_one_hot_dispatch_under_expert_parallelism_equals_one_device(one_hot_reference):
-    _assert_matches(one_hot_reference, loss_grads_and_statistics(_trainer((2, 2, 2, 1), ONEHOT)))
+    assert_moe_matches(one_hot_reference, loss_grads_and_statistics(moe_trainer((2, 2, 2, 1), ONEHOT)))
 
 
 # --- the exchange's bound ------------------------------------------------------------------------------
@@ -163,7 +162,7 @@ def test_the_ragged_exchange_lowers_and_xla_cpu_refuses_it(monkeypatch):
     """The train step with the ragged exchange lowers to ragged all-to-alls; XLA:CPU still refuses
     to compile them (when it stops refusing, CPU should take the ragged exchange too)."""
     monkeypatch.setattr(Exchange, "of", classmethod(lambda cls, mesh: Exchange.RAGGED))
-    trainer = _trainer((1, 4, 2, 1))
+    trainer = moe_trainer((1, 4, 2, 1))
     lowered = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch())
     assert "ragged_all_to_all" in lowered.as_text()
     with pytest.raises(jax.errors.JaxRuntimeError, match="ragged-all-to-all"):
@@ -199,23 +198,23 @@ def test_the_ragged_exchange_equals_one_device_and_counts_what_it_drops(ragged_e
 def test_the_ragged_exchange_trains_as_one_device(ragged_exchange, one_hot_reference):
     """Loss and every gradient through the ragged exchange (EP 4 x TP 2: the hidden split summed
     after the return trip) equal the one-device one-hot step's."""
-    _assert_matches(one_hot_reference, loss_grads_and_statistics(_trainer((1, 4, 2, 1))))
+    assert_moe_matches(one_hot_reference, loss_grads_and_statistics(moe_trainer((1, 4, 2, 1))))
 
 
 # --- the blocked kernel ------------------------------------------------------------------------------------
 
 def test_the_blocked_kernel_skips_the_blocks_past_the_used_ones():
-    """Rows of no group (an exchange buffer's padding) fill no block: the layout names the blocks past
+    """Rows of no group (an exchange buffer's padding) fill no block: the slots name the blocks past
     the used ones group -1, and the kernel neither computes them nor reads them (junk put there
     reaches no output and no gradient), forward and both gradients equal to a per-block reference."""
     groups, block = 3, 2
     ids = jnp.array([1, 0, 1, 7, 7, 7, 7, 7, 2, 7])  # sizes 1, 2, 1: one block each; 6 blocks in all
-    layout = BlockLayout.of(ids, groups, block)
-    np.testing.assert_array_equal(np.asarray(layout.block_group), [0, 1, 2, -1, -1, -1])
+    slots = BlockSlots.of(ids, groups, block)
+    np.testing.assert_array_equal(np.asarray(slots.block_group), [0, 1, 2, -1, -1, -1])
     rows = jax.random.normal(jax.random.key(0), (ids.shape[0], 4))
     w = jax.random.normal(jax.random.key(1), (groups, 4, 5))
-    x = layout.gather(rows).at[3:].set(100.0)  # junk in the skipped blocks
-    cotangent = jax.random.normal(jax.random.key(2), (layout.blocks, block, 5))
+    x = slots.gather(rows).at[3:].set(100.0)  # junk in the skipped blocks
+    cotangent = jax.random.normal(jax.random.key(2), (slots.blocks, block, 5))
 
     def loss(x, w, product):
         return jnp.sum(product(x, w) * cotangent)
@@ -224,7 +223,7 @@ def test_the_blocked_kernel_skips_the_blocks_past_the_used_ones():
         used = jnp.stack([x[b] @ w[g] for b, g in enumerate([0, 1, 2])])
         return jnp.concatenate([used, jnp.zeros((3, block, 5))])
 
-    kernel = lambda x, w: blocked_matmul(x, w, layout.block_group)
+    kernel = lambda x, w: blocked_matmul(x, w, slots.block_group)
     np.testing.assert_allclose(kernel(x, w), reference(x, w), rtol=1e-6, atol=1e-6)
     (dx, dw), (dx_ref, dw_ref) = (jax.grad(loss, argnums=(0, 1))(x, w, f) for f in (kernel, reference))
     assert not np.any(np.asarray(dx[3:]))
@@ -253,7 +252,7 @@ def test_the_sorted_step_computes_the_active_experts_only(num_experts, top_k):
                                    ("blocked", Dispatch.DROPLESS, GroupedKernel.BLOCKED),
                                    ("onehot", Dispatch.ONEHOT, GroupedKernel.AUTO)):
         cfg = _fine_grained(num_experts, top_k, dispatch, grouped_matmul=kernel, attention=AttentionKernel.XLA)
-        trainer = _trainer((1, 1, 1, 1), cfg, batch_size=1, loss_chunk=0)  # the chunked loss recomputes the head
+        trainer = moe_trainer((1, 1, 1, 1), cfg, batch_size=1, loss_chunk=0)  # the chunked loss recomputes the head
         count = count_flops(trainer.step, trainer.abstract_state(), trainer.abstract_batch())
         ratios[name] = count.flops / (FAMILY.costs(cfg).flops_per_token() * cfg.seq_len)
     assert ratios["ragged"] == pytest.approx(1.0, rel=1e-9)
@@ -268,7 +267,7 @@ def test_sorted_temporaries_are_a_fraction_of_capacity_modes():
     capacity mode [positions x experts x C] one-hot dispatch and combine tensors (C = 160)."""
     temp = {}
     for dispatch in (Dispatch.DROPLESS, Dispatch.CAPACITY):
-        trainer = _trainer((1, 1, 1, 1), _fine_grained(128, 8, dispatch), batch_size=1)
+        trainer = moe_trainer((1, 1, 1, 1), _fine_grained(128, 8, dispatch), batch_size=1)
         compiled = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
         temp[dispatch] = compiled.memory_analysis().temp_size_in_bytes
     assert temp[Dispatch.CAPACITY] > 4 * temp[Dispatch.DROPLESS], temp
@@ -279,7 +278,7 @@ def test_sorted_temporaries_are_a_fraction_of_capacity_modes():
                                                                 "partitions them")])
 def test_the_start_up_line_describes_the_configured_dispatch(dispatch, said):
     """Issue 52, item 3: under capacity (one-hot) dispatch it described the sorted one."""
-    trainer = _trainer((2, 2, 2, 1), dataclasses.replace(MOE, dispatch=dispatch))
+    trainer = moe_trainer((2, 2, 2, 1), dataclasses.replace(MOE, dispatch=dispatch))
     lines = [line for line in trainer.describe_kernels(packed=False) if line.startswith("experts")]
     assert len(lines) == 1 + (dispatch is Dispatch.DROPLESS) and said in lines[0], lines
     if dispatch is Dispatch.DROPLESS:  # the grouped kernel the CPU runs (tokamax is for GPUs)
@@ -288,7 +287,7 @@ def test_the_start_up_line_describes_the_configured_dispatch(dispatch, said):
 
 def test_a_grouped_kernel_that_cannot_run_here_is_one_line_at_start_up():
     """tokamax's grouped GEMM runs on NVIDIA GPUs only: on CPU devices the start-up refuses it."""
-    trainer = _trainer((1, 1, 1, 1), dataclasses.replace(MOE, dispatch=Dispatch.DROPLESS,
+    trainer = moe_trainer((1, 1, 1, 1), dataclasses.replace(MOE, dispatch=Dispatch.DROPLESS,
                                                          grouped_matmul=GroupedKernel.TOKAMAX))
     with pytest.raises(ConfigError) as err:
         trainer.describe_kernels(packed=False)

@@ -8,12 +8,12 @@ import math
 import pathlib
 
 import pytest
-from test_plan import XLA_CPU, assert_state_matches, assert_temp_within
 
 from meshtrain import plan as planner
 from meshtrain.config import load_config
 from meshtrain.parallel.rules import mesh_axes_of
 from models.common import RematPolicy
+from plan_checks import XLA_CPU, assert_state_matches, assert_temp_within
 from utils import trainer_of_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -55,10 +55,10 @@ def test_the_trainer_keeps_the_expert_split_at_every_zero_stage(zero):
     cfg = load_config(MOE_TINY, ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", f"zero.stage={zero}"])
     trainer = trainer_of_config(cfg)
     for part in STATE_PARTS:
-        spec = getattr(trainer.state_layout, part)["layers"]["moe"]["gate"].get_value().spec
+        spec = getattr(trainer.part_shardings, part)["layers"]["moe"]["gate"].get_value().spec
         assert spec[1] == ("data", "fsdp"), (part, spec)
     # ZeRO < 3 still replicates the dense weights over fsdp.
-    dense = trainer.state_layout.params["layers"]["attention"]["query"].get_value().spec
+    dense = trainer.part_shardings.params["layers"]["attention"]["query"].get_value().spec
     assert not any("fsdp" in mesh_axes_of(entry) for entry in dense), dense
 
 

@@ -32,7 +32,7 @@ def _gradient_bytes_per_device(trainer):
     replicated = NamedSharding(trainer.mesh, PartitionSpec())
     # (loss, gradients, target count, the layers' statistics: none for Llama, FP8 amaxes: none)
     gradients = jax.jit(trainer.gradients,
-                        out_shardings=(replicated, trainer.state_layout.grads, replicated, replicated, replicated))
+                        out_shardings=(replicated, trainer.part_shardings.grads, replicated, replicated, replicated))
     compiled = gradients.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     return compiled.memory_analysis().output_size_in_bytes - 2 * 4  # minus the two f32 scalars
 

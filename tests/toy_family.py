@@ -31,7 +31,7 @@ from flax import nnx
 
 from models.kernels.attention import AttentionKernel, AttentionSpec
 from models.api import (AUX_LOSS, AxisRole, Documents, FamilyCosts, LayerBytes, LayerRequest, ModelFamily,
-                        positions_of, register)
+                        head_logits, positions_of, register)
 from models.common import (ActivationSharding, InvalidField, RematPolicy, logical_param,
                            palm_train_flops_per_token, stacked_layers, unconstrained)
 
@@ -140,7 +140,13 @@ class ToyGPT(nnx.Module):
         return x, {AUX_LOSS: jnp.sum(aux)}
 
     def logits(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
-        return shard(_layer_norm(x, self.final_norm[...]) @ self.head[...], ("batch", "length", "vocab"))
+        return head_logits(self.head_input(x, shard), self.head_weight(), shard)
+
+    def head_input(self, x: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
+        return _layer_norm(x, self.final_norm[...])
+
+    def head_weight(self) -> jax.Array:
+        return self.head[...]
 
 
 @dataclasses.dataclass(frozen=True)

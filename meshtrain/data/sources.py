@@ -138,7 +138,7 @@ class FileDataset:
                 loss_mask[row, :piece.shape[0]] = self.stream.loss_mask(int(start), stop)
         rows = as_rows(tokens)
         if self.info.document_starts is not None:
-            rows.update(_document_layout(starts, window, self.info.document_starts, total))
+            rows.update(_document_spans(starts, window, self.info.document_starts, total))
         if loss_mask is not None:  # a target counts only where it is a response token
             rows["mask"] = rows["mask"] * loss_mask[:, 1:]
         return rows
@@ -153,8 +153,8 @@ class FileDataset:
                 f"windows of {self.seq_len + 1}, packing {packing}{masked}; entropy floor unknown")
 
 
-def _document_layout(starts: np.ndarray, window: int, document_starts: np.ndarray,
-                     num_tokens: int) -> dict[str, np.ndarray]:
+def _document_spans(starts: np.ndarray, window: int, document_starts: np.ndarray,
+                    num_tokens: int) -> dict[str, np.ndarray]:
     """mask f32, positions and segments int32, each [n, window - 1], of the windows beginning at
     ``starts`` [n]: a target counts only when it continues the document of its input; positions
     count from the document's first token in the window; segments number the window's documents

@@ -22,7 +22,7 @@
                     and the expert exchange of a sorted mixture-of-experts dispatch (``experts.py``:
                     token choices to the devices holding their experts and back, by all-to-all).
 7. ``accumulate.py`` - gradient accumulation: microbatches scanned inside the jitted step, the
-                    accumulator kept in the gradients' layout.
+                    accumulator kept in the gradients' sharding.
 
 Remat is a property of the model's scanned layer stack (``models.common.RematPolicy``); precision
 (``meshtrain/precision.py``) casts the fp32 master weights to the compute dtype inside the step.

@@ -2,7 +2,7 @@
 
 A global batch [batch, length] becomes [microbatches, batch / microbatches, length] where
 microbatch k holds rows k, k + M, k + 2M, ...: every device keeps exactly its own rows, so the split
-moves no data. The gradient accumulator is constrained to the gradients' layout of the ZeRO stage
+moves no data. The gradient accumulator is constrained to the gradients' sharding of the ZeRO stage
 (``meshtrain.parallel.zero``): split over ``fsdp`` from ZeRO-2 on, replicated over it below.
 """
 

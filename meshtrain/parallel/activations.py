@@ -87,11 +87,9 @@ class MeshActivationSharding:
 
         Inside a pipeline stage (a manual ``stage`` axis) the vocab is gathered first: each device
         looks its ids up in a ``[vocab, width / W]`` table (V times its parameter shard, in the
-        first stage's forward and backward), no sum over V. XLA's partitioner aborts on a gather
-        from a table with a split vocab there (jax 0.10.2 when fsdp and tensor both split the
-        table; jax 0.11.2 already when tensor splits the vocab alone), and the layouts that move
-        the width onto other mesh axes compile to collective-permutes, which deadlock inside the
-        branch that only the first stage takes (on CPU, jax 0.10.2 and 0.11.2)."""
+        first stage's forward and backward), no sum over V: XLA's partitioner aborts on a gather
+        from a table with a split vocab there, and moving the width onto other mesh axes deadlocks
+        in the branch only the first stage takes (docs/pipeline.md has the versions)."""
         traced_mesh = jax.sharding.get_abstract_mesh()
         table_spec = self.rules.param_spec(("vocab", "embed"))
         if not traced_mesh.empty:

@@ -289,10 +289,11 @@ class TableExecutor:
 
     def head_loss(self, rest: nnx.State, y: jax.Array, m: jax.Array) -> jax.Array:
         """The token loss of this stage's share (positions [stage * part, +part)) of microbatch m,
-        ``y`` [rows, part, embed], in the objective's chunks of those positions (``meshtrain.loss``)."""
+        ``y`` [rows, part, embed], in the objective's chunks of the vocabulary (``meshtrain.loss``)."""
         mb = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, self.stage * self.part, self.part, axis=1),
                           self.microbatch(m))
-        return head_loss(self.model_of(with_layers(rest, self.layers)).logits, y.astype(self.compute_dtype), mb,
+        model = self.model_of(with_layers(rest, self.layers))
+        return head_loss(model.head_input(y.astype(self.compute_dtype), self.shard), model.head_weight(), mb,
                          self.shard, self.objective)
 
     def backward(self, stash_and_params: tuple, cotangent: tuple) -> tuple[Any, jax.Array]:

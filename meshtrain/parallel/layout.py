@@ -27,7 +27,7 @@ from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.layer_order import LayerOrder
 from meshtrain.parallel.pipeline import STAGE, PipelineConfig, pipeline_rules
 from meshtrain.parallel.rules import ShardingRules, mesh_axes_of
-from meshtrain.parallel.zero import StateLayout, ZeroConfig, ZeroStage, zero_layout
+from meshtrain.parallel.zero import StateShardings, ZeroConfig, ZeroStage, zero_shardings
 from meshtrain.train_config import TrainConfig
 from models.api import AxisRole, ModelFamily, family_of
 from models.common import logical_axes_of
@@ -63,6 +63,14 @@ class Layout:
                      pipeline, zero, offload)
         if graphdef is not None:  # the same trace gave it: fill the cached property (no second eval_shape)
             layout.__dict__["graphdef"] = graphdef
+        return layout
+
+    def with_loss_chunk(self, loss_chunk: int) -> Layout:
+        """This layout with ``train.loss_chunk`` set to ``loss_chunk`` (the chunk chosen for the devices:
+        ``meshtrain.planner.estimate.with_chosen_loss_chunk``), the model's traced structure kept."""
+        layout = dataclasses.replace(self, train=dataclasses.replace(self.train, loss_chunk=loss_chunk))
+        if "graphdef" in self.__dict__:
+            layout.__dict__["graphdef"] = self.graphdef
         return layout
 
     @property
@@ -125,12 +133,12 @@ class Layout:
         parallelism's, not ZeRO's, and stays at every ZeRO stage."""
         return tuple(axis for axis, role in self.family.axis_roles.items() if role is AxisRole.EXPERT)
 
-    def state_specs(self, stage: ZeroStage | None = None, params: nnx.State | None = None) -> StateLayout:
+    def state_specs(self, stage: ZeroStage | None = None, params: nnx.State | None = None) -> StateShardings:
         """PartitionSpecs of parameters, gradients and optimizer moments after the ZeRO stage (this
         layout's, or ``stage``: ``ZeroStage.NONE`` gives every part the layout it has in compute), of
         the model's parameters or of ``params`` (variables with logical axes: LoRA's adapters)."""
         stage = self.zero.stage if stage is None else stage
-        return zero_layout(stage, self.param_specs(params), keep=self.expert_axes)
+        return zero_shardings(stage, self.param_specs(params), keep=self.expert_axes)
 
     def problems(self, parameters: bool = True) -> list[Infeasible]:
         """Every reason this layout cannot be built (empty when it can); without ``parameters``, all

@@ -1,6 +1,6 @@
 """Logical-axis rules: where each logical axis lives on the ``(data, fsdp, tensor, stage)`` mesh.
 
-A rule has two columns, because parameters and activations want different layouts: FSDP keeps a
+A rule has two columns, because parameters and activations want different shardings: FSDP keeps a
 parameter's ``embed`` dimension split over ``fsdp`` *at rest* and gathers it for compute, while
 activations are split over the batch instead. Each parallelism contributes a few rules; a preset
 is the composition of contributions, later ones overriding earlier ones::

@@ -1,7 +1,7 @@
 """ZeRO stages: how far the ``fsdp`` split of the rules reaches into the train state.
 
 The rules say where a parameter lives when it is sharded (e.g. ``embed -> fsdp``). The ZeRO stage
-decides which parts of the state use that sharded layout; the rest keeps the same layout with
+decides which parts of the state use that sharded placement; the rest keeps the same placement with
 ``fsdp`` removed (replicated over ``fsdp``, still split over ``tensor`` and ``stage``)::
 
     stage   optimizer state   gradients   parameters      (Megatron / DeepSpeed name)
@@ -14,7 +14,7 @@ decides which parts of the state use that sharded layout; the rest keeps the sam
 ZeRO over all data-parallel devices, put them on ``fsdp`` (``mesh.fsdp=-1``). On GPU, stage >= 2
 turns the gradient all-reduce into a reduce-scatter; stages < 3 all-gather the updated parameters.
 A dimension whose ``fsdp`` split belongs to another parallelism (expert parallelism's ``experts``:
-the ``keep`` axes of ``zero_layout``) keeps it at every stage, so that each rank holds, updates and
+the ``keep`` axes of ``zero_shardings``) keeps it at every stage, so that each rank holds, updates and
 computes only its own experts.
 """
 
@@ -53,7 +53,7 @@ class ZeroConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class StateLayout:
+class StateShardings:
     """Trees like the parameters, of PartitionSpecs (or NamedShardings) of parameters, gradients and
     optimizer moments."""
 
@@ -62,7 +62,7 @@ class StateLayout:
     optimizer: nnx.State
 
 
-def zero_layout(stage: ZeroStage, sharded: nnx.State, keep: Collection[str] = ()) -> StateLayout:
+def zero_shardings(stage: ZeroStage, sharded: nnx.State, keep: Collection[str] = ()) -> StateShardings:
     """The specs of each part of the state under ``stage``, from the rules' sharded specs (a State
     of PartitionSpecs whose variables carry their logical axes). Dimensions of the logical axes in
     ``keep`` keep their ``fsdp`` split in every part."""
@@ -74,5 +74,5 @@ def zero_layout(stage: ZeroStage, sharded: nnx.State, keep: Collection[str] = ()
 
     replicated = jax.tree.map(unsharded, sharded, is_leaf=lambda x: isinstance(x, nnx.Variable))
     pick = lambda threshold: sharded if stage >= threshold else replicated
-    return StateLayout(params=pick(ZeroStage.PARAMETERS), grads=pick(ZeroStage.GRADIENTS),
-                       optimizer=pick(ZeroStage.OPTIMIZER))
+    return StateShardings(params=pick(ZeroStage.PARAMETERS), grads=pick(ZeroStage.GRADIENTS),
+                          optimizer=pick(ZeroStage.OPTIMIZER))

@@ -54,6 +54,10 @@ class Constants:
     (``FamilyCosts.layer_bytes``' ``working``) per remat policy: XLA reuses some buffers within the
     layer's backward. ``logits_fp32_copies``: fp32 [chunk tokens, vocab] buffers of the loss phase
     beside one chunk's logits in the compute dtype (fp32 logits, softmax, their gradient).
+    ``one_pass_fp32_copies``: the same of a head run in one pass (``train.loss_chunk`` 0: nothing
+    forces the fp32 pieces apart, XLA:GPU fuses them into one); ``one_pass_shares_gradient``: one
+    pass's projection gradient (fp32, before its reduction) reuses the fp32 logits' buffer, dead by
+    then, instead of adding to it.
     ``tensor_reduction_buffers``: residual-stream-wide fp32 buffers per token that a layer's backward
     holds for tensor parallelism's reductions below fp32 (XLA:CPU promotes bf16 all-reduces to fp32).
     ``cut_fp32_residuals``: residual-wide fp32 vectors per token and layer in ZB-H1's cut beside its
@@ -75,6 +79,8 @@ class Constants:
     compiler: Compiler
     activation_coefficients: Mapping[RematPolicy, float]
     logits_fp32_copies: float
+    one_pass_fp32_copies: float
+    one_pass_shares_gradient: bool
     tensor_reduction_buffers: float
     cut_fp32_residuals: float
     held: int | None
@@ -107,6 +113,8 @@ TEMP_MARGIN = 0.12
 MARGIN_MEASURED = Measured("XLA:CPU", "0.10.2", "2026-12-05", "the accuracy matrix: 28 layouts at 8B-10B widths")
 
 _CPU_NOV30 = Measured("XLA:CPU", "0.10.2", "2026-11-30", "fp32 train steps of 13 Llama shapes, mesh (1, 8, 1, 1)")
+_CPU_DEC04 = Measured("XLA:CPU", "0.10.2", "2026-12-04", "fp32 train steps of configs/tiny.yaml's model at "
+                      "vocab 512 and 65,536, one device (docs/long_context.md)")
 _CPU_DEC05 = Measured("XLA:CPU", "0.10.2", "2026-12-05", "the accuracy matrix: 28 layouts at 8B-10B widths "
                       "(docs/memory.md)")
 XLA_CPU = Constants(
@@ -115,6 +123,10 @@ XLA_CPU = Constants(
     # ZeRO-3, over 13 model shapes per policy (docs/memory.md).
     activation_coefficients={RematPolicy.NONE: 0.82, RematPolicy.FULL: 0.92, RematPolicy.DOTS: 0.75},
     logits_fp32_copies=3,
+    # Unchunked (tests/test_chunked_loss.py's table, vocab 65,536, fp32): 1,574 MB of growth, about
+    # three fp32 [tokens, vocab] buffers beside the gradients, as chunked.
+    one_pass_fp32_copies=3,
+    one_pass_shares_gradient=False,
     # Fitted on 8B-class layouts (1, 1, 8, 1) and (1, 2, 4, 1) with sequence parallelism: 12.8 and 13.8
     # of them, 11 keeping the other TP layouts of the matrix within 10%.
     tensor_reduction_buffers=11,
@@ -128,6 +140,7 @@ XLA_CPU = Constants(
     checked_pipelines=False,
     gathered_copies=1,
     measured={"activation_coefficients": _CPU_NOV30, "logits_fp32_copies": _CPU_NOV30, "projection_copies": _CPU_NOV30,
+              "one_pass_fp32_copies": _CPU_DEC04, "one_pass_shares_gradient": _CPU_DEC04,
               **dict.fromkeys(("tensor_reduction_buffers", "cut_fp32_residuals", "held", "widened_chunk",
                                "copied_carries", "update_in_place", "checked_pipelines", "gathered_copies"),
                               _CPU_DEC05)},
@@ -137,12 +150,18 @@ _GPU_DEC07 = Measured("XLA:GPU", "0.11.2", "2026-12-07", "H100 and H200 accuracy
                       "--compiler gpu, scripts/plan_accuracy_gpu.json)")
 _GPU_KEPT = Measured("XLA:GPU", "0.11.2", "2026-12-07", "XLA:CPU's value kept, checked on the same matrix: the "
                      "rows it decides are within 10% with it")
+_GPU_ONE_PASS = Measured("XLA:GPU", "0.11.2", "2026-12-07", "the buffer assignment of an H100 step at 8B widths, "
+                         "2 layers, mesh (1, 8, 1, 1), seq 8192, one pass (docs/memory.md)")
 XLA_GPU = Constants(
     Compiler.XLA_GPU,
     # ``full`` and ``dots`` fitted (minimax on temp bytes) to the matrix's layouts that fit their target;
     # ``none``'s rows are bound by the loss phase, so XLA:CPU's coefficient is kept.
     activation_coefficients={RematPolicy.NONE: 0.82, RematPolicy.FULL: 1.2, RematPolicy.DOTS: 1.3},
     logits_fp32_copies=3,
+    # One pass: one fp32 [tokens, vocab] buffer beside the bf16 logits, which the projection's fp32
+    # gradient reuses (8B widths, 2 layers, FSDP 8, one row of 8,192 positions per device).
+    one_pass_fp32_copies=1,
+    one_pass_shares_gradient=True,
     tensor_reduction_buffers=0,
     cut_fp32_residuals=4,
     held=None,
@@ -155,6 +174,7 @@ XLA_GPU = Constants(
     checked_pipelines=False,
     gathered_copies=2,
     measured={"logits_fp32_copies": _GPU_KEPT, "cut_fp32_residuals": _GPU_KEPT,
+              "one_pass_fp32_copies": _GPU_ONE_PASS, "one_pass_shares_gradient": _GPU_ONE_PASS,
               **dict.fromkeys(("activation_coefficients", "tensor_reduction_buffers", "held", "widened_chunk",
                                "copied_carries", "projection_copies", "update_in_place", "checked_pipelines",
                                "gathered_copies"), _GPU_DEC07)},

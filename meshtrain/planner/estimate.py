@@ -9,7 +9,9 @@ phases in order, each in its own module:
    them, the batch) and the parameters' terms by role;
 2. ``layer``: what the backward keeps of each layer under the remat policy and one layer's working set
    (the family's ``FamilyCosts.layer_bytes``);
-3. ``head``: the loss phase (the vocabulary weights, one chunk of logits);
+3. ``head``: the loss phase (the vocabulary weights, one chunk of logits), in the chunk the config
+   sets, or where it leaves that to the devices (``train.loss_chunk: null``) the one
+   ``choose_loss_chunk`` picks for the devices' memory;
 4. ``pipeline``: with a pipeline, the executor's carry and its loops of ticks instead;
 5. ``roofline``: communication and the step time.
 
@@ -21,14 +23,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+
+import numpy as np
 
 from meshtrain.mesh import MESH_AXES
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.pipeline import Schedule
 from meshtrain.parallel.rules import Preset
 from meshtrain.planner.cache import Cache
-from meshtrain.planner.constants import MODELLED_REMATS, STATE_SCALAR_BYTES, TABLES
-from meshtrain.planner.head import head_phase
+from meshtrain.planner.constants import MODELLED_REMATS, STATE_SCALAR_BYTES, TABLES, TEMP_MARGIN
+from meshtrain.planner.head import head_phase, loss_chunks
 from meshtrain.planner.layer import layer_phase, layer_shape
 from meshtrain.planner.pipeline import pipeline_stash, pipeline_temporaries, schedule_table
 from meshtrain.planner.roofline import Hardware, step_time
@@ -110,6 +115,7 @@ class Estimate:
     comm_s: dict[str, float] = dataclasses.field(default_factory=dict)
     bubble: float = 0.0  # the pipeline table's idle share (F = 1, B = 2, I = W = 1)
     in_flight: int = 0  # the table's peak chunk activations in flight on a stage (0 without a pipeline)
+    loss_chunk: int = 0  # the train.loss_chunk the head runs in (0: one pass), the config's or chosen
     reasons: list[str] = dataclasses.field(default_factory=list)  # structural: cannot run at all
     pipelines_checked: bool = False  # the compiler's matrix holds its pipelines to the bound (``Constants``)
 
@@ -151,17 +157,38 @@ class Estimate:
     def step_s(self) -> float:
         return self.compute_s + sum(self.comm_s.values())
 
+    @property
+    def needed(self) -> float:
+        """The device memory the layout fits in for certain: its peak and ``TEMP_MARGIN`` on its temp bytes
+        (``meshtrain.planner.search.Plan``'s verdict ``fits``)."""
+        return self.total + TEMP_MARGIN * self.temp_bytes
+
+
+def choose_loss_chunk(needed: Mapping[int, float], device_memory: float | None) -> int:
+    """The ``train.loss_chunk`` a config that leaves it to the devices (null) runs with, from the memory
+    ``needed`` (``Estimate.needed``) per candidate value, largest chunk first (0: one pass): one pass,
+    whose backward recomputes nothing, where it fits ``device_memory`` for certain (the plan's verdict
+    ``fits``); else the largest chunk whose step needs no more than the smallest chunk's (its logits
+    within the memory the rest of the step's temporaries already take: chunking further would save
+    nothing of the peak, and a larger chunk saves no FLOPs). ``device_memory`` None: unknown."""
+    one_pass, first = next(iter(needed.items()))
+    if device_memory is not None and first <= device_memory:
+        return one_pass
+    floor = min(needed.values())
+    return next(chunk for chunk, need in needed.items() if need <= floor)
+
 
 def _parameter_reasons(layout: Layout) -> list[str]:
     return [problem.reason for problem in layout.parameter_problems()]
 
 
 def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Hardware,
-             cache: Cache | None = None) -> Estimate:
+             cache: Cache | None = None, device_memory: float | None = None) -> Estimate:
     """The analytic estimate of ``candidate``, laid out by ``layout`` (the module docstring);
     ``cache``: the search's, where what depends on the preset, the mesh and the ZeRO stage alone is
     computed once (the spec tables, the parameters' terms and their divisibility); a fresh one
-    without."""
+    without. ``device_memory``: bytes per device that a ``train.loss_chunk`` left to the devices is
+    chosen for (``choose_loss_chunk``; None: unknown)."""
     cache = Cache() if cache is None else cache
     constants = TABLES[hw.compiler]
     est = Estimate(candidate, pipelines_checked=constants.checked_pipelines)
@@ -183,18 +210,23 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     costs = layout.family.costs(layout.model)
     shape = layer_shape(layout)
     layer = layer_phase(layout, shape, costs, terms, candidate.remat, compute_bytes, constants)
-    head = head_phase(layout, shape, terms, compute_bytes, constants)
     table = None if est.reasons else schedule_table(layout)  # a layout that cannot be built has none
     if table is None:
         est.activations = round(shape.layers_here * shape.tokens * layer.saved)
-        est.temporaries = round(held_through_backward(layout, terms, state, compute_bytes, constants)
-                                + max(layer.gathered + layer.layer_experts + layer.layer_work, head.loss_phase)
-                                + layer.residual)
+        held = held_through_backward(layout, terms, state, compute_bytes, constants)
+        temporaries = lambda head: round(held + max(layer.gathered + layer.layer_experts + layer.layer_work,
+                                                    head.loss_phase) + layer.residual)
     else:
         stash = pipeline_stash(layout, table, shape, costs, layer, compute_bytes, constants, cache)
         est.activations = stash.activations
-        est.temporaries = pipeline_temporaries(table, stash, terms, layer, head, compute_bytes,
-                                               accumulator_bytes(layout, state), constants)
+        temporaries = lambda head: pipeline_temporaries(table, stash, terms, layer, head, compute_bytes,
+                                                        accumulator_bytes(layout, state), constants)
+    chunks = loss_chunks(layout) if layout.train.loss_chunk is None else [layout.train.loss_chunk]
+    heads = {chunk: head_phase(layout, shape, terms, compute_bytes, constants, chunk) for chunk in chunks}
+    needed = {chunk: dataclasses.replace(est, temporaries=temporaries(head)).needed for chunk, head in heads.items()}
+    est.loss_chunk = choose_loss_chunk(needed, device_memory)
+    head = heads[est.loss_chunk]
+    est.temporaries = temporaries(head)
 
     time = step_time(layout, candidate.remat, zero, candidate.devices, costs, terms, shape, head, table,
                      compute_bytes, hw, cache)
@@ -202,12 +234,26 @@ def estimate(layout: Layout, candidate: Candidate, *, compute_bytes: int, hw: Ha
     return est
 
 
-def layout_estimate(layout: Layout, compute_bytes: int, hardware: Hardware | None = None) -> Estimate:
+def layout_estimate(layout: Layout, compute_bytes: int, hardware: Hardware | None = None,
+                    device_memory: float | None = None) -> Estimate:
     """``estimate`` of the layout a run was configured with (its mesh, ZeRO stage, remat, pipeline
     microbatches, offload and accumulation as they are) on ``hardware`` (default: ``Hardware()``, an
-    H100's, compiled by XLA:GPU)."""
+    H100's, compiled by XLA:GPU) with ``device_memory`` bytes per device (a chunk left to the devices:
+    ``choose_loss_chunk``)."""
     mesh = layout.mesh_shape
     candidate = Candidate(mesh["data"], mesh["fsdp"], mesh["tensor"], mesh["stage"], int(layout.zero.stage),
                           layout.model.remat, layout.pipeline.microbatches, layout.offload.optimizer,
                           layout.train.grad_accum, layout.pipeline.schedule, layout.pipeline.virtual_stages)
-    return estimate(layout, candidate, compute_bytes=compute_bytes, hw=Hardware() if hardware is None else hardware)
+    return estimate(layout, candidate, compute_bytes=compute_bytes, hw=Hardware() if hardware is None else hardware,
+                    device_memory=device_memory)
+
+
+def with_chosen_loss_chunk(layout: Layout, hardware: Hardware, device_memory: float | None) -> Layout:
+    """``layout`` with the ``train.loss_chunk`` its estimate chooses for ``hardware``'s devices of
+    ``device_memory`` bytes each (``choose_loss_chunk``) where its config leaves it to them (null);
+    else ``layout``. The trainer builds its step from the result, so the trainer, its evaluation,
+    ``meshtrain.compile`` and the planner run the head in the same chunks on the same devices."""
+    if layout.train.loss_chunk is not None:
+        return layout
+    compute_bytes = np.dtype(layout.train.compute_dtype).itemsize
+    return layout.with_loss_chunk(layout_estimate(layout, compute_bytes, hardware, device_memory).loss_chunk)

@@ -9,7 +9,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from meshtrain.mesh import LAYOUT_ORDER
+from meshtrain.mesh import DEVICE_ORDER
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.rules import mesh_axes_of
 from meshtrain.parallel.schedules import ScheduleTable
@@ -50,7 +50,7 @@ class StepTime:
 
 def axis_bandwidth(axis: str, mesh: Mapping[str, int], hw: Hardware) -> float:
     """The bandwidth of ``axis``'s links: inside a node while the axes inside it span no more than a node."""
-    inner = math.prod(mesh[a] for a in LAYOUT_ORDER[LAYOUT_ORDER.index(axis):])
+    inner = math.prod(mesh[a] for a in DEVICE_ORDER[DEVICE_ORDER.index(axis):])
     return hw.intra_node_bandwidth if inner <= hw.node_size else hw.inter_node_bandwidth
 
 
@@ -102,7 +102,7 @@ def step_time(layout: Layout, remat: RematPolicy, zero: int, devices: int, costs
         # Expert parallelism: the rows to the experts and the results back per layer forward, their
         # transposes backward, the forward's again to recompute; on the outermost axis it spans.
         count = 4 + (2 if remat is RematPolicy.FULL else 0)
-        axis = next(a for a in LAYOUT_ORDER if a in shape.expert_mesh_axes)
+        axis = next(a for a in DEVICE_ORDER if a in shape.expert_mesh_axes)
         comm[axis] = comm.get(axis, 0.0) + (model.num_layers * count * ring(shape.experts) * local_tokens_step
                                             * costs.exchange_bytes(shape.experts, compute_bytes))
     if table is not None:

@@ -306,7 +306,8 @@ class _Search:
         # The family-completed rules depend on the preset and on whether there is a pipeline only:
         # filled in like ``Layout.of`` fills the graphdef (a fifth of the search's time).
         layout.__dict__["rules"] = self.cache.get(_completed_rules, (candidate.preset, candidate.stage > 1), layout)
-        return estimate(layout, candidate, compute_bytes=self.compute_bytes, hw=self.hardware, cache=self.cache)
+        return estimate(layout, candidate, compute_bytes=self.compute_bytes, hw=self.hardware, cache=self.cache,
+                        device_memory=self.device_memory)
 
 
 def _completed_rules(layout: Layout) -> ShardingRules:

@@ -260,7 +260,7 @@ class TensorMap:
 
     @property
     def _split_axes(self) -> list[str]:
-        """Our axes in the order of the HF layout: the per-tensor ones, then those of each HF dimension."""
+        """Our axes in the order of the HF dimensions: the per-tensor ones, then those of each HF dimension."""
         return [*self.per_tensor, *(axis for group in self.hf_groups for axis in group)]
 
     def read(self, files: SafetensorsFiles, layer: int | None, ours: dict[str, slice]) -> np.ndarray:

@@ -3,7 +3,7 @@ a meshtrain export or a run (its checkpoints) onto a mesh, each device reading o
 
 The model family comes from what the directory records (``config.json``'s ``model_type``, the
 export's or checkpoint's ``model`` section); parameters come back in model layer order, whatever
-pipeline layout wrote them (``RunCheckpoints.restore`` converts).
+pipeline wrote them (``RunCheckpoints.restore`` converts).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from meshtrain.parallel.layout import Layout, abstract_model
 from meshtrain.parallel.rules import ShardingRules
 from meshtrain.parallel.sharding import named_shardings
 from meshtrain.train_config import TrainConfig
+from meshtrain.trainer import ShardedState
 from meshtrain.weights import hf
 from meshtrain.weights.export_format import EXPORT_META, PARAMS_DIR, check_params, load_params
 from models.api import DecoderModel, family_of
@@ -112,9 +113,9 @@ def load_model(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules, *, st
     kind = source_kind(root, field=field)
     if kind is SourceKind.RUN:
         _check_no_stages(mesh)
-        cfg, trainer, restored = restore_run(root, mesh, rules, step=step, field=field, trust_plugin=trust_plugin)
-        params = trainer.model_params(restored.state, jnp.float32)  # a train.lora run's adapters merged in
-        return LoadedModel(cfg.model, trainer.graphdef, params, mesh, trainer.rules,
+        cfg, sharded, restored = restore_run(root, mesh, rules, step=step, field=field, trust_plugin=trust_plugin)
+        params = sharded.model_params(restored.state, jnp.float32)  # a train.lora run's adapters merged in
+        return LoadedModel(cfg.model, sharded.graphdef, params, mesh, sharded.rules,
                            SourceKind.RUN, restored.path, hf_config=_hf_source_config(cfg),
                            home=restored.path.parent.parent, trained_on_bytes=_trained_on_bytes(to_dict(cfg)))
     if kind is SourceKind.HF:
@@ -174,12 +175,11 @@ def recorded_config(raw: dict, source: pathlib.Path, field: str, trust_plugin: b
 
 def restore_run(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules | None = None, *,
                 step: int | None = None, field: str = "--run",
-                trust_plugin: bool = False) -> tuple[Config, Any, Restored]:
-    """(the run's config, the trainer laying it out on ``mesh`` under ``rules`` (default: the run's
-    own), its checkpoint ``step`` (default: the latest complete one) restored with the layers in model
-    order). A ``model.plugin`` the run records is imported only with ``trust_plugin``."""
-    from meshtrain.trainer import Trainer
-
+                trust_plugin: bool = False) -> tuple[Config, ShardedState, Restored]:
+    """(the run's config, its state laid out on ``mesh`` under ``rules`` (default: the run's own) by
+    the run's model, train and optimizer sections, its checkpoint ``step`` (default: the latest complete
+    one) restored into that state's shardings with the layers in model order). A ``model.plugin`` the
+    run records is imported only with ``trust_plugin``."""
     checkpoints, given_step = resolve_restore_path(str(path), field=field)
     source = RunCheckpoints(checkpoints, read_only=True)
     try:
@@ -189,19 +189,17 @@ def restore_run(path: str | pathlib.Path, mesh: Mesh, rules: ShardingRules | Non
         except UnreadableCheckpoint as err:
             raise ConfigError(field, f"checkpoint {source.path(step)} is unreadable ({err}); pass --step to "
                               f"load another of {source.steps()}") from None
-        # The trainer only gives the state's shapes here: any batch size it accepts will do.
-        train_cfg = dataclasses.replace(cfg.train, batch_size=mesh.devices.size, grad_accum=1)
-        trainer = Trainer(Layout.of(cfg.model, mesh.shape, rules or cfg.sharding.resolve(), train_cfg), mesh,
-                          cfg.optimizer)
+        sharded = ShardedState(Layout.of(cfg.model, mesh.shape, rules or cfg.sharding.resolve(), cfg.train), mesh,
+                               cfg.optimizer)
         try:
-            restored = source.restore(step, trainer.abstract_state(), field=field,
+            restored = source.restore(step, sharded.abstract_state(), field=field,
                                       layer_order=LayerOrder(num_layers=cfg.model.num_layers))
         except UnreadableCheckpoint as err:
             raise ConfigError(field, f"checkpoint {source.path(step)} is unreadable ({err}); pass --step to "
                               f"load another of {source.steps()}") from None
     finally:
         source.close()
-    return cfg, trainer, restored
+    return cfg, sharded, restored
 
 
 def mesh_and_rules(overrides: list[str]) -> tuple[Mesh, ShardingRules]:

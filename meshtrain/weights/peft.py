@@ -5,7 +5,7 @@ back to continue training (``train.lora.init_from``).
 PEFT stores a ``torch.nn.Linear``'s adapter as ``lora_A.weight`` [rank, in] and ``lora_B.weight``
 [out, rank] beside the base's ``weight`` [out, in], under ``base_model.model.`` + the base tensor's
 name, scaled by ``lora_alpha / r``. Ours are ``a`` [in..., rank] and ``b`` [rank, out...], so each
-maps through the base weight's HF layout (its two groups of our logical axes, ``models.api.TensorSpec``)
+maps through the base weight's HF dimensions (their two groups of our logical axes, ``models.api.TensorSpec``)
 with the rank as one more axis.
 """
 

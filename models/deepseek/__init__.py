@@ -5,7 +5,7 @@ from models.api import AxisRole, ModelFamily, register
 from models.blocks import BLOCK_AXIS_ROLES
 from models.deepseek.hf import DeepSeekHF
 from models.deepseek.costs import DeepSeekCosts
-from models.deepseek.model import CHECKPOINT_NAMES, DENSE_LAYERS, MTP_LAYERS, DeepSeek, DeepSeekConfig
+from models.deepseek.model import DENSE_LAYERS, MTP_LAYERS, DeepSeek, DeepSeekConfig
 from models.experts import EXPERT_ALERTS, EXPERT_AXIS_ROLES
 
 FAMILY = register(ModelFamily(
@@ -15,4 +15,4 @@ FAMILY = register(ModelFamily(
                 "mtp_inputs": AxisRole.REPLICATED, "mtp_embed": AxisRole.REPLICATED},
     costs=DeepSeekCosts, hf=DeepSeekHF(), alerts=EXPERT_ALERTS))
 
-__all__ = ["CHECKPOINT_NAMES", "FAMILY", "DeepSeek", "DeepSeekConfig"]
+__all__ = ["FAMILY", "DeepSeek", "DeepSeekConfig"]

@@ -50,7 +50,7 @@ QUERY_AXES = ("batch", "length", "heads", "head_dim")
 
 
 def interleaved_to_halves(x: jax.Array) -> jax.Array:
-    """[..., rope] with rotary pairs interleaved (x0, x1), (x2, x3), ... -> the half-split layout
+    """[..., rope] with rotary pairs interleaved (x0, x1), (x2, x3), ... -> the half-split order
     ``apply_rotary`` rotates (evens, then odds): DeepSeek's ``rope_interleave`` checkpoints. Only
     dot products of rotated queries and keys are used, so both permuted alike give the same scores."""
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)

@@ -2,7 +2,7 @@
 
 HF numbers the decoder layers 0..num_hidden_layers-1 (the first ``first_k_dense_replace`` dense) and
 stores the multi-token prediction modules after them, as layers num_hidden_layers.. (DeepSeek's own
-layout). ``L`` = HF layer; ``nn.Linear`` weights are ``[out_features, in_features]``::
+numbering). ``L`` = HF layer; ``nn.Linear`` weights are ``[out_features, in_features]``::
 
     model.layers.L.input_layernorm / post_attention_layernorm.weight  -> attn_norm / mlp_norm.scale
     model.layers.L.self_attn.q_a_proj.weight [q_lora, embed]          -> attention.query_down

@@ -34,109 +34,58 @@ rotary key, ``kv_lora_rank + qk_rope_head_dim`` values.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.kernels.attention import AttentionSpec
-from models.blocks import AttentionKernel, RopeScalingConfig, rotary_tables
-from models.common import (ActivationSharding, InvalidField, RematPolicy, coerce_enums, stacked_layers, unconstrained)
+from models.blocks import DecoderLayer, rotary_tables
+from models.common import (ActivationSharding, InvalidField, check_finite, check_non_negative, check_positive,
+                           stacked_layers, unconstrained)
 from models.deepseek.attention import LatentAttention
 from models.deepseek.mtp import PredictionDepth, predict_ahead
-from models.kernels.grouped_matmul import GroupedKernel, GroupedSpec
-from models.blocks import DecoderLayer
-from models.experts import CHECKPOINT_NAMES as EXPERT_CHECKPOINT_NAMES
-from models.experts import Dispatch, ExpertsDecoder, MoELayer, RouterScore, check_routing_groups
+from models.experts import ExpertsConfig, ExpertsDecoder, MoELayer, RouterScore
+from models.kernels.attention import AttentionSpec
 
-CHECKPOINT_NAMES = EXPERT_CHECKPOINT_NAMES
 # The leading axis of the dense layers' stack (kept whole: the pipeline splits ``layers`` only).
 DENSE_LAYERS = "dense_layers"
 # The leading axis of the multi-token prediction modules' stack.
 MTP_LAYERS = "mtp_layers"
 
 
-@dataclasses.dataclass(frozen=True)
-class DeepSeekConfig:
-    """Shape, routing and execution options of a DeepSeek-V3 model (module docstring)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeepSeekConfig(ExpertsConfig):
+    """Shape, routing and execution options of a DeepSeek-V3 model (module docstring): the shared
+    decoder and experts fields (``num_layers``: the mixture-of-experts layers, stacked), latent
+    attention's, the dense layers' and multi-token prediction's."""
 
-    vocab_size: int = 96
-    embed_dim: int = 40
-    num_layers: int = 2  # mixture-of-experts layers (stacked)
-    num_dense_layers: int = 1  # dense layers before them (HF first_k_dense_replace)
     num_heads: int = 4
+    norm_eps: float = 1e-6
+    num_dense_layers: int = 1  # dense layers before them (HF first_k_dense_replace)
     q_lora_rank: int = 24  # 0: a plain query projection
     kv_lora_rank: int = 16
     qk_nope_head_dim: int = 8
     qk_rope_head_dim: int = 4
     v_head_dim: int = 6
     mlp_dim: int = 56  # the dense layers' hidden units
-    num_experts: int = 8
-    top_k: int = 2
     expert_mlp_dim: int = 16
     num_shared_experts: int = 1
     expert_groups: int = 4  # HF n_group
     groups_per_token: int = 2  # HF topk_group
-    routed_scaling_factor: float = 1.0
-    norm_topk_prob: bool = True
     router_score: RouterScore = RouterScore.SIGMOID
     bias_update_rate: float = 0.001
-    dispatch: Dispatch = Dispatch.DROPLESS
-    capacity_factor: float = 1.25
-    exchange_buffer_factor: float = 0.0
-    grouped_matmul: GroupedKernel = GroupedKernel.AUTO
-    expert_block: int = 0
-    group_size: int = 0
     load_balancing_coef: float = 0.0001  # DeepSeek-V3's sequence-wise balance loss (per row: group_size 0)
-    z_loss_coef: float = 0.0
     mtp_layers: int = 0  # multi-token prediction depth (HF num_nextn_predict_layers)
     mtp_loss_coef: float = 0.3  # the weight of the mean of the prediction depths' losses
-    seq_len: int = 32
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
     rope_interleave: bool = False  # rotary pairs interleaved in the weights (DeepSeek's checkpoints)
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    attention: AttentionKernel = AttentionKernel.AUTO
-    attention_block: int = 512
-    remat: RematPolicy = RematPolicy.NONE
-    remat_names: tuple[str, ...] = ("attention", "mlp_hidden", "expert_hidden")
 
     def __post_init__(self):
-        coerce_enums(self)
-        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "kv_lora_rank", "qk_nope_head_dim",
-                     "qk_rope_head_dim", "v_head_dim", "mlp_dim", "num_experts", "expert_mlp_dim", "seq_len",
-                     "attention_block"):
-            if getattr(self, name) <= 0:
-                raise InvalidField(name, f"must be a positive integer, got {getattr(self, name)}")
-        for name in ("num_dense_layers", "q_lora_rank", "num_shared_experts", "mtp_layers", "group_size",
-                     "expert_block"):
-            if getattr(self, name) < 0:
-                raise InvalidField(name, f"must be >= 0, got {getattr(self, name)}")
+        super().__post_init__()
+        check_positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mlp_dim")
+        check_non_negative(self, "num_dense_layers", "q_lora_rank", "num_shared_experts", "mtp_layers")
         if self.qk_rope_head_dim % 2:
             raise InvalidField("qk_rope_head_dim", f"must be even for rotary embeddings, got {self.qk_rope_head_dim}")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise InvalidField("top_k", f"must be between 1 and num_experts={self.num_experts}, got {self.top_k}")
-        check_routing_groups(self)
-        for name in ("capacity_factor", "rope_theta", "norm_eps", "init_std"):
-            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
-                raise InvalidField(name, f"must be a finite number > 0, got {getattr(self, name)}")
-        for name in ("bias_update_rate", "exchange_buffer_factor", "load_balancing_coef", "z_loss_coef",
-                     "mtp_loss_coef"):
-            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
-                raise InvalidField(name, f"must be a finite number >= 0, got {getattr(self, name)}")
-        if self.group_size and self.seq_len % self.group_size:
-            raise InvalidField("group_size", f"must divide seq_len={self.seq_len} (0: one group per row), "
-                               f"got {self.group_size}")
-        unknown = sorted(set(self.remat_names) - set(CHECKPOINT_NAMES))
-        if unknown:
-            raise InvalidField("remat_names", f"unknown names {unknown}; valid: {list(CHECKPOINT_NAMES)}")
-
-    @property
-    def sorted_dispatch(self) -> bool:
-        return self.dispatch is Dispatch.DROPLESS
+        check_finite(self, "mtp_loss_coef", positive=False)
 
     # What the shared blocks (models/blocks.py) and the MoE block read under their own names.
     @property
@@ -159,15 +108,6 @@ class DeepSeekConfig:
     @property
     def attention_spec(self) -> AttentionSpec:
         return AttentionSpec(self.attention, 0, self.attention_block)
-
-    @property
-    def grouped_spec(self) -> GroupedSpec:
-        return GroupedSpec(self.grouped_matmul, self.expert_block)
-
-    def slots(self, group: int) -> int:
-        if self.dispatch is not Dispatch.CAPACITY:
-            return group
-        return min(group, math.ceil(self.capacity_factor * group * self.top_k / self.num_experts))
 
     @property
     def qk_head_dim(self) -> int:
@@ -283,10 +223,6 @@ class DeepSeek(ExpertsDecoder):
     def predict_ahead(self, x: jax.Array, ahead_inputs: jax.Array, shard: ActivationSharding = unconstrained,
                       documents=None) -> tuple[jax.Array, dict[str, jax.Array]]:
         return predict_ahead(self, x, ahead_inputs, shard, documents)
-
-    def ahead_logits(self, stream: jax.Array, shard: ActivationSharding = unconstrained) -> jax.Array:
-        """A prediction depth's normed stream [batch, length, embed] -> logits through the shared head."""
-        return self.vocab_logits(stream, shard)
 
     def embed(self, tokens: jax.Array, shard: ActivationSharding = unconstrained,
               documents=None) -> jax.Array:

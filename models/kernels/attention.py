@@ -16,7 +16,7 @@ included, as Mistral's ``sliding_window``). ``AttentionSpec`` says which kernel 
   heads attend their shared key/value head without repeating it. The backward (a ``custom_vjp``)
   keeps only the output and the log-sum-exp of each query and recomputes each pair's scores, so
   memory grows linearly with the sequence in both directions.
-* ``AUTO``: ``CUDNN`` on GPUs for unpacked rows where cuDNN's partitioner takes the layout (the
+* ``AUTO``: ``CUDNN`` on GPUs for unpacked rows where cuDNN's partitioner takes the sharding (the
   framework says where it does not: queries split along the sequence, pipeline stages), else
   ``BLOCKWISE`` (``AttentionKernel.resolve``).
 
@@ -51,7 +51,7 @@ PAST_EVERY_QUERY = 1 << 30
 class AttentionKernel(str, enum.Enum):
     """``model.attention``: which kernel computes training attention (module docstring).
 
-    AUTO: cuDNN on GPUs where rows are not packed and its partitioner takes the layout, else blockwise.
+    AUTO: cuDNN on GPUs where rows are not packed and its partitioner takes the sharding, else blockwise.
     BLOCKWISE: flash attention in XLA, any backend, any mask. CUDNN: cuDNN's fused kernel (an error
     where it cannot run). XLA: the dense einsum-softmax-einsum (quadratic memory; the reference).
     """
@@ -64,7 +64,7 @@ class AttentionKernel(str, enum.Enum):
     def resolve(self, platform: str, packed: bool, cudnn_refused: str = "") -> AttentionKernel:
         """The kernel that runs on ``platform`` ("cpu", "gpu", "tpu") for rows packed from
         documents (``packed``) or not, where ``cudnn_refused`` says why cuDNN's partitioner cannot
-        take the mesh's layout ('' where it can). ``ValueError`` (one line) for cuDNN where it
+        take the inputs' sharding ('' where it can). ``ValueError`` (one line) for cuDNN where it
         cannot run."""
         if self is AttentionKernel.AUTO:
             cudnn = platform == "gpu" and not packed and not cudnn_refused

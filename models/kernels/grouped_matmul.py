@@ -9,7 +9,7 @@ Two kernels (``GroupedKernel``):
   temporary: 355 MB against capacity mode's 55 MB on the 128-expert step of
   tests/test_moe_dispatch.py).
 * ``blocked``: the rows sorted by group into ``[blocks, block, in]``, each group's rows padded to a
-  whole number of blocks (``BlockLayout``), then one ``[block, in] x [in, out]`` matmul per block
+  whole number of blocks (``BlockSlots``), then one ``[block, in] x [in, out]`` matmul per block
   with its group's weights, in a scan (``blocked_matmul``, whose backward is written out so that
   the weight gradient accumulates in place instead of as one weight-sized cotangent per block).
   The scan has a static length, ``(m + groups * (block - 1)) // block`` blocks, but skips the
@@ -146,7 +146,7 @@ def _if_used(group: jax.Array, compute: Callable[[], Any], skipped: Callable[[],
 def blocked_matmul(x: jax.Array, w: jax.Array, block_group: jax.Array) -> jax.Array:
     """x [blocks, block, in], w [groups, in, out], int ``block_group`` [blocks] -> [blocks, block,
     out]: each block times its group's weights, summed in fp32, in x's dtype; zero for a block of
-    group -1 (skipped, ``BlockLayout``). The scan stacks its blocks in fp32 and casts once after
+    group -1 (skipped, ``BlockSlots``). The scan stacks its blocks in fp32 and casts once after
     (``_stacked``)."""
 
     def step(_, xs):
@@ -229,7 +229,7 @@ def grouped_product(x: jax.Array, w: jax.Array | Fp8Weight, block_group: jax.Arr
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class BlockLayout:
+class BlockSlots:
     """Where each of m rows sits in a ``[blocks, block, width]`` buffer sorted by group.
 
     slot: int [m], the row's index in the flattened buffer (at least ``blocks * block``, distinct,
@@ -242,8 +242,8 @@ class BlockLayout:
     block: int = dataclasses.field(metadata=dict(static=True))
 
     @classmethod
-    def of(cls, ids: jax.Array, groups: int, block: int) -> BlockLayout:
-        """The layout of rows whose groups are ``ids`` [m] (ids >= ``groups``: no group)."""
+    def of(cls, ids: jax.Array, groups: int, block: int) -> BlockSlots:
+        """The slots of rows whose groups are ``ids`` [m] (ids >= ``groups``: no group)."""
         m = ids.shape[0]
         blocks = (m + groups * (block - 1)) // block  # sum over groups of ceil(size / block), at most
         sizes = jnp.bincount(ids, length=groups)

@@ -21,7 +21,7 @@ Weight mapping (HF ``nn.Linear`` weights are ``[out_features, in_features]``; ``
     model.norm.weight                        [embed]               -> final_norm.scale [embed]
     lm_head.weight                           [vocab, embed]        -> head [embed, vocab] (absent when tied)
 
-No rotary permutation is needed: HF stores q/k rows in the layout its ``rotate_half`` (half-split)
+No rotary permutation is needed: HF stores q/k rows in the order its ``rotate_half`` (half-split)
 expects, which is the convention of ``models.blocks.apply_rotary``.
 
 Which architecture a config is written as follows from ``qk_norm`` and ``sliding_window``: Qwen3

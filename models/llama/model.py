@@ -30,70 +30,25 @@ from __future__ import annotations
 
 import dataclasses
 
-
-from models.kernels.attention import AttentionSpec
-from models.blocks import (BLOCK_CHECKPOINT_NAMES, AttentionKernel, Decoder, DecoderLayer, RopeScalingConfig,
-                           check_attention_fields)
-from models.common import InvalidField, RematPolicy, coerce_enums
-
-# Activations a NAMED remat policy may keep: the blocks' (tagged with ``checkpoint_name``).
-CHECKPOINT_NAMES = BLOCK_CHECKPOINT_NAMES
+from models.blocks import Decoder, DecoderLayer, GroupedQueryConfig
+from models.common import check_positive
 
 
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    """Shape and execution options of a Llama-style model."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig(GroupedQueryConfig):
+    """Shape and execution options of a Llama-style model: the shared decoder and grouped-query
+    attention fields, and the MLP's width."""
 
-    vocab_size: int = 96
-    embed_dim: int = 40
-    num_layers: int = 2
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    head_dim: int = 6
     mlp_dim: int = 72
-    seq_len: int = 32
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3)
-    attention: AttentionKernel = AttentionKernel.AUTO
-    attention_block: int = 512  # positions per query and key block of the blockwise kernel
-    sliding_window: int = 0  # positions a query attends, itself included (Mistral); 0 = all earlier
-    remat: RematPolicy = RematPolicy.NONE
-    remat_names: tuple[str, ...] = ("attention", "mlp_hidden")
 
     def __post_init__(self):
-        coerce_enums(self)
-        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "mlp_dim", "seq_len"):
-            if getattr(self, name) <= 0:
-                raise InvalidField(name, f"must be a positive integer, got {getattr(self, name)}")
-        check_attention_fields(self, CHECKPOINT_NAMES)
-
-    @property
-    def attention_spec(self) -> AttentionSpec:
-        return AttentionSpec(self.attention, self.sliding_window, self.attention_block)
-
-    @property
-    def attention_dim(self) -> int:
-        """heads * head_dim: the width of the attention score/value matmuls."""
-        return self.num_heads * self.head_dim
-
-    @property
-    def layer_norm_params(self) -> int:
-        """Norm scales of one decoder layer: attention and MLP norms, and the per-head query and key
-        norms when ``qk_norm``."""
-        return 2 * self.embed_dim + (2 * self.head_dim if self.qk_norm else 0)
+        super().__post_init__()
+        check_positive(self, "mlp_dim")
 
     @property
     def layer_params(self) -> int:
         """Parameters of one decoder layer."""
-        qkv = self.embed_dim * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        out = self.attention_dim * self.embed_dim
-        mlp = 3 * self.embed_dim * self.mlp_dim
-        return qkv + out + mlp + self.layer_norm_params
+        return self.attention_params + 3 * self.embed_dim * self.mlp_dim + self.layer_norm_params
 
     @property
     def num_params(self) -> int:
@@ -107,7 +62,6 @@ class LlamaConfig:
         """Parameters that take part in matmuls: all but the input-embedding gather and norms."""
         per_layer = self.layer_params - self.layer_norm_params
         return self.num_layers * per_layer + self.embed_dim * self.vocab_size
-
 
 
 class Llama(Decoder):

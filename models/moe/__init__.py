@@ -5,11 +5,11 @@ from models.blocks import BLOCK_AXIS_ROLES
 from models.experts import EXPERT_ALERTS, EXPERT_AXIS_ROLES, Dispatch
 from models.moe.costs import MoECosts
 from models.moe.hf import MoEHF
-from models.moe.model import CHECKPOINT_NAMES, MoE, MoEConfig
+from models.moe.model import MoE, MoEConfig
 
 FAMILY = register(ModelFamily(
     name="moe", config_class=MoEConfig, model_class=MoE,
     axis_roles={**BLOCK_AXIS_ROLES, **EXPERT_AXIS_ROLES},
     costs=MoECosts, hf=MoEHF(), alerts=EXPERT_ALERTS))
 
-__all__ = ["CHECKPOINT_NAMES", "FAMILY", "Dispatch", "MoE", "MoEConfig"]
+__all__ = ["FAMILY", "Dispatch", "MoE", "MoEConfig"]

@@ -16,8 +16,8 @@ Mixtral's names first, then Qwen3-MoE's::
         [head_dim] -> layers.attention.query_norm.scale / key_norm.scale [L, head_dim]
 
 Each expert is its own HF tensor (``TensorSpec.per_tensor``), so a device reads only the experts
-it holds. Which layout a config uses follows from ``qk_norm``: Qwen3-MoE has the per-head norms,
-Mixtral has not. Imports route dropless (``Dispatch.DROPLESS``, one group per row), as transformers
+it holds. Whether a config has the per-head norm tensors follows from ``qk_norm``: Qwen3-MoE has
+them, Mixtral has not. Imports route dropless (``Dispatch.DROPLESS``, one group per row), as transformers
 does, so that the logits are transformers'.
 
 ``router_aux_loss_coef`` weighs transformers' load-balancing loss pooled over all layers (about the
