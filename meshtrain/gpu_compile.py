@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from meshtrain.errors import ConfigError, cut
+from meshtrain.metrics import peak_bf16_tflops
 from meshtrain.xla_flags import cuda_plugin_installed, merge_flags
 
 INSTALL_HINT = ("compiling for GPUs needs a JAX CUDA plugin: run `make setup-gpu-compile`, then "
@@ -40,11 +41,33 @@ NEWER_SPEC_FIELDS = ("collective_memory_granularity",)
 
 
 class Target(str, enum.Enum):
-    """A GPU to compile for: the spec file under ``meshtrain/gpu_targets/``."""
+    """A GPU to compile for and plan on: the spec file under ``meshtrain/gpu_targets/`` (its memory)
+    and ``LINKS`` (its NVLink and inter-node bandwidths); its dense bf16 peak is ``meshtrain.metrics``'s
+    (the table MFU reads)."""
 
     H100 = "h100"  # H100 SXM, 80 GB HBM3 (79 GiB)
     H200 = "h200"  # H200, 141 GiB HBM3e
     B200 = "b200"  # B200, 178 GiB HBM3e as its spec declares
+
+    @property
+    def device_kind(self) -> str:
+        """The ``device_kind`` jax gives the card (what ``meshtrain.metrics.peak_bf16_tflops`` reads)."""
+        return {"h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200", "b200": "NVIDIA B200"}[self.value]
+
+    @property
+    def peak_flops(self) -> float:
+        """Dense bf16 peak FLOP/s per GPU (``meshtrain.metrics``: NVIDIA's datasheets)."""
+        return peak_bf16_tflops(self.device_kind) * 1e12
+
+    @property
+    def nvlink_bandwidth(self) -> float:
+        """Bytes/s per GPU and direction over NVLink, inside a node (``LINKS``)."""
+        return LINKS[self][0]
+
+    @property
+    def inter_node_bandwidth(self) -> float:
+        """Bytes/s per GPU and direction across nodes (``LINKS``)."""
+        return LINKS[self][1]
 
     def spec_text(self) -> str:
         """The target's ``GpuTargetConfigProto`` text, as shipped."""
@@ -56,6 +79,17 @@ class Target(str, enum.Enum):
             if line.strip().startswith("device_memory_size:"):
                 return int(line.split(":")[1])
         raise ValueError(f"{self.value}'s spec declares no device_memory_size")
+
+
+# Per GPU and direction, bytes/s: (NVLink inside a node, the network across nodes). NVIDIA's
+# datasheets: H100 SXM and H200 SXM, NVLink 4 at 900 GB/s both directions (450 each); B200, NVLink 5
+# at 1.8 TB/s (900 each). Across nodes, one 400 Gb/s ConnectX-7 NIC per GPU (DGX H100, H200 and
+# B200): 50 GB/s.
+LINKS: dict[Target, tuple[float, float]] = {
+    Target.H100: (450e9, 50e9),
+    Target.H200: (450e9, 50e9),
+    Target.B200: (900e9, 50e9),
+}
 
 
 def without_fields(spec: str, fields: Sequence[str]) -> str:

@@ -45,7 +45,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from meshtrain.trackers import TENSORBOARD_DIR, Status, TensorBoardTracker, Tracker, close_trackers, scalars
 from meshtrain.errors import cut
 
-# Dense (non-sparse) bf16 peak TFLOP/s per device, most specific pattern first.
+# Dense (non-sparse) bf16 peak TFLOP/s per device, most specific pattern first (NVIDIA's datasheets:
+# H100 SXM 989, H200 the same compute, B200 2.25 PFLOP/s; ``meshtrain.gpu_compile.Target`` reads them).
 # Patterns are matched case-insensitively against JAX's ``device.device_kind``.
 _PEAK_BF16_TFLOPS: tuple[tuple[re.Pattern[str], float], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), tflops)

@@ -1,10 +1,13 @@
-"""Choose the layout that fits: ``python -m meshtrain.plan --config X.yaml --devices N --device-memory 80GiB``.
+"""Choose the layout that fits: ``python -m meshtrain.plan --config X.yaml --devices N --gpu h100`` (or
+``--device-memory 80GiB``).
 
 The command line of the planner: the search (``meshtrain.planner.search``: every mesh x preset x
 ZeRO stage x remat x pipeline schedule and microbatches [x offload] [x accumulation] of N devices,
 each estimated by ``meshtrain.planner.estimate``) printed ranked: layouts that fit first, by estimated step
-time; layouts that cannot run say why. ``--verify K`` compiles the K best with the real train step
-ahead of time, with XLA:GPU for N compile-only GPUs of ``--device-kind`` (h100, h200, b200) when the
+time, a step mostly spent in collectives marked; layouts that cannot run say why; when none fits, the
+first single change that does. ``--gpu`` takes the memory, peak FLOP/s and link bandwidths of a
+compile target (``meshtrain.gpu_compile.Target``). ``--verify K`` compiles the K best with the real train step
+ahead of time, with XLA:GPU for N compile-only GPUs of ``--gpu`` (h100, h200, b200) when the
 GPU compile environment is installed (``make setup-gpu-compile``; ``.venv-gpu/bin/python -m
 meshtrain.plan``), else with XLA:CPU on N simulated CPU devices, says which, prints XLA's memory
 analysis and peak beside the estimate and re-ranks the K by XLA's verdict;
@@ -30,7 +33,7 @@ import yaml
 from meshtrain.cli import ArgumentParser, run
 from meshtrain.config import Config, load_config, to_dict
 from meshtrain.errors import ConfigError
-from meshtrain.gpu_compile import Target
+from meshtrain.gpu_compile import Target, memory_fraction
 from meshtrain.metrics import peak_bf16_tflops
 from meshtrain.parallel.pipeline import Schedule
 from meshtrain.parallel.rules import Preset
@@ -38,7 +41,8 @@ from meshtrain.xla_flags import cuda_plugin_installed
 from meshtrain.planner.constants import TEMP_MARGIN, Compiler
 from meshtrain.planner.estimate import UNRELIABLE, Candidate, Estimate
 from meshtrain.planner.roofline import Hardware
-from meshtrain.planner.search import GB, LONG_SEQUENCE, MAX_DEVICES, Plan, make_plan, search_presets
+from meshtrain.planner.search import (GB, LONG_SEQUENCE, MAX_DEVICES, Change, Plan, make_plan, search_presets,
+                                      single_changes)
 from models.api import family_of
 from models.common import RematPolicy
 
@@ -61,11 +65,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(prog="python -m meshtrain.plan", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="YAML config (default: the dataclass defaults)")
     p.add_argument("--devices", type=int, required=True, help="number of devices N")
-    p.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GiB or 40GB")
+    p.add_argument("--gpu", help="the GPU, one of " + ", ".join(t.value for t in Target) + ": its memory (as much as "
+                   "JAX's allocator takes of it), dense bf16 peak and link bandwidths, and the target --verify "
+                   "compiles for; the flags below override its figures")
+    p.add_argument("--device-memory", help="memory per device, e.g. 80GiB or 40GB (required without --gpu)")
     p.add_argument("--host-memory", help="pinned host memory available to each device for optimizer offload "
                    "(a node's host memory divided by its devices), e.g. 128GiB")
     p.add_argument("--verify", type=int, default=0, metavar="K",
-                   help="compile the K best layouts (XLA:GPU for --device-kind when the GPU compile environment is "
+                   help="compile the K best layouts (XLA:GPU for --gpu when the GPU compile environment is "
                    "installed, else XLA:CPU on N simulated CPU devices), compare and re-rank")
     p.add_argument("--top", type=int, default=20, help="rows of layouts that fit to print")
     p.add_argument("--show-infeasible", type=int, default=8, metavar="K",
@@ -80,12 +87,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    f"{', '.join(p.value for p in Preset)}; default: the config's, and when that is fsdp_tp or "
                    f"one of its sequence variants also fsdp_tp_sp and, from seq_len {LONG_SEQUENCE}, fsdp_cp, "
                    "fsdp_tp_cp and fsdp_cp_ring)")
-    p.add_argument("--device-kind", default="H100", help="device for the peak FLOP/s table (meshtrain.metrics)")
+    p.add_argument("--device-kind", help="device for the peak FLOP/s table (meshtrain.metrics; default: --gpu's, "
+                   "else H100)")
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak TFLOP/s per device (overrides --device-kind)")
-    p.add_argument("--intra-node-bandwidth", default="450GB",
-                   help="bytes/s per device over links inside a node (NVLink; default 450GB)")
-    p.add_argument("--inter-node-bandwidth", default="50GB",
-                   help="bytes/s per device across nodes (one 400 Gb/s NIC per GPU; default 50GB)")
+    p.add_argument("--intra-node-bandwidth",
+                   help="bytes/s per device over links inside a node (NVLink; default: --gpu's, else 450GB)")
+    p.add_argument("--inter-node-bandwidth",
+                   help="bytes/s per device across nodes (default: --gpu's, else 50GB: one 400 Gb/s NIC per GPU)")
     p.add_argument("--node-size", type=int, default=8,
                    help="devices per node (default 8); a mesh with tensor > node size is refused in one line")
     p.add_argument("--write-config", metavar="FILE",
@@ -105,6 +113,14 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:.3g}" if nbytes < 100 * GB else f"{nbytes / GB:.0f}"
 
 
+COMM_BOUND = "*"  # beside the comm s of a layout whose step is mostly collectives (``comm_bound``)
+
+
+def comm_bound(est: Estimate) -> bool:
+    """Whether the estimated step is mostly collectives: their time exceeds the compute's."""
+    return sum(est.comm_s.values()) > est.compute_s
+
+
 def _preset(cfg: Config, candidate: Candidate) -> str:
     return (candidate.preset or cfg.sharding.preset).value
 
@@ -120,7 +136,7 @@ def _row(cfg: Config, rank: str, est: Estimate, verdict: str) -> list[str]:
             _gb(est.optimizer),
             _gb(est.activations), _gb(est.temporaries + est.batch), _gb(est.update), _gb(est.total),
             _gb(est.optimizer_host) if lay.offload else "-", f"{est.step_s:.3g}", f"{est.compute_s:.3g}",
-            f"{sum(est.comm_s.values()):.3g}", verdict]
+            f"{sum(est.comm_s.values()):.3g}" + (COMM_BOUND if comm_bound(est) else ""), verdict]
 
 
 HEADER = ["#", "mesh d,f,t,s", "preset", "zero", "remat", "acc", "schedule", "mb", "chunk", "bubble", "flight", "offl",
@@ -141,10 +157,12 @@ def _mesh_of(est: Estimate) -> tuple[int, ...]:
     return tuple(est.candidate.mesh.values())
 
 
-def format_plan(plan: Plan, top: int, show_infeasible: int, requested_meshes: Sequence[tuple[int, ...]] = ()) -> str:
+def format_plan(plan: Plan, top: int, show_infeasible: int, requested_meshes: Sequence[tuple[int, ...]] = (),
+                memory_note: str = "") -> str:
     """The ranked table: the ``top`` layouts that fit, the ``show_infeasible`` smallest that do not and
     as many distinct reasons why others cannot be built; each of ``requested_meshes`` (``--mesh``)
-    shows at least its best row (or why it cannot be built) beyond those counts."""
+    shows at least its best row (or why it cannot be built) beyond those counts; ``memory_note``:
+    where the device memory comes from (``device_memory_of``)."""
     fit, big, broken = plan.ranked()
     shown_meshes = {_mesh_of(e) for e in fit[:top] + big[:show_infeasible]}
     missing = [mesh for mesh in dict.fromkeys(requested_meshes) if mesh not in shown_meshes]
@@ -161,6 +179,7 @@ def format_plan(plan: Plan, top: int, show_infeasible: int, requested_meshes: Se
              f"{plan.cfg.train.batch_size} x {m.seq_len} tokens, grad_accum {plan.cfg.train.grad_accum}, "
              f"{plan.cfg.train.precision.value}, pipeline {plan.cfg.pipeline.schedule.value}",
              f"devices: {plan.devices} x {plan.device_memory / GB:.4g} GB"
+             + (f" ({memory_note})" if memory_note else "")
              + (f", host {plan.host_memory / GB:.4g} GB per device" if plan.host_memory is not None else ""),
              f"roofline: {hw.peak_flops / 1e12:.0f} TFLOP/s per device, {hw.intra_node_bandwidth / GB:.0f} GB/s "
              f"inside a node of {hw.node_size}, {hw.inter_node_bandwidth / GB:.0f} GB/s across nodes; "
@@ -183,6 +202,9 @@ def format_plan(plan: Plan, top: int, show_infeasible: int, requested_meshes: Se
     rows += [_row(plan.cfg, "-", e, "; ".join(plan.problems(e))) for e in big_shown]
     if len(rows) > 1:
         lines.append(_table(rows))
+    if any(comm_bound(e) for e in [e for _, e in fit_shown] + big_shown):
+        lines.append(f"{COMM_BOUND} (comm s) = comm-bound: the estimated collectives take longer than the compute, "
+                     "the step is mostly communication")
     if any(not e.reliable for _, e in fit_shown):
         lines.append(f"fits? = {UNRELIABLE}")
     if any(e.reliable and not plan.certain(e) for _, e in fit_shown):
@@ -198,6 +220,22 @@ def format_plan(plan: Plan, top: int, show_infeasible: int, requested_meshes: Se
                      + (", and those of the --mesh asked for" if asked else "") + "):")
         lines += [f"  {reason}" for reason in first + asked]
     return "\n".join(lines)
+
+
+def format_changes(plan: Plan, changes: list[Change]) -> str:
+    """What to change when nothing fits, in one or two lines: the first of ``changes`` (``single_changes``)
+    that fits with its best layout, and what the ones tried before it still need."""
+    def layout(est: Estimate) -> str:
+        lay = est.candidate
+        return (f"{lay.label()} {_preset(plan.cfg, lay)} ZeRO-{lay.zero} {lay.remat.value} acc {lay.grad_accum}, "
+                f"{_gb(est.total)} GB, step {est.step_s:.3g} s")
+
+    fitting = changes[-1] if changes and changes[-1].best is not None else None
+    missed = [f"{c.flag}: {_gb(c.needed)} GB" for c in changes if c is not fitting]
+    head = (f"\nnothing fits; the first single change that does (gradient accumulation is searched already): "
+            f"{fitting.flag}: {layout(fitting.best)}" if fitting else
+            "\nnothing fits, nor with any single change tried (gradient accumulation is searched already)")
+    return head + (f"\n  tried{' before it' if fitting else ''}, still too big: {'; '.join(missed)}" if missed else "")
 
 
 def _broken_reason(cfg: Config, est: Estimate) -> str:
@@ -228,17 +266,16 @@ class GpuTopology:
     devices: list
 
 
-def start_verify(devices: int, device_kind: str, node_size: int) -> tuple[GpuTopology | None, str]:
+def start_verify(devices: int, target: Target | None, node_size: int) -> tuple[GpuTopology | None, str]:
     """Prepares this process for ``--verify`` before JAX's backends start: XLA:GPU's compile-only devices
-    of the GPU ``device_kind`` names (nodes of ``node_size``) when the GPU compile environment (a JAX
-    CUDA plugin) is installed, else ``devices`` simulated CPU devices for XLA:CPU. -> (the GPUs, or
-    None with why XLA:CPU compiles)."""
-    target = next((t for t in Target if t.value in device_kind.lower()), None)
+    of ``target`` (``--gpu``; nodes of ``node_size``) when the GPU compile environment (a JAX CUDA
+    plugin) is installed, else ``devices`` simulated CPU devices for XLA:CPU. -> (the GPUs, or None
+    with why XLA:CPU compiles)."""
     if not cuda_plugin_installed() or target is None:
         _start_devices(devices)
         return None, ("the GPU compile environment is not installed: make setup-gpu-compile, then run "
-                      ".venv-gpu/bin/python -m meshtrain.plan" if target is not None else
-                      f"no XLA:GPU target for --device-kind {device_kind} ({', '.join(t.value for t in Target)})")
+                      ".venv-gpu/bin/python -m meshtrain.plan" if not cuda_plugin_installed() else
+                      f"no --gpu given ({', '.join(t.value for t in Target)})")
     from meshtrain.gpu_compile import start_compile_only, topology
     from meshtrain.xla_flags import apply_recommended
 
@@ -272,13 +309,14 @@ def verify(config_path: str | None, overrides: list[str], est: Estimate, devices
     analysis = trainer.train_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile() \
         .memory_analysis()
     return {"argument": analysis.argument_size_in_bytes, "output": analysis.output_size_in_bytes,
-            "temp": analysis.temp_size_in_bytes, "seconds": time.perf_counter() - start}
+            "temp": analysis.temp_size_in_bytes, "host": est.optimizer_host, "seconds": time.perf_counter() - start}
 
 
 def verified_peak(xla: dict) -> float:
-    """The bytes XLA's memory analysis needs per device: XLA:GPU's peak where it gives one, else
-    arguments + temporaries (outputs alias the donated state)."""
-    return xla.get("peak", xla["argument"] + xla["temp"])
+    """The device bytes XLA's memory analysis needs per device: XLA:GPU's peak where it gives one, else
+    arguments + temporaries (outputs alias the donated state) less ``host``: XLA:CPU has no host memory
+    space, so it counts the optimizer moments a layout offloads to the host among its arguments."""
+    return xla.get("peak", xla["argument"] + xla["temp"] - xla.get("host", 0))
 
 
 def verified_verdict(xla: dict, device_memory: float) -> str:
@@ -319,8 +357,57 @@ def format_verify(results: list[tuple[Estimate, dict]], devices: int, device_mem
                  f"devices, jax {jax.__version__}; memory_analysis and peak, per device)")
     else:
         where = f"on {devices} simulated CPU devices by XLA:CPU (memory_analysis, per device)"
+    legend = ("\n(XLA:CPU's peak = argument + temp less the optimizer moments an offloaded layout keeps on the host, "
+              "the plan's host GB: XLA:CPU has no host memory space and counts them among its arguments)"
+              if gpus is None and any(xla.get("host") for _, xla in results) else "")
     return (f"\nverify: the real train step compiled ahead of time {where}, re-ranked by XLA's verdict:\n"
-            + (f"(XLA:CPU, not XLA:GPU: {why_cpu})\n" if gpus is None and why_cpu else "") + table)
+            + (f"(XLA:CPU, not XLA:GPU: {why_cpu})\n" if gpus is None and why_cpu else "") + table + legend)
+
+
+def target_of(name: str | None) -> Target | None:
+    """The GPU ``--gpu`` names (None without one); one-line ``ConfigError`` naming the valid ones."""
+    if name is None:
+        return None
+    try:
+        return Target(name.strip().lower())
+    except ValueError:
+        raise ConfigError("--gpu", f"unknown GPU {name!r}; use one of {', '.join(t.value for t in Target)}") from None
+
+
+def device_memory_of(text: str | None, target: Target | None) -> tuple[float, str]:
+    """The memory per device: ``--device-memory`` ``text`` where given, else what JAX's allocator takes of
+    ``target``'s memory (its spec's, times ``XLA_PYTHON_CLIENT_MEM_FRACTION`` or 0.75: the compile tool's
+    ``usable_memory_bytes``). -> (bytes, where they come from: '' for ``text``)."""
+    if text is not None:
+        return parse_bytes(text, "--device-memory"), ""
+    if target is None:
+        raise ConfigError("--device-memory", "give the memory per device (e.g. 80GiB) or --gpu "
+                          f"({', '.join(t.value for t in Target)})")
+    fraction = memory_fraction()
+    return (target.memory_bytes() * fraction,
+            f"{target.value}: {target.memory_bytes() / GB:.4g} GB x {fraction:g} for JAX's allocator, "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def hardware_of(args: argparse.Namespace, target: Target | None) -> Hardware:
+    """The roofline's figures: ``target``'s (``Target``: dense bf16 peak, NVLink and inter-node
+    bandwidths), else an H100's (``Hardware()``), each overridden by its flag (``--peak-tflops`` or
+    ``--device-kind``, ``--intra-node-bandwidth``, ``--inter-node-bandwidth``)."""
+    base = Hardware() if target is None else Hardware(target.peak_flops, target.nvlink_bandwidth,
+                                                        target.inter_node_bandwidth)
+    peak = base.peak_flops
+    if args.peak_tflops is not None:
+        if args.peak_tflops <= 0:
+            raise ConfigError("--peak-tflops", f"must be > 0, got {args.peak_tflops}")
+        peak = args.peak_tflops * 1e12
+    elif args.device_kind is not None:
+        if (tflops := peak_bf16_tflops(args.device_kind)) is None:
+            raise ConfigError("--device-kind", f"no peak FLOP/s known for {args.device_kind!r}; give --peak-tflops")
+        peak = tflops * 1e12
+    bandwidth = lambda text, flag, default: default if text is None else parse_bytes(text, flag)
+    return Hardware(peak, bandwidth(args.intra_node_bandwidth, "--intra-node-bandwidth", base.intra_node_bandwidth),
+                    bandwidth(args.inter_node_bandwidth, "--inter-node-bandwidth", base.inter_node_bandwidth),
+                    args.node_size)
 
 
 def _plan(argv: list[str] | None) -> None:
@@ -331,13 +418,10 @@ def _plan(argv: list[str] | None) -> None:
         if getattr(args, name) < (1 if name in ("top", "node_size") else 0):
             raise ConfigError(f"--{name.replace('_', '-')}", f"must be a positive integer, got "
                               f"{getattr(args, name)}")
-    device_memory = parse_bytes(args.device_memory, "--device-memory")
+    target = target_of(args.gpu)
+    device_memory, memory_note = device_memory_of(args.device_memory, target)
     host_memory = None if args.host_memory is None else parse_bytes(args.host_memory, "--host-memory")
-    peak = args.peak_tflops or peak_bf16_tflops(args.device_kind)
-    if peak is None or peak <= 0:
-        raise ConfigError("--device-kind", f"no peak FLOP/s known for {args.device_kind!r}; give --peak-tflops")
-    hardware = Hardware(peak * 1e12, parse_bytes(args.intra_node_bandwidth, "--intra-node-bandwidth"),
-                        parse_bytes(args.inter_node_bandwidth, "--inter-node-bandwidth"), args.node_size)
+    hardware = hardware_of(args, target)
     meshes = None
     if args.mesh:
         meshes = [tuple(_parse_list(text, "--mesh", int)) for text in args.mesh]
@@ -355,21 +439,26 @@ def _plan(argv: list[str] | None) -> None:
         raise ConfigError("--preset", f"give some of {', '.join(p.value for p in Preset)}; got {args.preset!r}")
     if args.write_config:
         check_write_config(pathlib.Path(args.write_config), args.config, args.overwrite)
-    gpus, why_cpu = start_verify(args.devices, args.device_kind, args.node_size) if args.verify else (None, "")
+    gpus, why_cpu = start_verify(args.devices, target, args.node_size) if args.verify else (None, "")
     if args.verify and gpus is None:  # compared against XLA:CPU: its fitted constants, not XLA:GPU's
         hardware = dataclasses.replace(hardware, compiler=Compiler.XLA_CPU)
     cfg = load_config(args.config, args.overrides)
+    presets = search_presets(cfg) if presets is None else presets
     plan = make_plan(cfg, args.devices, device_memory, host_memory, hardware=hardware, meshes=meshes,
                      zero_stages=zeros, remats=remats, schedules=schedules,
-                     presets=search_presets(cfg) if presets is None else presets,
+                     presets=presets,
                      progress=(progress := ProgressLine()))
     progress.finish()
-    print(format_plan(plan, args.top, args.show_infeasible, meshes or ()), flush=True)
+    print(format_plan(plan, args.top, args.show_infeasible, meshes or (), memory_note), flush=True)
+    fit = plan.ranked()[0]
+    if not fit:
+        print(format_changes(plan, single_changes(plan, zeros, remats, presets, meshes)), flush=True)
     if args.write_config:
         write_config(plan, args.config, args.overrides, pathlib.Path(args.write_config), args.overwrite)
-    if args.verify:
-        best = plan.ranked()[0][:args.verify]
-        results = [(est, verify(args.config, args.overrides, est, args.devices, gpus)) for est in best]
+    if args.verify and not fit:
+        print("\nverify: nothing to verify: no layout fits")
+    elif args.verify:
+        results = [(est, verify(args.config, args.overrides, est, args.devices, gpus)) for est in fit[:args.verify]]
         print(format_verify(results, args.devices, device_memory, cfg, gpus, why_cpu))
 
 

@@ -32,7 +32,7 @@ def test_compile_json_reports_the_planned_peak_beside_xla_gpus_peak():
 
 def test_plan_verify_compiles_on_xla_gpu_and_says_so():
     argv = [sys.executable, "-m", "meshtrain.plan", "--config", "configs/tiny.yaml", "--devices", "1",
-            "--device-memory", "80GB", "--device-kind", "H100", "--zero", "0", "--remat", "full", "--top", "1",
+            "--device-memory", "80GB", "--gpu", "h100", "--zero", "0", "--remat", "full", "--top", "1",
             "--verify", "1"]
     env = {key: value for key, value in os.environ.items() if key != "TF_CPP_MIN_LOG_LEVEL"}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False, env=env)

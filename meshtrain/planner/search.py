@@ -7,7 +7,8 @@ of ``LONG_SEQUENCE`` positions or more) x ZeRO stage 0-3 x remat policy x pipeli
 1F1B, interleaved 1F1B over 2 virtual stages, ZB-H1) and microbatches (when ``stage`` > 1) [x
 optimizer offload, when host memory is given] [x gradient accumulation, while a layout is too big for
 its activations], and estimates each one's per-device memory and step time analytically
-(``meshtrain.planner.estimate``, docs/memory.md); ``Plan`` ranks them.
+(``meshtrain.planner.estimate``, docs/memory.md); ``Plan`` ranks them. When none fits,
+``single_changes`` searches again with one change at a time (remat, offload, sequence, devices).
 """
 
 from __future__ import annotations
@@ -345,3 +346,61 @@ def candidate_layout(cfg: Config, candidate: Candidate, rules: ShardingRules | N
                      abstract_params=abstract_params)
 
 
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One change to a question that nothing fits, and the estimate's answer to it: ``flag``, what to
+    type (``--remat full``, ``--host-memory 12GB``, ``model.seq_len=4096``, ``--devices 16``);
+    ``best``, the first layout of the plan with it that fits (None: still none); ``needed``, the
+    least memory a layout then needs."""
+
+    flag: str
+    best: Estimate | None
+    needed: float
+
+
+# More devices tried when nothing fits: these multiples of the count asked for (8 -> 16, 32, 64).
+MORE_DEVICES = (2, 4, 8)
+
+
+def single_changes(plan: Plan, zero_stages: list[int] = (0, 1, 2, 3), remats: list[RematPolicy] = DEFAULT_REMATS,
+                   presets: list[Preset] | None = None,
+                   meshes: list[tuple[int, int, int, int]] | None = None) -> list[Change]:
+    """When nothing in ``plan`` fits (searched with ``zero_stages``, ``remats``, ``presets``,
+    ``meshes``): single changes tried in turn, cheapest first, up to the first that fits (the last
+    of the list, when one does): remat ``full`` (where ``remats`` leave it out), the optimizer offloaded
+    (where no host memory was given), ``model.seq_len`` halved (down to an eighth), then more devices (the
+    smallest multiple of ``plan.devices`` in ``MORE_DEVICES`` that fits; any mesh). Each is the same estimate in
+    a narrower search: the largest ZeRO stage and remat ``full`` of those searched (the least memory)
+    and 1F1B pipelines. Gradient accumulation needs no change: ``make_plan`` searches it."""
+    remat = [RematPolicy.FULL] if RematPolicy.FULL in remats else list(remats)
+    narrow = dict(hardware=plan.hardware, zero_stages=[max(zero_stages)], schedules=[Schedule.ONE_F_ONE_B],
+                  presets=presets)
+    tries: list[tuple[str, Callable[[], Plan]]] = []
+    if RematPolicy.FULL not in remats:
+        tries.append(("--remat full", lambda: make_plan(plan.cfg, plan.devices, plan.device_memory, plan.host_memory,
+                                                         meshes=meshes, remats=[RematPolicy.FULL], **narrow)))
+    if plan.host_memory is None:
+        tries.append(("--host-memory", lambda: make_plan(plan.cfg, plan.devices, plan.device_memory, math.inf,
+                                                          meshes=meshes, remats=remat, **narrow)))
+    seq = plan.cfg.model.seq_len
+    for length in (seq // 2, seq // 4, seq // 8):
+        try:
+            shorter = dataclasses.replace(plan.cfg, model=dataclasses.replace(plan.cfg.model, seq_len=length))
+        except ValueError:  # a length the model refuses (a routing group longer than the row)
+            continue
+        if length >= 1:
+            tries.append((f"model.seq_len={length}", lambda cfg=shorter: make_plan(
+                cfg, plan.devices, plan.device_memory, plan.host_memory, meshes=meshes, remats=remat, **narrow)))
+    for count in (plan.devices * k for k in MORE_DEVICES):
+        tries.append((f"--devices {count}", lambda n=count: make_plan(plan.cfg, n, plan.device_memory,
+                                                                       plan.host_memory, remats=remat, **narrow)))
+    changes = []
+    for flag, search in tries:
+        fit, big, _ = search().ranked()
+        best = fit[0] if fit else None
+        if flag == "--host-memory":  # how much it takes, where the offload fits
+            flag = f"--host-memory {math.ceil(best.optimizer_host / GB)}GB" if best else "offload (--host-memory)"
+        changes.append(Change(flag, best, min((e.total for e in fit + big), default=math.inf)))
+        if best is not None:
+            break
+    return changes
