@@ -152,12 +152,14 @@ _GPU_KEPT = Measured("XLA:GPU", "0.11.2", "2026-12-07", "XLA:CPU's value kept, c
                      "rows it decides are within 10% with it")
 _GPU_ONE_PASS = Measured("XLA:GPU", "0.11.2", "2026-12-07", "the buffer assignment of an H100 step at 8B widths, "
                          "2 layers, mesh (1, 8, 1, 1), seq 8192, one pass (docs/memory.md)")
+_GPU_VOCAB_CHUNKS = Measured("XLA:GPU", "0.11.2", "2026-12-07", "the matrix compiled again with the head in "
+                             "vocabulary chunks (train.loss_chunk=16384): 1 minimises the rows outside 10%")
 XLA_GPU = Constants(
     Compiler.XLA_GPU,
     # ``full`` and ``dots`` fitted (minimax on temp bytes) to the matrix's layouts that fit their target;
     # ``none``'s rows are bound by the loss phase, so XLA:CPU's coefficient is kept.
     activation_coefficients={RematPolicy.NONE: 0.82, RematPolicy.FULL: 1.2, RematPolicy.DOTS: 1.3},
-    logits_fp32_copies=3,
+    logits_fp32_copies=1,
     # One pass: one fp32 [tokens, vocab] buffer beside the bf16 logits, which the projection's fp32
     # gradient reuses (8B widths, 2 layers, FSDP 8, one row of 8,192 positions per device).
     one_pass_fp32_copies=1,
@@ -173,7 +175,7 @@ XLA_GPU = Constants(
     # are not (1F1B +11%, interleaved with one layer per chunk +27%): they stay ``fits?``.
     checked_pipelines=False,
     gathered_copies=2,
-    measured={"logits_fp32_copies": _GPU_KEPT, "cut_fp32_residuals": _GPU_KEPT,
+    measured={"logits_fp32_copies": _GPU_VOCAB_CHUNKS, "cut_fp32_residuals": _GPU_KEPT,
               "one_pass_fp32_copies": _GPU_ONE_PASS, "one_pass_shares_gradient": _GPU_ONE_PASS,
               **dict.fromkeys(("activation_coefficients", "tensor_reduction_buffers", "held", "widened_chunk",
                                "copied_carries", "projection_copies", "update_in_place", "checked_pipelines",

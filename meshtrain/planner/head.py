@@ -1,10 +1,10 @@
 """The loss and the head's phase: the head's forward and backward, one chunk of the vocabulary at a
 time (``meshtrain.loss``): the vocabulary weights in the compute dtype (the projection ``projection_copies``
-times when ZeRO-3 gathers it), the projection's fp32 gradient (in one pass its sum over the batch's
-devices, an all-reduce on XLA:CPU; chunked, each chunk's gradient is reduced to the parameter's split as it
-is made), one chunk's logits and their fp32 softmax pieces (the compiler's ``logits_fp32_copies``; a head
-in one pass: ``one_pass_fp32_copies``, which the gradient may share: ``one_pass_shares_gradient``), and
-chunked, the head's input and its gradient in fp32."""
+times when ZeRO-3 gathers it, one chunk's columns of it when chunked), the projection's fp32 gradient (in
+one pass its sum over the batch's devices, an all-reduce on XLA:CPU; chunked, each chunk's gradient is
+reduced to the parameter's split as it is made), one chunk's logits and their fp32 softmax pieces (the
+compiler's ``logits_fp32_copies``; a head in one pass: ``one_pass_fp32_copies``, which the gradient may
+share: ``one_pass_shares_gradient``), and chunked, the head's input and its gradient in fp32."""
 
 from __future__ import annotations
 
@@ -73,8 +73,10 @@ def head_phase(layout: Layout, shape: LayerShape, terms: ParamTerms, compute_byt
     chunk_local = chunk / shape.tensor
     vocab_bytes = compute_bytes if compute_bytes != FP32 else (FP32 if terms.gathering else 0)
     copies = constants.projection_copies
-    vocab_copies = (terms.lookup + terms.projection * (copies if terms.gathering else 1)) * vocab_bytes
     one_pass = chunk == model.vocab_size
+    # ZeRO-3 gathers the projection as the loop reads it: one chunk's columns at a time when chunked.
+    gathered = terms.projection * copies * (1 if one_pass else chunk / model.vocab_size)
+    vocab_copies = (terms.lookup + (gathered if terms.gathering else terms.projection)) * vocab_bytes
     fp32 = tokens * chunk_local * FP32 * (constants.one_pass_fp32_copies if one_pass else constants.logits_fp32_copies)
     logits = tokens * chunk_local * compute_bytes
     if one_pass:
