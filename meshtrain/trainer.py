@@ -114,7 +114,7 @@ class ShardedState:
         self.trainable_shardings = (named_state_shardings(layout.state_specs(params=self.abstract_trainable), mesh)
                                     if self.lora else self.part_shardings)
         self.tx, self.schedule = make_optimizer(optimizer, layout.train.steps, self.abstract_trainable)
-        replicated = NamedSharding(mesh, PartitionSpec())
+        self.replicated = replicated = NamedSharding(mesh, PartitionSpec())  # scalars: step, metrics
         abstract_opt_state = jax.eval_shape(self.tx.init, self.abstract_trainable)
         # Where the optimizer state is updated (device memory) and where it rests between steps.
         self.optimizer_compute_shardings = optimizer_shardings(abstract_opt_state, self.abstract_trainable,
@@ -189,7 +189,7 @@ class Trainer(ShardedState):
         # Multi-token prediction's depths (models.api.PredictsAhead): the batch carries their targets.
         self.ahead_depths = model.ahead_depths if isinstance(model, PredictsAhead) else 0
         self.sign_rates = sign_descent_rates(self.abstract_trainable)
-        replicated = NamedSharding(mesh, PartitionSpec())
+        replicated = self.replicated
         self.batch_sharding = batch_sharding(self.rules, mesh)
         self.metrics_sharding = replicated
         self.train_step = jax.jit(
