@@ -17,6 +17,8 @@ vocabulary (no device gathers it); the positions keep whatever split they have (
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -106,8 +108,15 @@ def chunk_size(size: int, request: int, ways: int = 1) -> int:
     if request <= 0 or request >= size:
         return size
     ways = ways if size % ways == 0 else 1
-    local = size // ways
-    return ways * max(d for d in range(1, max(request // ways, 1) + 1) if local % d == 0)
+    limit = max(request // ways, 1)
+    return ways * max(d for d in _divisors(size // ways) if d <= limit)
+
+
+@functools.cache
+def _divisors(n: int) -> tuple[int, ...]:
+    """Every divisor of ``n`` (the planner asks ``chunk_size`` for each chunk of each layout it estimates)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in small])
 
 
 def _strided_columns(weight: jax.Array, chunks: int) -> jax.Array:
