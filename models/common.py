@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.kernels.attention import AttentionSpec, attend, cudnn_refusal
+from models.kernels.attention import AttentionSpec, attend, cudnn_refusal, tokamax_refusal
 from models.kernels.fp8 import Fp8Weight, MatmulGroup, fp8_matmul
 from models.kernels.lora import LoraWeight, low_rank_equations
 
@@ -215,7 +215,8 @@ class Unconstrained:
                segments: jax.Array | None, spec: AttentionSpec) -> jax.Array:
         del positions  # the rows are in sequence order
         return attend(q, k, v, segments, spec.resolved(self.platform, packed=segments is not None,
-                                                       cudnn_refused=cudnn_refusal(q.dtype)))
+                                                       cudnn_refused=cudnn_refusal(q.dtype),
+                                                       tokamax_refused=tokamax_refusal(q.dtype)))
 
     def run_experts(self, compute: ExpertCompute, x: jax.Array, choices: jax.Array,
                     params: tuple[jax.Array, ...], param_axes: tuple[LogicalAxes, ...],

@@ -4,14 +4,20 @@
 (``memory_analysis``) and kernels launched (fusions, custom calls and other thunks, loops counted by
 their trip counts). Run in ``.venv-gpu`` with tokamax installed:
 
-    .venv-gpu/bin/python scripts/kernel_eval.py [--experts 128] [--rows 65536] [grouped|attention]
+    .venv-gpu/bin/python scripts/kernel_eval.py [--experts 128] [--rows 65536] grouped
+    .venv-gpu/bin/python scripts/kernel_eval.py [--seq 8192] [--window 4096] [--documents 16] attention
 
-Each line is one JSON record: the kernel, forward or forward + backward, and its figures.
+Each line is one JSON record: the kernel, forward or forward + backward (and for attention the
+window), and its figures. Attention: one row of causal attention with the row's segment ids an input,
+through tokamax's ops (``models.kernels.attention.tokamax_attention``), jax's cuDNN kernel in its
+packed layout (at most ``--documents`` documents a row) and unpacked, our blockwise kernel and the
+dense reference.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -92,36 +98,74 @@ def grouped(args, mesh) -> None:
             print(json.dumps(record), flush=True)
 
 
+def cudnn_packed(q, k, v, segments, window: int, documents: int):
+    """jax's cuDNN attention in its packed layout (``q_offsets`` / ``q_seqlen``: each row's
+    documents, at most ``documents`` of them, as runs of equal ``segments``), causal within each."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    batch, length = segments.shape
+    boundary = jnp.concatenate([jnp.ones((batch, 1), bool), segments[:, 1:] != segments[:, :-1]], 1)
+    document = jnp.cumsum(boundary, axis=1) - 1
+    count = document[:, -1:] + 1
+    lengths = jnp.zeros((batch, documents), jnp.int32).at[jnp.arange(batch)[:, None], document].add(1)
+    starts = jnp.cumsum(lengths, axis=1) - lengths
+    slot = jnp.arange(documents + 1)[None]
+    offsets = jnp.where(slot <= count, jnp.concatenate([starts, jnp.full((batch, 1), length)], 1), -1)
+    seqlen = jnp.where(slot[:, :documents] < count, lengths, -1)
+    return dot_product_attention(q, k, v, q_seqlen=seqlen.astype(jnp.int32), kv_seqlen=seqlen.astype(jnp.int32),
+                                 q_offsets=offsets.astype(jnp.int32), kv_offsets=offsets.astype(jnp.int32),
+                                 scale=q.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL,
+                                 sliding_window_length=window or None)
+
+
 def attention(args, mesh) -> None:
-    import tokamax
+    from tokamax._src.ops.attention.base import Mask
+    from tokamax._src.ops.attention.xla_chunked import XlaChunkedDotProductAttention
 
-    from models.kernels.attention import blockwise_attention  # noqa: F401 - our XLA path
+    from meshtrain.gpu_compile import answered_for
+    from models.kernels.attention import (blockwise_attention, cudnn_attention, dense_attention, first_visible_keys,
+                                         tokamax_attention)
 
-    b, s, h, kv, d = 1, args.seq, 32, 8, 128
+    b, s, h, kv, d = 1, args.seq, args.heads, args.kv_heads, args.head_dim
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
     q, kk, v = spec((b, s, h, d), jnp.bfloat16), spec((b, s, kv, d), jnp.bfloat16), spec((b, s, kv, d), jnp.bfloat16)
     seg = spec((b, s), jnp.int32)
 
-    def tok(impl):
-        def run(q, k, v, seg):
-            return tokamax.dot_product_attention(q, k, v, is_causal=True, q_segment_ids=seg, kv_segment_ids=seg,
-                                                 implementation=impl)
-        return run
+    def triton(q, k, v, seg, window):
+        from tokamax._src.ops.attention.pallas_triton import PallasTritonFlashAttention
 
-    kernels = {f"tokamax.{impl}": tok(impl) for impl in ("mosaic_gpu", "triton", "xla_chunked")}
-    kernels["blockwise"] = args.blockwise
+        return tokamax_attention(q, k, v, seg, window, PallasTritonFlashAttention())
+
+    def chunked(q, k, v, seg, window):
+        """Through tokamax's own ``custom_vjp`` (its XLA op takes no ``return_residuals``): autodiff's backward."""
+        mask = Mask(k_start=first_visible_keys(seg, window, q.shape[1]), is_causal=True)
+        return XlaChunkedDotProductAttention(chunk_size=(512, 1024))(q, k, v, mask=mask)
+
+    kernels = {
+        "tokamax.mosaic_gpu": lambda q, k, v, seg, window: tokamax_attention(q, k, v, seg, window),
+        "tokamax.triton": triton,
+        "tokamax.xla_chunked": chunked,
+        "cudnn.packed": lambda q, k, v, seg, window: cudnn_packed(q, k, v, seg, window, args.documents),
+        "cudnn.unpacked": lambda q, k, v, seg, window: cudnn_attention(q, k, v, window),
+        "blockwise": lambda q, k, v, seg, window: blockwise_attention(q, k, v, seg, seg, window=window, block=512),
+        "xla.dense": dense_attention,
+    }
     for label, fn in kernels.items():
-        if fn is None or (args.only and label not in args.only):
+        if args.only and label not in args.only:
             continue
-        for backward in (False, True):
-            run = (lambda f: lambda q, k, v, seg: jax.grad(
-                lambda q, k, v: jnp.sum(f(q, k, v, seg).astype(jnp.float32) ** 2), argnums=(0, 1, 2))(q, k, v)
-                   )(fn) if backward else fn
-            try:
-                record = figures(label, run, q, kk, v, seg, backward=backward)
-            except Exception as err:  # noqa: BLE001
-                record = dict(kernel=label, backward=backward, error=" ".join(str(err).split())[:400])
-            print(json.dumps(record), flush=True)
+        for window in (0, args.window):
+            for backward in (False, True):
+                attend = functools.partial(lambda f, window, q, k, v, seg: f(q, k, v, seg, window), fn, window)
+                run = (lambda f: lambda q, k, v, seg: jax.grad(
+                    lambda q, k, v: jnp.sum(f(q, k, v, seg).astype(jnp.float32) ** 2), argnums=(0, 1, 2))(q, k, v)
+                       )(attend) if backward else attend
+                try:
+                    with answered_for(mesh.devices.flat):
+                        record = figures(label, run, q, kk, v, seg, backward=backward)
+                except Exception as err:  # noqa: BLE001 - reported, the next kernel goes on
+                    record = dict(kernel=label, backward=backward, error=" ".join(str(err).split())[:400])
+                record["window"] = window
+                print(json.dumps(record), flush=True)
 
 
 def main() -> None:
@@ -132,9 +176,13 @@ def main() -> None:
     parser.add_argument("--embed", type=int, default=2048)
     parser.add_argument("--mlp", type=int, default=768)
     parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--window", type=int, default=4096)
+    parser.add_argument("--documents", type=int, default=16, help="cuDNN's packed layout: documents per row, at most")
     parser.add_argument("--only", nargs="*", default=[])
     args = parser.parse_args()
-    args.blockwise = None
     import tokamax
 
     devices = topology(Target.H100, 1, 1)

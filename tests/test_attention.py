@@ -149,7 +149,7 @@ def test_causal_work_is_half_the_dense_product_and_a_window_is_proportional(back
 
 def test_auto_resolves_per_backend_and_refuses_cudnn_where_it_cannot_run():
     assert AttentionKernel.AUTO.resolve("gpu", packed=False) is AttentionKernel.CUDNN
-    assert AttentionKernel.AUTO.resolve("gpu", packed=True) is AttentionKernel.BLOCKWISE
+    assert AttentionKernel.AUTO.resolve("gpu", packed=True, tokamax_refused=NO_TOKAMAX) is AttentionKernel.BLOCKWISE
     assert AttentionKernel.AUTO.resolve("cpu", packed=False) is AttentionKernel.BLOCKWISE
     with pytest.raises(ValueError, match="cudnn needs an NVIDIA GPU"):
         AttentionKernel.CUDNN.resolve("cpu", packed=False)
@@ -159,6 +159,32 @@ def test_auto_resolves_per_backend_and_refuses_cudnn_where_it_cannot_run():
     assert AttentionKernel.AUTO.resolve("gpu", False, "inside pipeline stages") is AttentionKernel.BLOCKWISE
     with pytest.raises(ValueError, match="cudnn cannot run inside pipeline stages; use auto or blockwise"):
         AttentionKernel.CUDNN.resolve("gpu", False, "inside pipeline stages")
+
+
+NO_TOKAMAX = "here: tokamax is not installed"
+
+
+@pytest.mark.parametrize(("platform", "packed", "tokamax_refused", "expected"), [
+    ("gpu", True, "", AttentionKernel.TOKAMAX),
+    ("gpu", True, NO_TOKAMAX, AttentionKernel.BLOCKWISE),
+    ("gpu", True, "on float32 inputs (it takes fp16 and bf16)", AttentionKernel.BLOCKWISE),
+    ("gpu", False, "", AttentionKernel.CUDNN),
+    ("cpu", True, "", AttentionKernel.BLOCKWISE),
+    ("tpu", True, "", AttentionKernel.BLOCKWISE)])
+def test_auto_runs_tokamax_for_packed_rows_on_gpus_where_it_can(platform, packed, tokamax_refused, expected):
+    """tokamax's availability is the framework's answer (``tokamax_refused``: '' where it can run)."""
+    assert AttentionKernel.AUTO.resolve(platform, packed, tokamax_refused=tokamax_refused) is expected
+
+
+@pytest.mark.parametrize(("platform", "refused", "message"), [
+    ("cpu", "", "tokamax needs an NVIDIA GPU, these devices are cpu; valid here: auto, blockwise, xla"),
+    ("gpu", NO_TOKAMAX, f"tokamax cannot run {NO_TOKAMAX}; use auto or blockwise"),
+    ("gpu", "inside pipeline stages", "tokamax cannot run inside pipeline stages; use auto or blockwise")])
+def test_tokamax_where_it_cannot_run_is_a_one_line_error(platform, refused, message):
+    with pytest.raises(ValueError) as error:
+        AttentionKernel.TOKAMAX.resolve(platform, True, tokamax_refused=refused)
+    assert str(error.value) == message
+    assert AttentionKernel.TOKAMAX.resolve("gpu", True) is AttentionKernel.TOKAMAX
 
 
 def test_the_mesh_says_where_cudnn_cannot_run():
@@ -176,6 +202,9 @@ def test_the_mesh_says_where_cudnn_cannot_run():
         "queries split along the sequence (context parallelism)")
     assert activation_sharding(Preset.FSDP_TP.rules, mesh(1, 2, 1, 2)).cudnn_refused(jnp.bfloat16) == (
         "inside pipeline stages")
+    # tokamax's kernel runs in a shard_map over the rows and heads: the same layouts refuse it.
+    assert activation_sharding(Preset.FSDP_CP.rules, mesh(1, 2, 1, 1)).tokamax_refused(jnp.bfloat16) == (
+        "queries split along the sequence (context parallelism)")
 
 
 def test_the_start_up_line_names_the_kernel_and_refuses_what_cannot_run():
@@ -194,6 +223,10 @@ def test_the_start_up_line_names_the_kernel_and_refuses_what_cannot_run():
     with pytest.raises(ConfigError, match="cudnn needs an NVIDIA GPU") as error:
         one.describe_attention(AttentionSpec(AttentionKernel.CUDNN), packed=False, dtype=jnp.bfloat16)
     assert error.value.field == "model.attention"
+    with pytest.raises(ConfigError) as error:
+        one.describe_attention(AttentionSpec(AttentionKernel.TOKAMAX), packed=True, dtype=jnp.bfloat16)
+    assert str(error.value) == ("model.attention: tokamax needs an NVIDIA GPU, these devices are cpu; valid here: "
+                                "auto, blockwise, xla")
     ring = activation_sharding(Preset.FSDP_CP_RING.rules, make_mesh(MeshConfig(1, 2, 1, 1), jax.devices()[:2]))
     assert ring.describe_attention(AttentionSpec(), packed=False, dtype=jnp.bfloat16) == (
         "attention: ring over fsdp (2 steps, blockwise sub-blocks of at most 512 positions)")

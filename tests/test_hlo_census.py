@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain.measure.hlo import Instruction, Module, cudnn_attention_flops, visible_fraction
+from meshtrain.measure.hlo import Instruction, Module, cudnn_attention_flops, pallas_calls, visible_fraction
 from meshtrain.xla_flags import cuda_plugin_installed
 
 
@@ -71,6 +71,24 @@ def test_cudnn_attention_flops_from_its_shapes():
     assert cudnn_attention_flops(Instruction.parse("  " + forward)) == pytest.approx(2 * 256 * pairs)
     backward = forward.replace('fmhaSoftmax"', 'fmhaSoftmaxBackward"')
     assert cudnn_attention_flops(Instruction.parse("  " + backward)) == pytest.approx(2 * 640 * pairs)
+
+
+def test_flash_attention_kernels_flops_from_their_shapes():
+    """tokamax's Mosaic-GPU calls as XLA:GPU prints them (one row, 32 query heads of 128 over 8 key
+    heads, 8,192 positions), counted over the causal pairs: the forward 2 x (128 + 128) x pairs; the
+    dQ kernel (given the output's cotangent, one result) 2 x (2 x 128 + 128); the dK, dV kernel (two
+    results) 2 x (2 x 128 + 2 x 128). A grouped GEMM's call stays a grouped GEMM."""
+    q, kv, rows = "bf16[8192,32,128]{2,1,0}", "bf16[8192,8,128]{2,1,0}", "f32[32,8192]{1,0}"
+    call = lambda result, operands: (f'  %call = {result} custom-call(%a), custom_call_target="mosaic_gpu_v2", '
+                                     f'operand_layout_constraints={{{", ".join(operands)}}}')
+    hlo = "\n".join([
+        call(f"({q}, {rows}, {rows})", [q, kv, kv, "s32[1,8192]{1,0}", "s32[1,64]{1,0}"]),
+        call(q, [q, kv, kv, q, rows, rows, rows, "s32[1,8192]{1,0}"]),
+        call(f"({kv}, {kv})", [q, kv, kv, q, rows, rows, rows, "s32[1,8192]{1,0}"]),
+        call("bf16[4096,768]{1,0}", ["bf16[4096,2048]{1,0}", "bf16[128,2048,768]{2,1,0}", "s32[128]{0}"])])
+    pairs = 32 * 8192 * 8193 / 2
+    assert [flops for _, flops in pallas_calls(hlo)] == pytest.approx(
+        [2 * 256 * pairs, 2 * 384 * pairs, 2 * 512 * pairs, 2 * 4096 * 2048 * 768])
 
 
 @pytest.mark.skipif(cuda_plugin_installed(), reason="this venv has the CUDA plugin: tests_gpu covers the tool")

@@ -214,9 +214,24 @@ def test_remat_policies_none_keeps_more_and_recomputes_less_than_dots():
     assert dots.fp8_gemms == none.fp8_gemms == 0 and dots.fits and none.fits
 
 
-def test_packed_documents_run_blockwise_and_a_window_runs_cudnn():
-    packed = compiled(*LLAMA_8B, "model.num_layers=2", "data.packing=documents")
+def test_packed_documents_run_tokamax_and_a_window_runs_cudnn():
+    """Packed documents with a sliding window: tokamax's Mosaic-GPU flash attention on each device's
+    rows (docs/kernels.md), per layer a forward kernel, its recompute by full remat and the two
+    backward kernels (dQ; dK and dV), their FLOPs by shapes those of the causal pairs; no
+    [queries, keys] array anywhere. Unpacked rows with the window: cuDNN."""
+    packed = compiled(*LLAMA_8B, "model.num_layers=2", "data.packing=documents", "model.sliding_window=4096")
     assert_no_cudnn_attention(packed)
+    assert "attention: tokamax, sliding window 4096 (document segments)" in packed.report.kernels
+    cfg = load_config(LLAMA_8B[0], [*LLAMA_8B[1:], "model.num_layers=2"])
+    model, rows = cfg.model, cfg.train.batch_size // 8
+    calls = pallas_calls(packed.hlo)
+    assert {target for target, _ in calls} == {"mosaic_gpu_v2"} and len(calls) == model.num_layers * 4, calls
+    pairs = rows * model.num_heads * model.seq_len * (model.seq_len + 1) / 2
+    forward, d_queries, d_keys_values = (2 * pairs * model.head_dim * n for n in (2, 3, 4))
+    assert sum(flops for _, flops in calls) == pytest.approx(
+        model.num_layers * (2 * forward + d_queries + d_keys_values), rel=1e-9)
+    assert not [dims for dims in re.findall(r"\[([\d,]+)\]", packed.hlo)
+                if dims.split(",").count(str(model.seq_len)) >= 2]
     window = compiled(*LLAMA_8B, "model.num_layers=2", "model.sliding_window=4096")
     assert_cudnn_attention(window)
     assert '"sliding_window_length": 4096' in window.hlo.replace('":', '": ').replace(":  ", ": ")

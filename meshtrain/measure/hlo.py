@@ -339,7 +339,8 @@ def _grouped_flops(result: tuple[int, ...], operands: list[tuple[int, ...]]) -> 
 
 
 def pallas_calls(hlo: str) -> list[tuple[str, float]]:
-    """(target, FLOPs from shapes) of every Pallas custom call in ``hlo``, once per appearance."""
+    """(target, FLOPs from shapes) of every Pallas custom call in ``hlo``, once per appearance: a
+    flash attention's (``_attention_flops``) or a grouped GEMM's (``_grouped_flops``)."""
     found, shapes = [], {}
     for line in hlo.splitlines():
         named = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\([^=]*?\)|\S+) ", line)
@@ -353,8 +354,36 @@ def pallas_calls(hlo: str) -> list[tuple[str, float]]:
         names = re.findall(r"%([\w.\-]+)", line.split(" custom-call(", 1)[1].split(")")[0])
         operands = ([dims for _, dims in _arrays(layouts.group(1))] if layouts else
                     [dims for name in names for dims in shapes.get(name, [])])
-        found.append((target.group(1), _grouped_flops(result[0][1], operands) if len(result) == 1 else 0.0))
+        flops = _attention_flops([dims for _, dims in result], operands)
+        if flops is None:
+            flops = _grouped_flops(result[0][1], operands) if len(result) == 1 else 0.0
+        found.append((target.group(1), flops))
     return found
+
+
+def _attention_flops(result: list[tuple[int, ...]], operands: list[tuple[int, ...]]) -> float | None:
+    """A flash-attention call's matmul FLOPs from its shapes, None where its first operands are not
+    q [..., T, H, D], k [..., S, h, D], v [..., S, h, d] (H a multiple of h). Counted over the causal
+    pairs (every call ``models.kernels.attention.tokamax_attention`` makes; the kernels skip the key
+    blocks past the diagonal, those before a query's first visible key only at run time: an upper
+    bound with documents or a window). A call given an array shaped like the output ([..., T, H,
+    d]: the output or its cotangent) is a backward one, counted by the gradients it returns: dQ
+    alone (one result) recomputes Q K^T and dP and computes dQ (two products of the query width, one
+    of the value width); dK and dV (two results) recompute Q K^T and dP and compute dK and dV (two
+    of each); all three (Pallas Triton's one kernel) both. Else a forward: Q K^T and P V."""
+    if len(operands) < 3:
+        return None
+    q, k, v = operands[:3]
+    if not (len(q) >= 3 and len(k) == len(v) == len(q) and q[-1] == k[-1] and k[:-1] == v[:-1]
+            and q[:-3] == k[:-3] and q[-2] % k[-2] == 0):
+        return None
+    *batch, queries, heads, q_width = q
+    keys, v_width = k[-3], v[-1]
+    pairs = math.prod(batch) * heads * queries * keys * visible_fraction(queries, keys, True, 0)
+    if (*q[:-1], v_width) not in operands[3:]:
+        return 2.0 * pairs * (q_width + v_width)
+    d_queries, d_keys_values = 2 * q_width + v_width, 2 * q_width + 2 * v_width
+    return 2.0 * pairs * {1: d_queries, 2: d_keys_values}.get(len(result), d_queries + d_keys_values)
 
 
 def kernels_launched(module: Module, name: str | None = None) -> float:

@@ -19,7 +19,8 @@ from meshtrain.parallel import experts
 from meshtrain.parallel.ring_attention import ring_attention, ring_attention_in_stage
 from meshtrain.parallel.rules import ShardingRules, drop_axes, mesh_axes_of
 from models.common import ActivationSharding, ExpertCompute, LogicalAxes
-from models.kernels.attention import AttentionKernel, AttentionSpec, attend, blockwise_attention, cudnn_refusal
+from models.kernels.attention import (AttentionKernel, AttentionSpec, attend, blockwise_attention, cudnn_refusal,
+                                     tokamax_refusal)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -55,10 +56,12 @@ class MeshActivationSharding:
         # Context parallelism with the keys gathered: the mesh axes splitting the queries.
         self.query_axes = () if self.ring else tuple(
             a for a in mesh_axes_of(rules.activation_spec(("length",))[0]) if mesh.shape[a] > 1)
-        # Where jax's cuDNN attention cannot be partitioned (jax 0.11.2): its partitioner refuses queries
-        # split along the sequence ("Sharding on sequence dim is not allowed") and fails inside a
-        # shard_map over ``stage`` (it is handed a GSPMDSharding, which has no ``spec``).
-        self.layout_refuses_cudnn = ("queries split along the sequence (context parallelism)" if self.query_axes
+        # Where the fused kernels cannot be partitioned (jax 0.11.2). jax's cuDNN partitioner refuses
+        # queries split along the sequence ("Sharding on sequence dim is not allowed") and fails inside a
+        # shard_map over ``stage`` (it is handed a GSPMDSharding, which has no ``spec``); tokamax's kernel
+        # runs in a shard_map over the rows and heads (``_attend_tokamax``), which cannot nest in a
+        # stage's, and needs every key of its queries' rows.
+        self.layout_refuses_fused = ("queries split along the sequence (context parallelism)" if self.query_axes
                                      else "inside pipeline stages" if mesh.shape.get("stage", 1) > 1 else "")
 
     @property
@@ -102,8 +105,13 @@ class MeshActivationSharding:
 
     def cudnn_refused(self, dtype) -> str:
         """Why cuDNN's fused attention cannot run here on inputs of ``dtype`` ('' where it can): the
-        layout (``layout_refuses_cudnn``), or fp32 inputs (it takes fp16 and bf16)."""
-        return self.layout_refuses_cudnn or cudnn_refusal(dtype)
+        layout (``layout_refuses_fused``), or fp32 inputs (it takes fp16 and bf16)."""
+        return self.layout_refuses_fused or cudnn_refusal(dtype)
+
+    def tokamax_refused(self, dtype) -> str:
+        """Why tokamax's flash attention cannot run here on inputs of ``dtype`` ('' where it can): the
+        layout (``layout_refuses_fused``), a missing tokamax, or inputs other than fp16 and bf16."""
+        return self.layout_refuses_fused or tokamax_refusal(dtype)
 
     def describe_attention(self, spec: AttentionSpec, packed: bool, dtype) -> str:
         """One line: which kernel runs ``spec``'s attention on this mesh for rows packed from
@@ -120,11 +128,13 @@ class MeshActivationSharding:
             return (f"attention: ring over {self.ring} ({self.mesh.shape[self.ring]} steps, blockwise sub-blocks of "
                     f"at most {self.rules.ring_block or 'all'} positions{window}){in_stages}")
         try:
-            kernel = spec.kernel.resolve(self.platform, packed, self.cudnn_refused(dtype))
+            kernel = spec.kernel.resolve(self.platform, packed, self.cudnn_refused(dtype), self.tokamax_refused(dtype))
         except ValueError as error:
             raise ConfigError("model.attention", str(error)) from None
         blocks = f", blocks of {spec.block} positions" if kernel is AttentionKernel.BLOCKWISE else ""
-        return f"attention: {kernel.value}{blocks}{window}" + (" (document segments)" if packed else "")
+        why = (f" (tokamax cannot run {self.tokamax_refused(dtype)})" if spec.kernel is AttentionKernel.AUTO
+               and kernel is AttentionKernel.BLOCKWISE and packed and self.platform == "gpu" else "")
+        return f"attention: {kernel.value}{blocks}{window}" + (" (document segments)" if packed else "") + why
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                segments: jax.Array | None, spec: AttentionSpec) -> jax.Array:
@@ -132,9 +142,12 @@ class MeshActivationSharding:
         # (docs/long_context.md): there XLA partitions the kernel over the queries' split as it can.
         in_stage = not jax.sharding.get_abstract_mesh().empty
         if self.ring is None:
-            spec = spec.resolved(self.platform, packed=segments is not None, cudnn_refused=self.cudnn_refused(q.dtype))
+            spec = spec.resolved(self.platform, packed=segments is not None, cudnn_refused=self.cudnn_refused(q.dtype),
+                                 tokamax_refused=self.tokamax_refused(q.dtype))
             if self.query_axes and not in_stage and spec.kernel is AttentionKernel.BLOCKWISE:
                 return self._attend_local_queries(q, k, v, segments, spec)
+            if spec.kernel is AttentionKernel.TOKAMAX:
+                return self._attend_tokamax(q, k, v, segments, spec)
             return attend(q, k, v, segments, spec)
         if in_stage:
             return ring_attention_in_stage(q, k, v, positions, segments, axis=self.ring,
@@ -142,6 +155,27 @@ class MeshActivationSharding:
                                            window=spec.window)
         return ring_attention(q, k, v, positions, segments, mesh=self.mesh, axis=self.ring,
                               block=self.rules.ring_block, window=spec.window)
+
+    def _attend_tokamax(self, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
+                        spec: AttentionSpec) -> jax.Array:
+        """tokamax's kernel on each device's rows and heads: a ``shard_map`` manual over the mesh axes
+        splitting ``batch`` and, where they split ``kv_heads`` alike and both head counts divide, ``heads``
+        (XLA runs a custom call unpartitioned, on gathered inputs). Traced with the mesh's first device
+        as JAX's default device, whose GPU generation tokamax builds its kernel for. Mosaic-GPU calls
+        take no operands typed as varying over manual axes, so the ``shard_map`` does not check those
+        types; every operand varies over every manual axis, so no gradient needs a sum over one."""
+        batch = mesh_axes_of(self.rules.activation_spec(("batch",))[0])
+        heads = mesh_axes_of(self.rules.activation_spec(("heads",))[0])
+        ways = math.prod(self.mesh.shape[a] for a in heads)
+        alike = heads == mesh_axes_of(self.rules.activation_spec(("kv_heads",))[0])
+        if not alike or q.shape[2] % ways or k.shape[2] % ways:
+            heads = ()
+        per_head = PartitionSpec(batch or None, None, heads or None, None)
+        rows = None if segments is None else PartitionSpec(batch or None, None)
+        kernel = lambda q, k, v, segments: attend(q, k, v, segments, spec)
+        with jax.default_device(self.mesh.devices.flat[0]):
+            return jax.shard_map(kernel, mesh=self.mesh, in_specs=(per_head, per_head, per_head, rows),
+                                 out_specs=per_head, axis_names=set(batch + heads), check_vma=False)(q, k, v, segments)
 
     def _attend_local_queries(self, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
                               spec: AttentionSpec) -> jax.Array:

@@ -16,9 +16,14 @@ included, as Mistral's ``sliding_window``). ``AttentionSpec`` says which kernel 
   heads attend their shared key/value head without repeating it. The backward (a ``custom_vjp``)
   keeps only the output and the log-sum-exp of each query and recomputes each pair's scores, so
   memory grows linearly with the sequence in both directions.
-* ``AUTO``: ``CUDNN`` on GPUs for unpacked rows where cuDNN's partitioner takes the sharding (the
-  framework says where it does not: queries split along the sequence, pipeline stages), else
-  ``BLOCKWISE`` (``AttentionKernel.resolve``).
+* ``TOKAMAX``: tokamax's Pallas Mosaic-GPU flash attention (NVIDIA sm90 / sm100 kernels; docs/kernels.md
+  for the comparison that chose it), causal, with documents and the window as each query's first
+  visible key (``k_start``): a document is a run of equal segment ids, as the packer makes them
+  (``tokamax_attention``). bf16 / fp16 inputs; needs tokamax (jax >= 0.11: the gpu-compile extra).
+* ``AUTO``: on GPUs, ``CUDNN`` for unpacked rows and ``TOKAMAX`` for packed ones, each where it takes
+  the inputs' dtype and sharding (the framework says where it does not: queries split along the
+  sequence, pipeline stages) and, for tokamax, where it is installed; else ``BLOCKWISE``
+  (``AttentionKernel.resolve``).
 
 The pair updates (``attend_pairs``, ``attend_pairs_backward``) are also the per-step body of ring
 attention (``meshtrain.parallel.ring_attention``), which runs them over a key block held by another
@@ -26,17 +31,20 @@ device: one implementation of the maths.
 
 Shapes: q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim] (heads a
 multiple of kv_heads); inside the kernel queries are grouped [batch, kv_heads, groups, ...]. Values
-may be narrower than queries and keys (multi-head latent attention's ``v_head_dim``): the blockwise
-and ring kernels take them as they are; the dense and cuDNN kernels (``jax.nn.dot_product_attention``
+may be narrower than queries and keys (multi-head latent attention's ``v_head_dim``): the blockwise,
+ring and tokamax kernels take them as they are; the dense and cuDNN kernels (``jax.nn.dot_product_attention``
 takes one width) zero-pad them to the query width and drop the padding from the output.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
+import importlib.util
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,31 +59,39 @@ PAST_EVERY_QUERY = 1 << 30
 class AttentionKernel(str, enum.Enum):
     """``model.attention``: which kernel computes training attention (module docstring).
 
-    AUTO: cuDNN on GPUs where rows are not packed and its partitioner takes the sharding, else blockwise.
-    BLOCKWISE: flash attention in XLA, any backend, any mask. CUDNN: cuDNN's fused kernel (an error
-    where it cannot run). XLA: the dense einsum-softmax-einsum (quadratic memory; the reference).
+    AUTO: on GPUs cuDNN for unpacked rows, tokamax for packed ones, where each can run; else blockwise.
+    BLOCKWISE: flash attention in XLA, any backend, any mask. CUDNN: cuDNN's fused kernel. TOKAMAX:
+    tokamax's Mosaic-GPU flash attention (CUDNN and TOKAMAX: an error where they cannot run). XLA:
+    the dense einsum-softmax-einsum (quadratic memory; the reference).
     """
 
     AUTO = "auto"
     BLOCKWISE = "blockwise"
     CUDNN = "cudnn"
+    TOKAMAX = "tokamax"
     XLA = "xla"
 
-    def resolve(self, platform: str, packed: bool, cudnn_refused: str = "") -> AttentionKernel:
+    def resolve(self, platform: str, packed: bool, cudnn_refused: str = "", tokamax_refused: str = ""
+                ) -> AttentionKernel:
         """The kernel that runs on ``platform`` ("cpu", "gpu", "tpu") for rows packed from
-        documents (``packed``) or not, where ``cudnn_refused`` says why cuDNN's partitioner cannot
-        take the inputs' sharding ('' where it can). ``ValueError`` (one line) for cuDNN where it
+        documents (``packed``) or not, where ``cudnn_refused`` and ``tokamax_refused`` say why
+        cuDNN's or tokamax's kernel cannot take the inputs here (their sharding, their dtype, a
+        missing tokamax; '' where it can). ``ValueError`` (one line) for a fused kernel where it
         cannot run."""
         if self is AttentionKernel.AUTO:
-            cudnn = platform == "gpu" and not packed and not cudnn_refused
-            return AttentionKernel.CUDNN if cudnn else AttentionKernel.BLOCKWISE
-        if self is AttentionKernel.CUDNN and platform != "gpu":
-            raise ValueError(f"cudnn needs an NVIDIA GPU, these devices are {platform}; valid here: auto, "
+            if platform == "gpu" and not packed and not cudnn_refused:
+                return AttentionKernel.CUDNN
+            return AttentionKernel.TOKAMAX if platform == "gpu" and packed and not tokamax_refused \
+                else AttentionKernel.BLOCKWISE
+        if self in (AttentionKernel.CUDNN, AttentionKernel.TOKAMAX) and platform != "gpu":
+            raise ValueError(f"{self.value} needs an NVIDIA GPU, these devices are {platform}; valid here: auto, "
                              "blockwise, xla")
         if self is AttentionKernel.CUDNN and packed:
             raise ValueError("cudnn takes no document segments (data.packing: documents); use auto or blockwise")
         if self is AttentionKernel.CUDNN and cudnn_refused:
             raise ValueError(f"cudnn cannot run {cudnn_refused}; use auto or blockwise")
+        if self is AttentionKernel.TOKAMAX and tokamax_refused:
+            raise ValueError(f"tokamax cannot run {tokamax_refused}; use auto or blockwise")
         return self
 
 
@@ -83,6 +99,23 @@ def cudnn_refusal(dtype) -> str:
     """Why cuDNN's fused attention refuses inputs of ``dtype`` ('' where it takes them: fp16, bf16;
     jax raises "Q must be fp16/bf16/fp8_e4m3fn/fp8_e5m2" at trace time otherwise)."""
     return "on fp32 inputs (it takes fp16 and bf16)" if np.dtype(dtype) == np.float32 else ""
+
+
+def tokamax_missing() -> str:
+    """Why tokamax's kernels cannot be used here: '' where tokamax is installed."""
+    if importlib.util.find_spec("tokamax") is None:
+        return "tokamax is not installed (pip install tokamax==0.0.17 beside jax >= 0.11: the gpu-compile extra)"
+    return ""
+
+
+def tokamax_refusal(dtype: Any) -> str:
+    """Why tokamax's flash attention cannot run inputs of ``dtype`` here ('' where it can): its
+    Mosaic-GPU forward casts fp32 to bf16 and its backward refuses fp32."""
+    if missing := tokamax_missing():
+        return f"here: {missing}"
+    if np.dtype(dtype) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+        return f"on {np.dtype(dtype).name} inputs (it takes fp16 and bf16)"
+    return ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,9 +128,10 @@ class AttentionSpec:
     window: int = 0
     block: int = 512
 
-    def resolved(self, platform: str, packed: bool, cudnn_refused: str = "") -> AttentionSpec:
+    def resolved(self, platform: str, packed: bool, cudnn_refused: str = "", tokamax_refused: str = ""
+                 ) -> AttentionSpec:
         """This spec with the kernel that runs on ``platform`` (``AttentionKernel.resolve``)."""
-        return dataclasses.replace(self, kernel=self.kernel.resolve(platform, packed, cudnn_refused))
+        return dataclasses.replace(self, kernel=self.kernel.resolve(platform, packed, cudnn_refused, tokamax_refused))
 
 
 # ----- the visibility of keys to queries -----
@@ -465,6 +499,91 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int) -> ja
                                         local_window_size=(window - 1, 0) if window else None)
 
 
+def first_visible_keys(segments: jax.Array | None, window: int, length: int) -> jax.Array | None:
+    """int [batch or 1, 1, length]: the first key each query sees, ``k_start`` of tokamax's mask
+    (which is causal besides): the start of the query's document (a run of equal ``segments``, int
+    [batch, length]) and, with a window, no earlier than W - 1 positions back. None: from 0."""
+    index = jnp.arange(length, dtype=jnp.int32)[None]
+    first = None if not window else index - (window - 1)
+    if segments is not None:
+        boundary = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], 1)
+        starts = jax.lax.cummax(jnp.where(boundary, index, 0), axis=1)
+        first = starts if first is None else jnp.maximum(starts, first)
+    return None if first is None else first[:, None, :]
+
+
+def tokamax_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, window: int,
+                      operation: Any = None) -> jax.Array:
+    """tokamax's Mosaic-GPU flash attention (``operation`` None; or another tokamax attention op, e.g.
+    its XLA reference ``base.DotProductAttention()``) of q [batch, length, heads, head_dim], k [batch,
+    length, kv_heads, head_dim], v [batch, length, kv_heads, value_dim] -> [batch, length, heads,
+    value_dim] in q's dtype: causal, each query from its ``first_visible_keys`` on. Backward: the op's
+    own VJP kernels (the output and log-sum-exp kept, the scores recomputed).
+
+    The kernels are built for the GPU generation of JAX's default device when this is traced (the
+    backward's too), their hardware checks skipped: the kernel was chosen from the mesh's devices,
+    which a CPU host may only compile for. The op's kernels are called below its own ``custom_vjp``
+    (whose remat optimisation would trace them later, outside that device's context), under ours.
+    Under a mesh it runs on each device's rows and heads (the framework's ``shard_map``: XLA does
+    not partition a kernel's custom call)."""
+    if operation is None:
+        from tokamax._src.ops.attention.pallas_mosaic_gpu import PallasMosaicGpuFlashAttention
+
+        operation = PallasMosaicGpuFlashAttention()
+    return _tokamax(operation, jax.config.jax_default_device, window, q, k, v, segments)
+
+
+def _tokamax_target(device) -> contextlib.ExitStack:
+    """tokamax told to build its kernels for ``device``'s GPU, its hardware checks skipped."""
+    import tokamax
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(tokamax.config.cross_compile(True))
+    stack.enter_context(jax.default_device(device))
+    return stack
+
+
+def _tokamax_bound(operation, q, k, v, segments, window: int, **kwargs):
+    """``operation``'s arguments as its ``bind`` makes them: the causal mask from each query's
+    ``first_visible_keys``, tokamax's defaults for the rest, ``kwargs`` (``return_residuals``)."""
+    from tokamax._src.ops.attention.base import Mask
+
+    mask = Mask(k_start=first_visible_keys(segments, window, q.shape[1]), is_causal=True)
+    return operation.bind(q, k, v, mask=mask, **kwargs)
+
+
+def _tokamax_run(operation, bound):
+    """``operation``'s own computation (its kernels, below its ``custom_vjp``) of ``bound`` arguments."""
+    return operation._fwd(*bound.args, config=bound.default_config, **bound.kwargs)  # noqa: SLF001
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _tokamax(operation, device, window, q, k, v, segments):
+    with _tokamax_target(device):
+        return _tokamax_run(operation, _tokamax_bound(operation, q, k, v, segments, window))[0]
+
+
+def _tokamax_forward(operation, device, window, q, k, v, segments):
+    with _tokamax_target(device):
+        bound = _tokamax_bound(operation, q, k, v, segments, window, return_residuals=True)
+        out, softmax = _tokamax_run(operation, bound)
+    return out, (q, k, v, segments, out, softmax)
+
+
+def _tokamax_backward(operation, device, window, residuals, d_out):
+    from tokamax._src.ops.attention.base import DotProductAttentionVjp
+
+    q, k, v, segments, out, softmax = residuals
+    backward = operation.vjp or DotProductAttentionVjp()  # tokamax's XLA reference has none: autodiff's
+    with _tokamax_target(device):
+        forward = {**_tokamax_bound(operation, q, k, v, segments, window).kwargs, "return_residuals": False}
+        grads = _tokamax_run(backward, backward.bind(softmax, out, d_out, q, k, v, **forward))[0]
+    return grads["q"], grads["k"], grads["v"], None
+
+
+_tokamax.defvjp(_tokamax_forward, _tokamax_backward)
+
+
 def _one_width(kernel: Callable) -> Callable:
     """``kernel`` (of q, k, v, ...) for values narrower than the queries: v zero-padded to q's width,
     the output's padding dropped."""
@@ -491,6 +610,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None,
 _KERNELS: dict[AttentionKernel, Callable] = {
     AttentionKernel.XLA: _one_width(lambda q, k, v, segments, spec: dense_attention(q, k, v, segments, spec.window)),
     AttentionKernel.CUDNN: _one_width(lambda q, k, v, segments, spec: cudnn_attention(q, k, v, spec.window)),
+    AttentionKernel.TOKAMAX: lambda q, k, v, segments, spec: tokamax_attention(q, k, v, segments, spec.window),
     AttentionKernel.BLOCKWISE: lambda q, k, v, segments, spec: blockwise_attention(
         q, k, v, segments, segments, window=spec.window, block=spec.block),
 }

@@ -39,14 +39,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from models.kernels.attention import varying_axes
+from models.kernels.attention import tokamax_missing, varying_axes
 from models.kernels.fp8 import Fp8Weight, observed_cotangents, quantize_gradient, quantize_operands
 
 
@@ -74,8 +73,8 @@ class GroupedKernel(str, enum.Enum):
 
 def tokamax_refusal(dtype: Any = None) -> str:
     """Why tokamax's grouped GEMM cannot run rows of ``dtype`` here ('' where it can)."""
-    if importlib.util.find_spec("tokamax") is None:
-        return "tokamax is not installed (pip install tokamax==0.0.17 beside jax >= 0.11: the gpu-compile extra)"
+    if missing := tokamax_missing():
+        return missing
     if dtype is not None and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"its Mosaic-GPU kernel takes bf16 / fp16 rows, not {jnp.dtype(dtype).name}"
     return ""
