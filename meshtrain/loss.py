@@ -100,6 +100,21 @@ class Objective:
         return chunk_size(vocab, self.loss_chunk, self.vocab_ways)
 
 
+# The most chunks a head may run the vocabulary in (``train.loss_chunk``; ``Layout.problems`` refuses more):
+# each is one trip of the head's loop, with a matmul of ``chunk`` columns. 256 keeps the planner's
+# smallest choice (1,024 entries) within it up to a vocabulary of 262,144, and refuses a chunk of a few
+# entries (a vocabulary with no divisor near the request, or a value meant as positions).
+MAX_LOSS_CHUNKS = 256
+
+
+def smallest_allowed_chunk(size: int, ways: int = 1) -> int:
+    """The fewest entries per chunk (``chunk_size``'s result) that cut ``size`` into at most
+    ``MAX_LOSS_CHUNKS`` chunks, with ``ways`` as ``chunk_size``'s."""
+    ways = ways if size % ways == 0 else 1
+    local = size // ways
+    return ways * min(d for d in _divisors(local) if local // d <= MAX_LOSS_CHUNKS)
+
+
 def chunk_size(size: int, request: int, ways: int = 1) -> int:
     """Entries per chunk of ``size`` (the vocabulary): the largest divisor of ``size`` not above
     ``request`` that is a multiple of ``ways`` (every device then holds an equal share of each chunk;

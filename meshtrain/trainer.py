@@ -227,16 +227,11 @@ class Trainer(ShardedState):
             raise ConfigError("model.grouped_matmul", str(err).removeprefix("model.grouped_matmul=")) from None
 
     @property
-    def vocab_ways(self) -> int:
-        """How many ways the rules split ``vocab`` (tensor parallelism): each of the loss's chunks keeps it."""
-        return self.layout.ways(self.layout.rules.activation_spec(("vocab",)))[0]
-
-    @property
     def loss_description(self) -> str:
         """One line: the chunks of the vocabulary the head and the loss run in (``meshtrain.loss``), and
         who chose them."""
         vocab = self.layout.model.vocab_size
-        chunk = chunk_size(vocab, self.layout.train.loss_chunk, self.vocab_ways)
+        chunk = chunk_size(vocab, self.layout.train.loss_chunk, self.layout.vocab_ways)
         how = ("one pass (its backward recomputes nothing)" if chunk == vocab else
                f"{vocab // chunk} chunks of {chunk} entries (its backward recomputes the logits)")
         who = ("chosen for these devices' memory by the estimate; set train.loss_chunk to fix it"
@@ -289,7 +284,7 @@ class Trainer(ShardedState):
         through the same pipeline schedule's forward. Aux losses are not part of it."""
         compute_dtype = self.layout.train.compute_dtype
         batch = self._ordered(batch)
-        objective = Objective.evaluation(self.layout.train.loss_chunk, self.vocab_ways)
+        objective = Objective.evaluation(self.layout.train.loss_chunk, self.layout.vocab_ways)
         loss = make_loss(self.layout.pipeline, self.mesh, self._model_of, objective,
                          activation_sharding(self.rules, self.mesh), compute_dtype)
 
@@ -316,7 +311,7 @@ class Trainer(ShardedState):
         rows = batch["mask"].shape[0]
 
         objective = Objective.training(target_count, rows, state.loss_scale, self.layout.train.loss_chunk,
-                                       self.vocab_ways)
+                                       self.layout.vocab_ways)
         value_and_grad = make_value_and_grad(self.layout.pipeline, self.mesh, self._model_of, objective,
                                              activation_sharding(self.rules, self.mesh), compute_dtype)
 

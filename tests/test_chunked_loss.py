@@ -24,7 +24,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.measure.flops import count_flops
 from meshtrain.measure.hlo import collective_counts
 from meshtrain.mesh import MeshConfig, make_mesh
-from meshtrain.loss import chunk_size
+from meshtrain.loss import MAX_LOSS_CHUNKS, chunk_size
 from meshtrain.parallel.layout import Layout
 from meshtrain.planner.constants import LOGITS_FP32_COPIES, Compiler
 from meshtrain.planner.estimate import layout_estimate
@@ -67,6 +67,31 @@ def test_chunk_sizes_divide_the_vocabulary_and_keep_its_tensor_split():
         load_config(None, ["train.loss_chunk=-8"])
     assert info.value.field == "train.loss_chunk" and "\n" not in str(info.value)
     assert TrainConfig().loss_chunk is None and load_config(None, ["train.loss_chunk=null"]).train.loss_chunk is None
+
+
+def test_more_than_the_most_chunks_is_refused_in_one_line_and_never_chosen():
+    """A chunk that cuts the vocabulary into more than ``MAX_LOSS_CHUNKS`` (256) chunks: 256 entries
+    of Llama 3's 128,256 (501 chunks: the value meant as positions, its meaning before it counted
+    vocabulary entries), any chunk of a prime vocabulary (chunks of one entry). The planner's
+    candidates of such a vocabulary are one pass alone."""
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1, "stage": 1}
+
+    def problems(vocab, chunk):
+        layout = Layout.of(dataclasses.replace(MODEL, vocab_size=vocab), mesh, Preset.FSDP_TP.rules,
+                           TrainConfig(batch_size=2, loss_chunk=chunk))
+        return [(p.field, p.message) for p in layout.problems()], layout
+
+    assert MAX_LOSS_CHUNKS == 256
+    found, _ = problems(128256, 256)
+    assert found == [("train.loss_chunk", "256 runs the vocabulary of 128,256 entries in 501 chunks of 256 (at most 256; "
+                      "the value counts vocabulary entries per chunk, run as the largest divisor of the vocabulary not "
+                      "above it); use null (chosen for the devices), 0 (one pass) or at least 501")]
+    assert problems(128256, 501)[0] == [] and problems(128256, 500)[0] != []  # 256 chunks of 501; 334 of 384
+    assert problems(128256, 0)[0] == [] and problems(128256, None)[0] == []
+    found, prime = problems(65521, 4096)
+    assert [field for field, _ in found] == ["train.loss_chunk"] and "in 65,521 chunks of 1 " in found[0][1]
+    assert loss_chunks(prime.with_loss_chunk(None)) == [0]
+    load_config(None, ["train.loss_chunk=256"])  # a config alone cannot know the vocabulary: the layout refuses
 
 
 # 4,096 positions of a 32,768-word vocabulary beside layers of embed 256: one pass needs more than the
@@ -149,7 +174,7 @@ def test_pipeline_head_chunks_equal_one_device(unchunked):
 # configs/tiny.yaml's model at 512 positions, batch 4, one device.
 TINY = dataclasses.replace(MODEL, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=192,
                            seq_len=512)
-ROWS, MEMORY_CHUNK = 4, 8
+ROWS, MEMORY_CHUNK = 4, 256
 FP32 = 4
 
 
@@ -157,11 +182,11 @@ FP32 = 4
 def test_temporaries_grow_by_the_vocabulary_gradients_and_a_few_chunks():
     """XLA's temp bytes of the fp32 train step (abstract compile) at vocabularies 512 and 65,536, the
     head in chunks of 256 entries. Unchunked they were 155.1 MB and 1,729.2 MB (three fp32 [2,048
-    tokens, vocab] buffers); chunked 100.7 MB and 217.2 MB (jax 0.10.2, XLA:CPU, 2026-12-07). Asserted:
+    tokens, vocab] buffers); chunked 100.2 MB and 152.2 MB (jax 0.10.2, XLA:CPU, 2026-12-07). Asserted:
     a growth of at most the gradients of the two [vocab, embed] parameters (embedding and head), which
-    cannot go, five head-sized fp32 buffers (the weight and its gradient in chunk-major order, which
-    XLA:CPU copies: 5.0 measured), and the loss phase's LOGITS_FP32_COPIES fp32 [tokens, 256] buffers
-    of one chunk: nothing of [tokens, vocab]."""
+    cannot go, two more head-sized fp32 buffers (the weight's chunk-major slices and their gradients:
+    1.13 measured), and the loss phase's LOGITS_FP32_COPIES fp32 [tokens, 256] buffers of one chunk:
+    nothing of [tokens, vocab]."""
     temps = {}
     for vocab in (512, 65_536):
         trainer = make_trainer((1, 1, 1, 1), dataclasses.replace(TINY, vocab_size=vocab), batch_size=ROWS,
@@ -174,5 +199,5 @@ def test_temporaries_grow_by_the_vocabulary_gradients_and_a_few_chunks():
     print(f"\nvocab 512: {temps[512] / 1e6:.1f} MB; vocab 65,536: {temps[65_536] / 1e6:.1f} MB; growth "
           f"{growth / 1e6:.1f} MB = vocabulary gradients {2 * head / 1e6:.1f} MB + {(growth - 2 * head) / head:.2f} "
           f"head-sized buffers of {head / 1e6:.1f} MB")
-    assert growth <= 2 * head + 5 * head + LOGITS_FP32_COPIES * chunk_buffer, temps
+    assert growth <= 2 * head + 2 * head + LOGITS_FP32_COPIES * chunk_buffer, temps
     assert temps[65_536] < 0.2 * ROWS * TINY.seq_len * 65_536 * FP32 * 3  # far below one pass's three logits

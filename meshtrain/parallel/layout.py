@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from meshtrain.errors import ConfigError, Infeasible
+from meshtrain.loss import MAX_LOSS_CHUNKS, chunk_size, smallest_allowed_chunk
 from meshtrain.mesh import MESH_AXES
 from meshtrain.parallel.offload import OffloadConfig
 from meshtrain.parallel.layer_order import LayerOrder
@@ -102,6 +103,11 @@ class Layout:
         return [math.prod(self.mesh_shape[a] for a in mesh_axes_of(entry)) for entry in spec]
 
     @property
+    def vocab_ways(self) -> int:
+        """How many ways the rules split ``vocab`` (tensor parallelism): each of the head's chunks keeps it."""
+        return self.ways(self.rules.activation_spec(("vocab",)))[0]
+
+    @property
     def batch_axes(self) -> tuple[str, ...]:
         return mesh_axes_of(self.rules.activation_spec(("batch",))[0])
 
@@ -173,7 +179,7 @@ class Layout:
                                     f"{ring_size} (the balanced order cuts it into {2 * ring_size} chunks); use a "
                                     "multiple, or sharding.balance_ring=false",
                                     f"seq {self.model.seq_len} not divisible by 2x{ring}={2 * ring_size}"))
-        found += self._expert_problems(rules)
+        found += self._expert_problems(rules) + self._loss_chunk_problems()
         if self.stages > 1:
             found += self.pipeline.problems(self.stages, self.model.num_layers, self.rows_per_shard,
                                             self.model.seq_len)
@@ -181,6 +187,21 @@ class Layout:
             found += [problem for problem in self.parameter_problems()
                       if problem.reason not in [p.reason for p in found]]
         return found
+
+    def _loss_chunk_problems(self) -> list[Infeasible]:
+        """A ``train.loss_chunk`` that cuts the vocabulary into more than ``MAX_LOSS_CHUNKS`` chunks."""
+        request, vocab = self.train.loss_chunk, self.model.vocab_size
+        if not request:  # null (chosen by the planner) or 0 (one pass)
+            return []
+        chunk = chunk_size(vocab, request, self.vocab_ways)
+        if vocab // chunk <= MAX_LOSS_CHUNKS:
+            return []
+        fewest = smallest_allowed_chunk(vocab, self.vocab_ways)
+        return [Infeasible(
+            "train.loss_chunk", f"{request} runs the vocabulary of {vocab:,} entries in {vocab // chunk:,} chunks of "
+            f"{chunk:,} (at most {MAX_LOSS_CHUNKS}; the value counts vocabulary entries per chunk, run as the largest "
+            f"divisor of the vocabulary not above it); use null (chosen for the devices), 0 (one pass) or at least "
+            f"{fewest}", f"loss_chunk {request}: {vocab // chunk} chunks of {chunk}")]
 
     def parameter_problems(self) -> list[Infeasible]:
         """The parameters whose dimensions the mesh axes of their rules do not divide (one per

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.loss import chunk_size
+from meshtrain.loss import MAX_LOSS_CHUNKS, chunk_size
 from meshtrain.parallel.layout import Layout
 from meshtrain.planner.constants import FP32, Constants
 from meshtrain.planner.layer import LayerShape
@@ -46,20 +46,15 @@ def loss_chunks(layout: Layout, smallest: int = SMALLEST_CHOSEN_CHUNK) -> list[i
     """The ``train.loss_chunk`` values the estimate chooses among (``choose_loss_chunk``), largest first:
     0 (one pass), then halvings of the vocabulary down to ``smallest`` entries (each run as
     ``chunk_size``'s divisor), one value per distinct chunk."""
-    vocab, ways = layout.model.vocab_size, vocab_ways(layout)
+    vocab, ways = layout.model.vocab_size, layout.vocab_ways
     values, chunks, request = [0], {vocab}, vocab // 2
     while request >= smallest:
         chunk = chunk_size(vocab, request, ways)
-        if chunk not in chunks:
+        if chunk not in chunks and vocab // chunk <= MAX_LOSS_CHUNKS:
             values.append(chunk)
             chunks.add(chunk)
         request //= 2
     return values
-
-
-def vocab_ways(layout: Layout) -> int:
-    """How many ways the rules split ``vocab`` (tensor parallelism)."""
-    return layout.ways(layout.rules.activation_spec(("vocab",)))[0]
 
 
 def head_phase(layout: Layout, shape: LayerShape, terms: ParamTerms, compute_bytes: int,
@@ -68,7 +63,7 @@ def head_phase(layout: Layout, shape: LayerShape, terms: ParamTerms, compute_byt
     ``train.loss_chunk`` value) with ``constants``, the compiler's."""
     model = layout.model
     length = head_length(layout)
-    chunk = chunk_size(model.vocab_size, loss_chunk, vocab_ways(layout))
+    chunk = chunk_size(model.vocab_size, loss_chunk, layout.vocab_ways)
     tokens = shape.rows / shape.micro * length / shape.cp
     chunk_local = chunk / shape.tensor
     vocab_bytes = compute_bytes if compute_bytes != FP32 else (FP32 if terms.gathering else 0)
