@@ -173,15 +173,25 @@ def _loss_grads_amaxes(trainer, state):
             {name: np.asarray(value) for name, value in flat(observed).items()})
 
 
-def _one_device_and(mesh_shape, scaling, model=MODEL, **fields):
+@pytest.fixture(scope="module")
+def one_device():
+    """One device's loss, gradients and amaxes per (scaling, model, accumulation steps), each computed once."""
+    runs = {}
+
+    def run(scaling, model, accum):
+        if (scaling, model, accum) not in runs:
+            trainer = _fp8_trainer((1, 1, 1, 1), model, scaling=scaling, grad_accum=accum)
+            runs[scaling, model, accum] = _loss_grads_amaxes(trainer, _with_histories(trainer))
+        return runs[scaling, model, accum]
+    return run
+
+
+def _one_device_and(one_device, mesh_shape, scaling, model=MODEL, **fields):
     """(one device's, ``mesh_shape``'s) loss, gradients and amaxes, with the same microbatches (a
     pipeline's: current scaling takes each microbatch's own amaxes), from histories that clip."""
     accum = fields["pipeline"].microbatches if "pipeline" in fields else 1
-    runs = []
-    for shape, kwargs in (((1, 1, 1, 1), dict(grad_accum=accum)), (mesh_shape, fields)):
-        trainer = _fp8_trainer(shape, model, scaling=scaling, **kwargs)
-        runs.append(_loss_grads_amaxes(trainer, _with_histories(trainer)))
-    return runs
+    trainer = _fp8_trainer(mesh_shape, model, scaling=scaling, **fields)
+    return one_device(scaling, model, accum), _loss_grads_amaxes(trainer, _with_histories(trainer))
 
 
 # Gradients of a layout against one device: the fp32 sums' order differs, and with it the last bits. XLA:CPU
@@ -206,11 +216,11 @@ def _assert_equal_runs(reference, run):
 @pytest.mark.slow
 @pytest.mark.parametrize("scaling", list(Scaling))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_fp8_layouts_equal_one_device(layout, scaling):
+def test_fp8_layouts_equal_one_device(one_device, layout, scaling):
     """ZeRO-3, data parallelism and a 2-stage pipeline: loss, every gradient and every amax at rel
     1e-5 of one device."""
     fields = dict(LAYOUTS[layout])
-    _assert_equal_runs(*_one_device_and(fields.pop("mesh_shape"), scaling, **fields))
+    _assert_equal_runs(*_one_device_and(one_device, fields.pop("mesh_shape"), scaling, **fields))
 
 
 # The schedules with most machinery: ZB-H1's split backward, interleaved 1F1B's layer order (the
@@ -221,21 +231,21 @@ SCHEDULES = {"zb_h1-2stages": (PipelineConfig(2, Schedule.ZB_H1), 2),
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_fp8_pipeline_schedules_equal_one_device(schedule):
+def test_fp8_pipeline_schedules_equal_one_device(one_device, schedule):
     pipeline, layers = SCHEDULES[schedule]
     model = dataclasses.replace(MODEL, num_layers=layers)
-    _assert_equal_runs(*_one_device_and((1, 1, 1, 2), Scaling.DELAYED, model, pipeline=pipeline))
+    _assert_equal_runs(*_one_device_and(one_device, (1, 1, 1, 2), Scaling.DELAYED, model, pipeline=pipeline))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scaling", list(Scaling))
-def test_fp8_tensor_parallel_layout_equals_one_device_up_to_rounding_flips(scaling):
+def test_fp8_tensor_parallel_layout_equals_one_device_up_to_rounding_flips(one_device, scaling):
     """(2, 2, 2, 1): tensor parallelism's row-parallel matmuls add partial products in another order,
     so an operand within fp32 rounding of an FP8 rounding boundary can round the other way (one
     E5M2 step is 25%). The scales are the same (every amax at rel 1e-5), the loss at 1e-5, and each
     gradient within 2e-2 of one device's, where FP8's own quantisation moves the gradients by a
     median 0.1 and more from the fp32 model's (a layout that quantised differently would show)."""
-    (ref_loss, ref_grads, ref_amax), (loss, grads, amax) = _one_device_and((2, 2, 2, 1), scaling)
+    (ref_loss, ref_grads, ref_amax), (loss, grads, amax) = _one_device_and(one_device, (2, 2, 2, 1), scaling)
     assert abs(loss - ref_loss) / ref_loss <= 1e-5
     for name, expected in ref_amax.items():
         np.testing.assert_allclose(amax[name], expected, rtol=1e-5, err_msg=name)
@@ -402,13 +412,13 @@ def test_dropless_experts_run_the_blocked_kernel_in_fp8():
     (Dispatch.DROPLESS, (8, 1, 1, 1), {}),
     (Dispatch.DROPLESS, (2, 1, 1, 2), {"pipeline": PipelineConfig(2, Schedule.ONE_F_ONE_B)}),
 ], ids=["capacity-ep8", "dropless-ep8", "dropless-ep2-1f1b"])
-def test_fp8_expert_parallel_equals_one_device(dispatch, mesh_shape, fields):
+def test_fp8_expert_parallel_equals_one_device(one_device, dispatch, mesh_shape, fields):
     """The experts split over data: their amaxes are global maxima over every expert and row (one-hot:
     XLA's partitioner; sorted: maxima over the exchange's shard_map; inside a pipeline stage XLA
     partitions the FP8 experts), so they quantise as on one device (loss, gradients, amaxes at rel
     1e-5)."""
     model = dataclasses.replace(MOE, dispatch=dispatch)
-    _assert_equal_runs(*_one_device_and(mesh_shape, Scaling.DELAYED, model, **fields))
+    _assert_equal_runs(*_one_device_and(one_device, mesh_shape, Scaling.DELAYED, model, **fields))
 
 
 @pytest.mark.slow

@@ -64,10 +64,17 @@ def test_the_bias_changes_neither_the_loss_nor_the_other_gradients():
     ((2, 2, 2, 1), PipelineConfig()),
     ((2, 1, 1, 2), PipelineConfig(2, Schedule.ONE_F_ONE_B)),
 ], ids=["ep4-tp2", "ep2-stage2-1f1b"])
-def test_the_bias_gradient_is_the_same_on_every_layout(mesh_shape, pipeline):
-    cfg = dataclasses.replace(BALANCED, num_layers=4)
-    reference = loss_grads_and_statistics(moe_trainer((1, 1, 1, 1), cfg))
-    assert_moe_matches(reference, loss_grads_and_statistics(moe_trainer(mesh_shape, cfg, pipeline)))
+def test_the_bias_gradient_is_the_same_on_every_layout(four_balanced_layers_reference, mesh_shape, pipeline):
+    assert_moe_matches(four_balanced_layers_reference,
+                       loss_grads_and_statistics(moe_trainer(mesh_shape, FOUR_BALANCED_LAYERS, pipeline)))
+
+
+FOUR_BALANCED_LAYERS = dataclasses.replace(BALANCED, num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def four_balanced_layers_reference():
+    return loss_grads_and_statistics(moe_trainer((1, 1, 1, 1), FOUR_BALANCED_LAYERS))
 
 
 @pytest.mark.slow

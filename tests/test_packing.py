@@ -88,14 +88,14 @@ def single_device():
     return float(loss), _flat(grads), alone_loss, evaluated
 
 
-PIPELINES = {"gpipe": PipelineConfig(2, Schedule.GPIPE), "1f1b": PipelineConfig(2, Schedule.ONE_F_ONE_B),
-             "interleaved": PipelineConfig(2, Schedule.INTERLEAVED, virtual_stages=2)}
+# Segment ids are batch data that travel with each microbatch to every stage's layers the same way in
+# every schedule: the interleaved one (each stage runs two chunks of layers) proves it, with the batch
+# split (data) and the heads (tensor) beside the stages; every schedule's gradients: test_pipeline.py.
+PIPELINES = {"interleaved": PipelineConfig(2, Schedule.INTERLEAVED, virtual_stages=2)}
 
 
 @pytest.mark.parametrize("mesh_shape,pipeline", [
-    ((1, 1, 1, 1), "none"), pytest.param((2, 2, 1, 2), "gpipe", marks=pytest.mark.slow),
-    pytest.param((1, 2, 2, 2), "1f1b", marks=pytest.mark.slow),
-    pytest.param((2, 1, 1, 2), "interleaved", marks=pytest.mark.slow)])
+    ((1, 1, 1, 1), "none"), pytest.param((2, 1, 2, 2), "interleaved", marks=pytest.mark.slow)])
 def test_packed_loss_and_gradients_through_every_layout(single_device, mesh_shape, pipeline):
     ref_loss, ref_grads, alone_loss, ref_eval = single_device
     assert ref_loss == pytest.approx(alone_loss, rel=1e-5)  # the objective is each document's alone

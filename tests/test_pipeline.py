@@ -63,14 +63,20 @@ def test_schedule_gradients_equal_the_sequential_model(reference, schedule, mesh
     _assert_matches(reference, loss_and_grads(_trainer(mesh_shape, SCHEDULES[schedule])))
 
 
+SIXTEEN_LAYERS = dataclasses.replace(MODEL, num_layers=16)
+
+
+@pytest.fixture(scope="module")
+def sixteen_layer_reference():
+    return loss_and_grads(_trainer((1, 1, 1, 1), model=SIXTEEN_LAYERS))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_eight_stages_equal_the_sequential_model(schedule):
+def test_eight_stages_equal_the_sequential_model(sixteen_layer_reference, schedule):
     """S = 8 (16 layers: one per stage, or two chunks of one under interleaving), M = 8."""
-    model = dataclasses.replace(MODEL, num_layers=16)
     pipeline = dataclasses.replace(SCHEDULES[schedule], microbatches=8)
-    _assert_matches(loss_and_grads(_trainer((1, 1, 1, 1), model=model)),
-                    loss_and_grads(_trainer((1, 1, 1, 8), pipeline, model=model)))
+    _assert_matches(sixteen_layer_reference, loss_and_grads(_trainer((1, 1, 1, 8), pipeline, model=SIXTEEN_LAYERS)))
 
 
 @pytest.mark.parametrize("remat", [RematPolicy.DOTS, pytest.param(RematPolicy.FULL, marks=pytest.mark.slow)],

@@ -630,18 +630,17 @@ def test_the_loss_ignores_prompt_tokens_exactly(single_device):
     assert abs(everything / every_count - single_device["loss"]) > 1e-2
 
 
-PIPELINES = {"1f1b": PipelineConfig(2, Schedule.ONE_F_ONE_B), "gpipe": PipelineConfig(2, Schedule.GPIPE),
-             "interleaved": PipelineConfig(2, Schedule.INTERLEAVED, virtual_stages=2),
-             "zb_h1": PipelineConfig(2, Schedule.ZB_H1)}
+# The loss mask is batch data that only the head's loss reads, on the last stage in every schedule: one
+# schedule with virtual stages and one without prove it (every schedule's gradients: test_pipeline.py).
+PIPELINES = {"1f1b": PipelineConfig(2, Schedule.ONE_F_ONE_B),
+             "interleaved": PipelineConfig(2, Schedule.INTERLEAVED, virtual_stages=2)}
 
 
 @pytest.mark.parametrize("mesh_shape,pipeline,preset", [
     ((2, 2, 2, 1), "none", Preset.FSDP_TP), ((2, 2, 1, 2), "1f1b", Preset.FSDP_TP),
-    pytest.param((1, 2, 2, 2), "gpipe", Preset.FSDP_TP, marks=pytest.mark.slow),
     pytest.param((2, 1, 1, 2), "interleaved", Preset.FSDP_TP, marks=pytest.mark.slow),
-    pytest.param((2, 2, 1, 2), "zb_h1", Preset.FSDP_TP, marks=pytest.mark.slow),
     pytest.param((1, 4, 1, 1), "none", Preset.FSDP_CP_RING, marks=pytest.mark.slow)],
-    ids=["2x2x2x1", "1f1b", "gpipe", "interleaved", "zb_h1", "cp_ring_balanced"])
+    ids=["2x2x2x1", "1f1b", "interleaved", "cp_ring_balanced"])
 def test_the_masked_loss_equals_one_device_in_every_layout(data, single_device, mesh_shape, pipeline, preset):
     """Under ring attention the balanced order permutes the mask with the targets it belongs to."""
     trainer = make_trainer(mesh_shape, SFT_MODEL, rules=preset.rules,
