@@ -146,33 +146,42 @@ def test_fp8_keeps_the_values_only_fp8_matmuls_read_in_one_byte(matmuls, wide_va
     assert estimates["bf16", "full"].activations == estimates["fp8", "full"].activations
 
 
-# Vouched-for rows XLA:GPU's constants overestimate by more than 10%: a 2-layer MoE step whose
-# sorted dispatch the family counts as XLA:CPU holds it (rows as 4-byte words, models/experts.py), and a
-# 2-layer ZeRO-2 step (+10.05%).
 # Over XLA:GPU's peak by more than 10% (the safe side): the experts' sorted rows counted as XLA:CPU holds
-# them; at seq 8192 the layers' phase, the peak since the head runs in vocabulary chunks (14.4% over at 4
-# layers: the layer phase's coefficients were fitted where the head's phase hid it).
+# them (a 2-layer MoE step); a 2-layer ZeRO-2 step (+10.0%); at 4 layers and seq 8192 the layer phase (+11%:
+# ``full``'s coefficient is also held by sequence and context parallelism's rows, 9% under at it); and two
+# accumulation layouts where XLA:GPU holds fewer copies of the stash than the others (0.6 and 0.8 against
+# up to 2.2: ``Constants.accumulated_stash_copies`` is the smallest that leaves none 10% under).
 OVER_ON_THE_SAFE_SIDE = ("Qwen3-30B-A3B, 2 layers, (1,8,1,1) EP8 ZeRO-3 full, dropless, seq 4096",
                          "8B, 2 layers, (1,8,1,1) ZeRO-2 full, seq 8192",
-                         "8B, 4 layers, (1,8,1,1) ZeRO-3 full, seq 8192")
+                         "8B, 4 layers, (1,8,1,1) ZeRO-3 full, seq 8192",
+                         "10B (1,8,1,1) ZeRO-3 dots, seq 2048, accumulation 4",
+                         "10B (1,2,4,1) ZeRO-1 dots, seq 2048, accumulation 4")
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "interleaved", "ZB-H1")
 
 
 def test_every_layout_the_planner_vouches_for_is_within_ten_percent_of_xla_gpus_peak(recorded):
     """XLA:GPU's matrix (scripts/plan_accuracy_gpu.json: every case for H100, a cross-section for H200,
     jax 0.11.2), estimated anew with XLA:GPU's constants (no compile): every layout the planner calls
-    ``fits`` on its target is within 10% of XLA:GPU's peak, or above it on the safe side where a term
-    the family counts is XLA:CPU's (``OVER_ON_THE_SAFE_SIDE``)."""
+    ``fits`` on its target is within 10% of XLA:GPU's peak, or above it on the safe side
+    (``OVER_ON_THE_SAFE_SIDE``). Pipelines (every schedule, 8B-10B widths and the GPU tier's 4-layer
+    programs) and gradient accumulation are among them."""
     rows, cases = recorded
     records = json.loads(RECORD.read_text())
     assert _covers_every_case({r["name"] for r in rows if r["target"] == "h100"}, cases)
     assert len([r for r in rows if r["target"] == "h200"]) >= 10
     assert {r["compiler"] for r in records} == {"XLA:GPU"} and {r["jax"] for r in records} == {"0.11.2"}
     vouched = [r for r in rows if r["verdict"] == "fits"]
-    assert len(vouched) >= 30
+    assert len(vouched) >= 60
+    # Every pipeline row that fits its target is vouched for, all four schedules among them; and every
+    # accumulation row that fits.
+    pipelines = [r for r in rows if any(s in r["name"] for s in PIPELINE_SCHEDULES) and r["verdict"] != "does not fit"]
+    assert pipelines and all(r["verdict"] == "fits" for r in pipelines), [r["name"] for r in pipelines]
+    assert {s for s in PIPELINE_SCHEDULES for r in pipelines if s in r["name"]} == set(PIPELINE_SCHEDULES)
+    accumulation = [r for r in vouched if "accumulation" in r["name"]]
+    assert len(accumulation) >= 8
     peak_error = {(r["target"], r["name"]): (r["estimate_total"] - r["xla"]["peak"]) / r["xla"]["peak"]
                   for r in vouched}
     low = [(target, name, f"{error:+.1%}") for (target, name), error in peak_error.items() if error < -BOUND]
     assert not low, low
-    # Over by more, on the safe side (docs/memory.md says why): the few-layer programs of the GPU tier.
     high = {name for (_, name), error in peak_error.items() if error > BOUND}
     assert high <= set(OVER_ON_THE_SAFE_SIDE), high

@@ -16,15 +16,17 @@ from utils import REPO, TINY
 
 def test_pipeline_verdicts_are_marked_and_verify_overrules(capsys):
     """meshtrain.plan ranked pipeline layouts as "fits" that its own --verify measured at several times
-    the estimate: they are marked, and the compiled verdict is printed beside the estimate."""
+    the estimate: those the accuracy matrix does not hold (here a pipeline whose stages split the
+    sequence, ``fsdp_tp_sp``) are marked, and the compiled verdict is printed beside the estimate."""
     from meshtrain import plan as planner
     from meshtrain.config import load_config
+    from meshtrain.parallel.rules import Preset
 
-    plan = planner.make_plan(load_config(TINY), 8, 80e9, meshes=[(1, 4, 1, 2), (2, 2, 2, 1)], zero_stages=[3],
-                             remats=[planner.RematPolicy.FULL])
+    plan = planner.make_plan(load_config(TINY), 8, 80e9, meshes=[(1, 2, 2, 2), (2, 2, 2, 1)], zero_stages=[3],
+                             remats=[planner.RematPolicy.FULL], presets=[Preset.FSDP_TP_SP])
     text = planner.format_plan(plan, top=10, show_infeasible=0)
     rows = {line.split()[1]: line for line in text.splitlines() if line.strip()[:1].isdigit()}
-    assert rows["(1,4,1,2)"].rstrip().endswith("fits?") and rows["(2,2,2,1)"].rstrip().endswith("fits")
+    assert rows["(1,2,2,2)"].rstrip().endswith("fits?") and rows["(2,2,2,1)"].rstrip().endswith("fits")
     assert "fits? = pipeline temp memory is estimated within" in text and "--verify" in text
     est = next(e for e in plan.estimates if e.candidate.stage == 2)
     measured = {"argument": 1e9, "output": 1e9, "temp": 90e9, "seconds": 1.0}  # what XLA could report

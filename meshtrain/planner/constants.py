@@ -72,9 +72,18 @@ class Constants:
     operand and result; XLA:GPU reduce-scatters, one each). ``update_in_place``: the optimizer's update
     writes the moments and parameters in place, holding no fp32 temporary per optimizer element
     (``meshtrain.planner.state.held_state``). ``checked_pipelines``: every pipeline layout of the
-    compiler's accuracy matrix is within its bound, so the planner vouches for pipelines (``fits``)
-    as for the rest. ``gathered_copies``: one layer's ZeRO-3-gathered fp32 weights the layer phase holds
-    at once (XLA:GPU's asynchronous gathers fetch the next layer's while one runs, beside its bf16 cast)."""
+    compiler's accuracy matrix is within its bound, so the planner vouches for pipelines like them
+    (``fits``: no sequence or context parallelism, no experts in the stages) as for the rest.
+    ``gathered_copies``: one layer's ZeRO-3-gathered fp32 weights the layer phase holds at once
+    (XLA:GPU's asynchronous gathers fetch the next layer's while one runs, beside its bf16 cast).
+    ``accumulated_stash_copies``: copies of the backward's stash that ``train.grad_accum`` > 1 holds
+    besides the microbatch's own; ``tensor_zero3_stash_copies``: the same where ZeRO-3 gathers
+    tensor-parallel layers (``meshtrain.planner.state.accumulation_bytes``).
+    ``pipeline_head_copies``: gathered copies of the vocabulary projection that each of a pipeline's
+    loops running the head takes (0: it rests as its ZeRO-3 shard, the loss gathering its chunks).
+    ``update_split_moments``: fp32 values per element of the optimizer moments of the stacked layers'
+    weights that tensor parallelism splits, which ZeRO-1/2's update holds besides the new shards: their
+    new moments written beside the old ones (``meshtrain.planner.state.held_state``)."""
 
     compiler: Compiler
     activation_coefficients: Mapping[RematPolicy, float]
@@ -90,6 +99,10 @@ class Constants:
     update_in_place: bool
     checked_pipelines: bool
     gathered_copies: float
+    accumulated_stash_copies: float
+    tensor_zero3_stash_copies: float
+    update_split_moments: float
+    pipeline_head_copies: int
     measured: Mapping[str, Measured]
 
     def __post_init__(self):
@@ -139,11 +152,16 @@ XLA_CPU = Constants(
     update_in_place=False,
     checked_pipelines=False,
     gathered_copies=1,
+    accumulated_stash_copies=0,
+    tensor_zero3_stash_copies=0,
+    update_split_moments=0,
+    pipeline_head_copies=2,
     measured={"activation_coefficients": _CPU_NOV30, "logits_fp32_copies": _CPU_NOV30, "projection_copies": _CPU_NOV30,
               "one_pass_fp32_copies": _CPU_DEC04, "one_pass_shares_gradient": _CPU_DEC04,
               **dict.fromkeys(("tensor_reduction_buffers", "cut_fp32_residuals", "held", "widened_chunk",
-                               "copied_carries", "update_in_place", "checked_pipelines", "gathered_copies"),
-                              _CPU_DEC05)},
+                               "copied_carries", "update_in_place", "checked_pipelines", "gathered_copies",
+                               "accumulated_stash_copies", "tensor_zero3_stash_copies", "update_split_moments",
+                               "pipeline_head_copies"), _CPU_DEC05)},
 )
 
 _GPU_DEC07 = Measured("XLA:GPU", "0.11.2", "2026-12-07", "H100 and H200 accuracy matrix (scripts/plan_accuracy.py "
@@ -154,11 +172,26 @@ _GPU_ONE_PASS = Measured("XLA:GPU", "0.11.2", "2026-12-07", "the buffer assignme
                          "2 layers, mesh (1, 8, 1, 1), seq 8192, one pass (docs/memory.md)")
 _GPU_VOCAB_CHUNKS = Measured("XLA:GPU", "0.11.2", "2026-12-07", "the matrix compiled again with the head in "
                              "vocabulary chunks (train.loss_chunk=16384): 1 minimises the rows outside 10%")
+_GPU_ACCUMULATION = Measured("XLA:GPU", "0.11.2", "2026-12-07", "the matrix's 15 accumulation layouts (8B-70B, "
+                             "ZeRO-1/2/3, tensor parallelism, a pipeline): XLA holds 0 to 0.4 more stashes where "
+                             "ZeRO-3 gathers tensor-parallel layers (5 rows), 0.6 to 2.2 elsewhere (3.3 where the "
+                             "stash is under 1 GB); the smallest value that leaves none more than 10% under XLA's "
+                             "peak")
+_GPU_UPDATE = Measured("XLA:GPU", "0.11.2", "2026-12-07", "the matrix's ZeRO-1/2 rows whose update is the peak "
+                       "(8B and 10B, tensor 1, 2 and 4): 10B on (1,2,4,1) needs 1.45, 8B on (1,4,2,1) 1.2")
+_GPU_PIPELINES = Measured("XLA:GPU", "0.11.2", "2026-12-07", "the buffer assignment of 8B 4-layer GPipe and "
+                          "interleaved steps at seq 8192 (the projection rests as its bf16 shard, one layer "
+                          "gathered in bf16); with it the matrix's 20 pipeline rows (every schedule, remat none, "
+                          "full and dots, ZeRO-0/1/3, 8B-70B and 4-layer programs) are within 10% of XLA's peak")
+_GPU_LAYER = Measured("XLA:GPU", "0.11.2", "2026-12-07", "the matrix (dots as fitted first); full refitted from "
+                      "1.2 to 1.1 on the rows the layer phase binds (seq 8192 and longer: FSDP at 4 layers, "
+                      "pipelines, sequence and context parallelism)")
 XLA_GPU = Constants(
     Compiler.XLA_GPU,
-    # ``full`` and ``dots`` fitted (minimax on temp bytes) to the matrix's layouts that fit their target;
-    # ``none``'s rows are bound by the loss phase, so XLA:CPU's coefficient is kept.
-    activation_coefficients={RematPolicy.NONE: 0.82, RematPolicy.FULL: 1.2, RematPolicy.DOTS: 1.3},
+    # ``full`` and ``dots`` fitted (minimax on temp bytes) to the matrix's layouts that fit their target,
+    # ``full`` again where the layer phase is the peak; ``none``'s rows are bound by the loss phase, so
+    # XLA:CPU's coefficient is kept.
+    activation_coefficients={RematPolicy.NONE: 0.82, RematPolicy.FULL: 1.1, RematPolicy.DOTS: 1.3},
     logits_fp32_copies=1,
     # One pass: one fp32 [tokens, vocab] buffer beside the bf16 logits, which the projection's fp32
     # gradient reuses (8B widths, 2 layers, FSDP 8, one row of 8,192 positions per device).
@@ -171,15 +204,24 @@ XLA_GPU = Constants(
     copied_carries=False,
     projection_copies=1,
     update_in_place=True,
-    # The pipelines at 8B-10B widths are within 8% of XLA:GPU's peak, but the GPU tier's 4-layer ones
-    # are not (1F1B +11%, interleaved with one layer per chunk +27%): they stay ``fits?``.
-    checked_pipelines=False,
+    checked_pipelines=True,
     gathered_copies=2,
+    # The microbatch loop's copies of the stash: the layer scan's outputs zero-initialised outside it
+    # and copied in, more where XLA double-buffers the loop (10B (1,2,4,1) ZeRO-2 dots: temp 44.6 GB,
+    # 34.4 GB with --xla_gpu_enable_while_loop_double_buffering=false); none where ZeRO-3 gathers
+    # tensor-parallel layers (8B and 10B on (1,4,2,1), 70B on (1,8,8,1)).
+    accumulated_stash_copies=1.4,
+    tensor_zero3_stash_copies=0,
+    update_split_moments=1.5,
+    pipeline_head_copies=0,
     measured={"logits_fp32_copies": _GPU_VOCAB_CHUNKS, "cut_fp32_residuals": _GPU_KEPT,
               "one_pass_fp32_copies": _GPU_ONE_PASS, "one_pass_shares_gradient": _GPU_ONE_PASS,
-              **dict.fromkeys(("activation_coefficients", "tensor_reduction_buffers", "held", "widened_chunk",
-                               "copied_carries", "projection_copies", "update_in_place", "checked_pipelines",
-                               "gathered_copies"), _GPU_DEC07)},
+              "activation_coefficients": _GPU_LAYER, "accumulated_stash_copies": _GPU_ACCUMULATION,
+              "tensor_zero3_stash_copies": _GPU_ACCUMULATION,
+              "update_split_moments": _GPU_UPDATE, "pipeline_head_copies": _GPU_PIPELINES,
+              "checked_pipelines": _GPU_PIPELINES,
+              **dict.fromkeys(("tensor_reduction_buffers", "held", "widened_chunk", "copied_carries",
+                               "projection_copies", "update_in_place", "gathered_copies"), _GPU_DEC07)},
 )
 TABLES: dict[Compiler, Constants] = {Compiler.XLA_CPU: XLA_CPU, Compiler.XLA_GPU: XLA_GPU}
 # XLA:CPU's, for the CPU tests that bound a loss phase's buffers (tests/test_chunked_loss.py).

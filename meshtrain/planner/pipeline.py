@@ -100,21 +100,29 @@ def pipeline_stash(layout: Layout, table: ScheduleTable, shape: LayerShape, cost
 
 
 def pipeline_temporaries(table: ScheduleTable, stash: Stash, terms: ParamTerms, layer: LayerPhase, head: HeadPhase,
-                         compute_bytes: int, accumulator: float, constants: Constants) -> int:
+                         compute_bytes: int, accumulation: float, constants: Constants) -> int:
     """A pipeline's temp bytes besides the stash: through the whole table the stage holds its layers'
     compute copy, its layers' and the rest's gradients summed over the microbatches in fp32 (the
-    executor's carry, with ``accumulator``); the rest is per loop of ticks (``tick_loops``)."""
+    executor's carry, with ``accumulation``: ``meshtrain.planner.state.accumulation_bytes``); the rest
+    is per loop of ticks (``tick_loops``)."""
     low_precision = compute_bytes != FP32
     loops, chunk_tokens, cut_per_token = stash.loops, stash.chunk_tokens, stash.cut_per_token
-    gathered, layer_experts, layer_work = layer.gathered, layer.layer_experts, layer.layer_work
+    # A stage gathers one layer of its compute copy at a time (cast before the gather: ``held_bytes``).
+    # Beside it, a layer's fp32 gradients with their sum over fsdp are ``layer.gathered``.
+    gathered = terms.layer_gathered * constants.held_bytes(compute_bytes)
+    layer_experts, layer_work = layer.layer_experts, layer.layer_work
     held = (FP32 * terms.layer_loop_grads + (compute_bytes * terms.layer_copy if low_precision else 0.0)
-            + FP32 * (terms.lookup_grads + terms.projection_grads) + accumulator)
+            + FP32 * (terms.lookup_grads + terms.projection_grads) + accumulation)
     # The head's weights in the compute dtype: the lookup table where it rests and the projection,
-    # which ZeRO-3 gathers; each loop that runs the head takes its own two gathered copies (forward
-    # and backward), all made before the first loop and each released when its loop ends.
+    # which ZeRO-3 gathers: each loop that runs the head takes ``Constants.pipeline_head_copies`` gathered
+    # copies, all made before the first loop and each released when its loop ends (none: the projection
+    # rests as its shard, the loss gathering one chunk's columns at a time).
     heads_left = [sum(has_head for _, has_head in loops[i:]) for i in range(len(loops))]
-    head_weights = [(compute_bytes * terms.lookup_stored if low_precision else 0.0)
-                    + head.vocab_bytes * terms.projection * (2 * left if terms.gathering else 1) for left in heads_left]
+    head_copies = constants.pipeline_head_copies
+    projection = [(terms.projection * head_copies * left if head_copies else terms.projection_stored)
+                  if terms.gathering else terms.projection for left in heads_left]
+    head_weights = [(compute_bytes * terms.lookup_stored if low_precision else 0.0) + head.vocab_bytes * elements
+                    for elements in projection]
     # A chunk's layers widened to fp32 while they run (XLA:CPU computes bf16 matmuls in fp32).
     chunk_fp32 = (FP32 * terms.layer_copy if low_precision and constants.widened_chunk else 0.0) / table.chunks
     # A forward slot: one layer's gathered weights, the microbatch's residuals as its layers make
@@ -126,23 +134,25 @@ def pipeline_temporaries(table: ScheduleTable, stash: Stash, terms: ParamTerms, 
     # working set, then (the larger at 8B-10B widths) its full fp32 gradients with their sum over
     # fsdp (an all-reduce on XLA:CPU; it reduce-scatters the gradients of a gathered weight).
     backward = (chunk_fp32 + chunk_tokens * layer.saved + compute_bytes * terms.layer_loop_grads / table.chunks
-                + gathered + layer_experts + max(layer_work, gathered))
+                + gathered + layer_experts + max(layer_work, layer.gathered))
     # ZB-H1's halves: the input-gradient half as a backward slot without the weights' gradients,
     # making the cut (of the chunk for its microbatch); the weight-gradient half, which needs no
     # weights, the cut widened to fp32 and the chunk's gradients (XLA:CPU, 8B: 53.1 GB of temp
     # against 17.9 GB for 1F1B on the same layout).
     input_grad = (chunk_fp32 + chunk_tokens * (layer.saved + cut_per_token[0]) + gathered + layer_experts
-                  + max(layer_work, gathered))
+                  + max(layer_work, layer.gathered))
     weight_grad = chunk_tokens * cut_per_token[1] + compute_bytes * terms.layer_loop_grads / table.chunks
     slot = {Work.FORWARD: forward, Work.BACKWARD: backward, Work.INPUT_GRAD: input_grad,
             Work.WEIGHT_GRAD: weight_grad}
     # A loop that both writes and reads the stash (a forward and a backward half) or the cut (the
     # two halves) holds that buffer twice: XLA:CPU copies the carried buffer there instead of
     # updating it in place (1F1B's, interleaved's and ZB-H1's steady loops; GPipe's forwards and
-    # backwards are separate loops, and ZB-H1's cut is single until its W slots start).
+    # backwards are separate loops, and ZB-H1's cut is single until its W slots start). XLA:GPU
+    # updates it in place, holding the forward's new chunk of residuals beside the backward slot.
     backward_kinds, copies = (Work.BACKWARD, Work.INPUT_GRAD, Work.WEIGHT_GRAD), constants.copied_carries
+    written = stash.stash if copies else chunk_tokens * layer.kept
     phases = [weights + max([slot[w] for w in works] + ([head.work] if has_head else []))
-              + (stash.stash if copies and Work.FORWARD in works and any(w in works for w in backward_kinds) else 0.0)
+              + (written if Work.FORWARD in works and any(w in works for w in backward_kinds) else 0.0)
               + (stash.cut_copy if copies and Work.INPUT_GRAD in works and Work.WEIGHT_GRAD in works else 0.0)
               for (works, has_head), weights in zip(loops, head_weights)]
     return round(held + max(phases) + layer.residual)

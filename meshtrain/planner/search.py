@@ -28,7 +28,7 @@ from meshtrain.parallel.pipeline import Schedule
 from meshtrain.parallel.rules import Preset, ShardingRules, mesh_axes_of
 from meshtrain.parallel.zero import ZeroConfig, ZeroStage
 from meshtrain.planner.cache import Cache
-from meshtrain.planner.constants import MODELLED_REMATS, TEMP_MARGIN
+from meshtrain.planner.constants import MODELLED_REMATS, TABLES, TEMP_MARGIN
 from meshtrain.planner.estimate import Candidate, Estimate, estimate
 from meshtrain.planner.roofline import Hardware
 from models.api import family_of
@@ -112,6 +112,9 @@ SEARCHED_SCHEDULES = ((Schedule.GPIPE, 1), (Schedule.ONE_F_ONE_B, 1), (Schedule.
 # others as below; a config of dp, fsdp or tp keeps its own (``--preset`` widens it).
 SEQUENCE_PRESETS = (Preset.FSDP_TP, Preset.FSDP_TP_SP, Preset.FSDP_CP, Preset.FSDP_TP_CP, Preset.FSDP_CP_RING)
 CONTEXT_PRESETS = (Preset.FSDP_CP, Preset.FSDP_TP_CP, Preset.FSDP_CP_RING)
+# The presets whose pipelines the estimate does not vouch for: they split the sequence inside the
+# stages, which no pipeline of the accuracy matrix does (``Estimate.pipelines_checked``).
+SPLIT_SEQUENCE = (Preset.FSDP_TP_SP, *CONTEXT_PRESETS)
 # Rows of this many positions or more add the context-parallel presets to the search: the shipped
 # long-row configs (llama_8b, llama_70b: 8,192) are searched with them, the 4,096-position ones
 # without. Below it a row's activations are a small part of a device's memory at the batch sizes
@@ -153,7 +156,9 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
     each of ``presets`` (default: the config's own; ``search_presets`` gives the CLI's), the config's
     ``sharding.rules`` overrides kept, except where a preset splits on a mesh exactly what an earlier
     one does, and the presets after the first on pipelined meshes only when no layout without a
-    pipeline fits (a pipelined row would rank after it: ``Plan.ranked``); with
+    pipeline fits where their pipelines are not vouched for (the compiler's ``checked_pipelines``;
+    never where they split the sequence: ``SPLIT_SEQUENCE``), as such a row would rank after it
+    (``Plan.ranked``); with
     ``search_accumulation``, a candidate too big for the device memory is tried again in more
     gradient-accumulation steps (doubled; the global batch kept) until it fits or the batch no longer
     divides (``_Search.accumulate``). A mesh refused whatever else is chosen (a tensor axis wider
@@ -173,6 +178,7 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
     searched = {preset: _meshes(devices, r) for preset, r in rules.items()} if meshes is None else {}
     allowed = {preset: set(found) for preset, found in searched.items()}
     deferred = []  # (mesh, preset, rules) of the presets after the first on pipelined meshes
+    pipelines_vouched = TABLES[hardware.compiler].checked_pipelines
     search = _Search(cfg, abstract_model(cfg.model)[1], np.dtype(cfg.train.compute_dtype).itemsize, hardware,
                      device_memory, sorted({False, True} if host_memory is not None else {cfg.offload.optimizer}),
                      zero_stages, remats, schedules, search_accumulation, progress)
@@ -186,13 +192,13 @@ def make_plan(cfg: Config, devices: int, device_memory: float, host_memory: floa
                 continue
             splits.add(split)
             work = (mesh, None if preset is cfg.sharding.preset else preset, rules[preset])
-            if preset is not presets[0] and mesh[3] > 1:
+            if preset is not presets[0] and mesh[3] > 1 and (not pipelines_vouched or preset in SPLIT_SEQUENCE):
                 deferred.append(work)
             else:
                 search.mesh(*work)
     plan = Plan(cfg, devices, device_memory, host_memory, hardware, search.estimates)
-    # A pipelined row ranks after every row that fits for certain (``Plan.ranked``): the other
-    # presets' pipelines could not be first while a layout without a pipeline fits.
+    # An unvouched pipelined row ranks after every row that fits for certain (``Plan.ranked``): the
+    # deferred presets' pipelines could not be first while a layout without a pipeline fits.
     if not any(plan.fits(est) for est in plan.estimates if est.candidate.stage == 1):
         for work in deferred:
             search.mesh(*work)

@@ -12,6 +12,7 @@ import math
 from flax import nnx
 
 from meshtrain.lora import LoraTraining
+from meshtrain.parallel.executor import STAGE
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.rules import mesh_axes_of
 from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
@@ -43,13 +44,16 @@ class ParamTerms:
     writes them (reduce-scattered in the loop under ZeRO-2/3, else in the compute layout). Of
     ``layers`` alone: ``layer_gathered``, one layer's ZeRO-gathered weights;
     ``layer_experts``, one layer's experts (weights with an axis of ``Layout.expert_axes``, which
-    rest and compute where they are, never gathered);
+    rest and compute where they are, never gathered); ``layer_split_moments``, the stacked layers'
+    optimizer moments as stored (one moment's elements) of the weights that a mesh axis splits in
+    compute besides the pipeline's stages (tensor parallelism);
     ``fp8_gathered``, of all ZeRO-gathered weights those whose matmuls run in FP8 (``train.precision:
     fp8``, the recipe's groups), gathered as E4M3. Of the ``vocab`` parameters, in the compute
     layout: ``lookup``, tables indexed by token id (``[vocab, ...]``), with ``lookup_stored`` and
     ``lookup_grads`` the elements and gradients as stored; ``projection``, matmuls onto the
-    vocabulary (``[..., vocab]``, or a tied table), with ``projection_grads`` its stored gradients
-    (0 when tied) and ``projection_reduced`` when its gradient is summed over the batch's devices.
+    vocabulary (``[..., vocab]``, or a tied table), with ``projection_stored`` its elements as stored,
+    ``projection_grads`` its stored gradients (0 when tied) and ``projection_reduced`` when its
+    gradient is summed over the batch's devices.
     ``gathering``: ZeRO-3 gathers weights (fsdp > 1). The rest: the elements the ZeRO axis shards
     (gathered and as stored) and the gradient elements reduced over fsdp and over data."""
 
@@ -58,12 +62,14 @@ class ParamTerms:
     moments: float
     layer_copy: float
     layer_loop_grads: float
+    layer_split_moments: float
     layer_gathered: float
     layer_experts: float
     lookup: float
     lookup_stored: float
     lookup_grads: float
     projection: float
+    projection_stored: float
     projection_grads: float
     projection_reduced: bool
     gathering: bool
@@ -78,9 +84,10 @@ def param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
     """``ParamTerms`` of ``layout`` from its spec tables; they depend on the mesh, the rules and the
     ZeRO stage only."""
     stages = layout.stages
-    sums = dict(stored=0.0, grads=0.0, moments=0.0, layer_copy=0.0, layer_loop_grads=0.0, layer_gathered=0.0,
-                layer_experts=0.0,
-                lookup=0.0, lookup_stored=0.0, lookup_grads=0.0, projection=0.0, projection_grads=0.0,
+    sums = dict(stored=0.0, grads=0.0, moments=0.0, layer_copy=0.0, layer_loop_grads=0.0, layer_split_moments=0.0,
+                layer_gathered=0.0, layer_experts=0.0,
+                lookup=0.0, lookup_stored=0.0, lookup_grads=0.0, projection=0.0, projection_stored=0.0,
+                projection_grads=0.0,
                 zero_sharded_total=0.0, zero_sharded_local=0.0,
                 fp8_gathered=0.0, fsdp_reduced=0.0, data_reduced=0.0)
     fp8_groups = layout.train.fp8_groups
@@ -109,6 +116,8 @@ def param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
         if path[0] == LAYERS_KEY or (axes and axes[0] in other_stacks):
             sums["layer_copy"] += p if gathering and zero_split else c
             sums["layer_loop_grads"] += g if layout.zero.stage >= ZeroStage.GRADIENTS and zero_split else c
+            split = any(layout.mesh_shape[a] > 1 for a in compute_axes - {STAGE})
+            sums["layer_split_moments"] += o if split else 0.0
         if path[0] == LAYERS_KEY:
             per_layer = c / (variable.shape[0] / (stages if stages > 1 else 1))
             if gathering and zero_split:
@@ -122,10 +131,11 @@ def param_terms(layout: Layout, flat: SpecTables) -> ParamTerms:
             tables.append(c)
         elif "vocab" in axes:
             sums["projection"] += c
+            sums["projection_stored"] += p
             sums["projection_grads"] += g
             projection_reduced |= any(layout.mesh_shape[a] > 1 and a not in compute_axes for a in ("data", ZERO_AXIS))
     if not sums["projection"] and tables:  # tied: the table is the projection too
-        sums["projection"] = sum(tables)
+        sums["projection"], sums["projection_stored"] = sum(tables), sums["lookup_stored"]
         projection_reduced = any(layout.mesh_shape[a] > 1 for a in ("data", ZERO_AXIS))
     return ParamTerms(**sums, projection_reduced=projection_reduced, gathering=gathering)
 
@@ -174,33 +184,42 @@ def held_state(layout: Layout, terms: ParamTerms, adapters: tuple[float, float, 
     # step every leaf takes, formed before any is applied: 8B models, ZeRO-0 and ZeRO-3). A compiler
     # that updates in place (``Constants.update_in_place``) holds the fp32 gradients alone, and where
     # ZeRO-1/2 shards the optimizer but not the parameters the new shards (one fp32 per optimizer
-    # element) and the parameters all-gathered from them (XLA:GPU, 8B ZeRO-0/1/2 on fsdp 8).
+    # element) and the parameters all-gathered from them (XLA:GPU, 8B ZeRO-0/1/2 on fsdp 8), and beside
+    # them ``Constants.update_split_moments`` per element of the moments of the stacked layers' weights
+    # that tensor parallelism splits too.
     if offload:
         update = 2 * FP32 * o_local
     elif not constants.update_in_place:
         update = FP32 * (g_local + o_local)
     else:
         gathers = 1 <= layout.zero.stage <= 2 and terms.zero_sharded_total > 0
-        update = FP32 * (g_local + (o_local + (terms.zero_sharded_total if adapters is None else 0) if gathers
-                                    else 0))
+        new_shards = o_local + (terms.zero_sharded_total + constants.update_split_moments * terms.layer_split_moments
+                                if adapters is None else 0)
+        update = FP32 * (g_local + (new_shards if gathers else 0))
     update = round(update)
     batch = BATCH_BYTES_PER_TOKEN * layout.rows_per_shard * layout.train.grad_accum * layout.model.seq_len
     return HeldState(params, round(FP32 * g_local), 0 if offload else moments, moments if offload else 0, update,
                      batch, g_local)
 
 
-def held_through_backward(layout: Layout, terms: ParamTerms, state: HeldState, compute_bytes: int,
-                          constants: Constants) -> float:
+def held_through_backward(terms: ParamTerms, compute_bytes: int, constants: Constants) -> float:
     """Held from the forward through the backward besides the stash, without a pipeline: below fp32
     the compute copy of the layers' weights (where they rest: the ZeRO shard of a gathered weight,
     in fp32 on XLA:CPU: ``Constants.held``), the layers' gradients as the backward writes them (compute dtype,
-    in the loop's layout), the lookup tables' fp32 gradients, and with accumulation the fp32
-    accumulator."""
+    in the loop's layout) and the lookup tables' fp32 gradients (accumulation's buffers:
+    ``accumulation_bytes``)."""
     held = ((constants.held_bytes(compute_bytes) * terms.layer_copy if compute_bytes != FP32 else 0.0)
             + compute_bytes * terms.layer_loop_grads)
-    return held + (FP32 * terms.lookup_grads + accumulator_bytes(layout, state))
+    return held + FP32 * terms.lookup_grads
 
 
-def accumulator_bytes(layout: Layout, state: HeldState) -> float:
-    """The fp32 gradient accumulator of ``train.grad_accum`` > 1 (0 without)."""
-    return FP32 * state.grad_elements if layout.train.grad_accum > 1 else 0.0
+def accumulation_bytes(layout: Layout, state: HeldState, stash: float, constants: Constants) -> float:
+    """Held through every microbatch's forward and backward under ``train.grad_accum`` > 1 (0 without):
+    the fp32 gradient accumulator and more copies of ``stash``, the bytes the backward keeps:
+    ``Constants.tensor_zero3_stash_copies`` where ZeRO-3 gathers tensor-parallel layers, else
+    ``Constants.accumulated_stash_copies``."""
+    if layout.train.grad_accum == 1:
+        return 0.0
+    tensor_zero3 = layout.zero.stage >= ZeroStage.PARAMETERS and layout.mesh_shape["tensor"] > 1
+    copies = constants.tensor_zero3_stash_copies if tensor_zero3 else constants.accumulated_stash_copies
+    return FP32 * state.grad_elements + copies * stash
