@@ -83,9 +83,9 @@ def test_more_than_the_most_chunks_is_refused_in_one_line_and_never_chosen():
 
     assert MAX_LOSS_CHUNKS == 256
     found, _ = problems(128256, 256)
-    assert found == [("train.loss_chunk", "256 runs the vocabulary of 128,256 entries in 501 chunks of 256 (at most 256; "
-                      "the value counts vocabulary entries per chunk, run as the largest divisor of the vocabulary not "
-                      "above it); use null (chosen for the devices), 0 (one pass) or at least 501")]
+    assert found == [("train.loss_chunk", "256 runs the vocabulary of 128,256 entries in 501 chunks of 256 (at most "
+                      "256; the value counts vocabulary entries per chunk, run as the largest divisor of the "
+                      "vocabulary not above it); use null (chosen for the devices), 0 (one pass) or at least 501")]
     assert problems(128256, 501)[0] == [] and problems(128256, 500)[0] != []  # 256 chunks of 501; 334 of 384
     assert problems(128256, 0)[0] == [] and problems(128256, None)[0] == []
     found, prime = problems(65521, 4096)
