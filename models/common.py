@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.kernels.attention import AttentionSpec, attend, cudnn_refusal, tokamax_refusal
+from models.kernels.attention import AttentionSpec, attend, cudnn_refusal
+from models.kernels.tokamax_attention import tokamax_refusal
 from models.kernels.fp8 import Fp8Weight, MatmulGroup, fp8_matmul
 from models.kernels.lora import LoraWeight, low_rank_equations
 

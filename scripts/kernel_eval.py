@@ -9,7 +9,7 @@ their trip counts). Run in ``.venv-gpu`` with tokamax installed:
 
 Each line is one JSON record: the kernel, forward or forward + backward (and for attention the
 window), and its figures. Attention: one row of causal attention with the row's segment ids an input,
-through tokamax's ops (``models.kernels.attention.tokamax_attention``), jax's cuDNN kernel in its
+through tokamax's ops (``models.kernels.tokamax_attention.tokamax_attention``), jax's cuDNN kernel in its
 packed layout (at most ``--documents`` documents a row) and unpacked, our blockwise kernel and the
 dense reference.
 """
@@ -123,8 +123,8 @@ def attention(args, mesh) -> None:
     from tokamax._src.ops.attention.xla_chunked import XlaChunkedDotProductAttention
 
     from meshtrain.gpu_compile import answered_for
-    from models.kernels.attention import (blockwise_attention, cudnn_attention, dense_attention, first_visible_keys,
-                                         tokamax_attention)
+    from models.kernels.attention import blockwise_attention, cudnn_attention, dense_attention
+    from models.kernels.tokamax_attention import first_visible_keys, tokamax_attention
 
     b, s, h, kv, d = 1, args.seq, args.heads, args.kv_heads, args.head_dim
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))

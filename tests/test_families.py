@@ -32,7 +32,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
 # The interface, the shared blocks and the kernels floor (models/kernels/), never a family.
 ALLOWED_MODEL_IMPORTS = {"models", "models.api", "models.common", "models.kernels.attention", "models.kernels.fp8",
-                         "models.kernels.grouped_matmul", "models.kernels.lora"}
+                         "models.kernels.grouped_matmul", "models.kernels.lora", "models.kernels.tokamax_attention"}
 TOY = str(REPO / "tests" / "toy_gpt.yaml")  # the toy family, 4 layers, on the (2, 2, 2, 1) mesh
 TOY_MODEL = ToyGPTConfig(num_layers=4)
 PLUGIN = ["model.plugin=toy_family", "model.family=toy_gpt"]

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.kernels.attention import AttentionKernel, AttentionSpec, attend, tokamax_attention, tokamax_refusal
+from models.kernels.attention import AttentionKernel, AttentionSpec, attend
+from models.kernels.tokamax_attention import tokamax_attention, tokamax_refusal
 
 LENGTH, HEAD_DIM = 40, 16
 # Row 0: documents of 1, 5, 1, 9 and 13 tokens, then padding (segment 0, as the packer marks it);

@@ -19,8 +19,8 @@ from meshtrain.parallel import experts
 from meshtrain.parallel.ring_attention import ring_attention, ring_attention_in_stage
 from meshtrain.parallel.rules import ShardingRules, drop_axes, mesh_axes_of
 from models.common import ActivationSharding, ExpertCompute, LogicalAxes
-from models.kernels.attention import (AttentionKernel, AttentionSpec, attend, blockwise_attention, cudnn_refusal,
-                                     tokamax_refusal)
+from models.kernels.attention import AttentionKernel, AttentionSpec, attend, blockwise_attention, cudnn_refusal
+from models.kernels.tokamax_attention import tokamax_refusal
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

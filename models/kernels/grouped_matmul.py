@@ -45,7 +45,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.kernels.attention import tokamax_missing, varying_axes
+from models.kernels.attention import varying_axes
+from models.kernels.tokamax_attention import tokamax_missing
 from models.kernels.fp8 import Fp8Weight, observed_cotangents, quantize_gradient, quantize_operands
 
 
