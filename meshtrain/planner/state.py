@@ -12,7 +12,7 @@ import math
 from flax import nnx
 
 from meshtrain.lora import LoraTraining
-from meshtrain.parallel.executor import STAGE
+from meshtrain.parallel.pipeline import STAGE
 from meshtrain.parallel.layout import Layout
 from meshtrain.parallel.rules import mesh_axes_of
 from meshtrain.parallel.zero import ZERO_AXIS, ZeroStage
