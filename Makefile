@@ -59,17 +59,18 @@ lora: $(STAMP)
 	$(VENV)/bin/python -m meshtrain.convert to-peft --run $$run --out $$run/peft --host-devices 8
 
 # Both tiers run on one pytest-xdist worker per core (at most 4: every worker simulates 8 devices);
-# `.venv/bin/python -m pytest -q` runs them in one process. Their times are in README.md.
+# `.venv/bin/python -m pytest -q` runs them in one process. Their times are in README.md. The test
+# marked rehearsal (scripts/gpu_check.sh --dry-run's report) runs in make gpu-rehearsal instead.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n auto --maxprocesses 4
+	$(VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 -m "not rehearsal"
 
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 -m "not slow"
+	$(VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 -m "not slow and not rehearsal"
 
 # The whole suite with tests/suite_profile.py: per test file, wall time and JAX's tracing, lowering and
 # compile seconds (.suite-profile/summary.json), the costliest files printed at the end.
 test-profile: $(STAMP)
-	PYTHONPATH=tests $(VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 -p suite_profile
+	PYTHONPATH=tests $(VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 -p suite_profile -m "not rehearsal"
 
 # The other end of the supported JAX range, in a second venv: jax 0.11 and later need Python >= 3.12,
 # so .venv on Python 3.11 has the oldest supported jax and this one the newest that pyproject.toml
@@ -85,7 +86,7 @@ $(STAMP_NEWEST): pyproject.toml
 	touch $(STAMP_NEWEST)
 
 test-fast-newest: $(STAMP_NEWEST)
-	$(VENV_NEWEST)/bin/python -m pytest -q -n auto --maxprocesses 4 -m "not slow"
+	$(VENV_NEWEST)/bin/python -m pytest -q -n auto --maxprocesses 4 -m "not slow and not rehearsal"
 
 # XLA:GPU without a GPU (docs/gpu.md): .venv-gpu (python3.12) with the pinned jax + CUDA 13 plugin + cuDNN wheels
 # (pyproject.toml's gpu-compile extra), where `python -m meshtrain.compile` compiles the train step for compile-only
@@ -109,7 +110,7 @@ test-gpu-compile: $(STAMP_GPU)
 # 0.11.2, flax, optax, ...), scripts/gpu_wheels.sh for what meshtrain needs beyond them, and
 # scripts/gpu_check.sh --dry-run installing those wheels into .gpu_site. Needs PyPI; CI runs it.
 .PHONY: gpu-rehearsal
-gpu-rehearsal:
+gpu-rehearsal: $(STAMP)
 	scripts/gpu_rehearsal.sh $(PYTHON_NEWEST)
 
 clean:

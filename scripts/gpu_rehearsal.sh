@@ -3,7 +3,8 @@
 # that machine's packages (jax 0.11.2, CPU build here, flax, optax, orbax-checkpoint, chex, safetensors,
 # tokenizers, rich, matplotlib and what they pull in; then pip itself is uninstalled, as on a bare python3),
 # scripts/gpu_wheels.sh into a fresh directory, and `scripts/gpu_check.sh --dry-run` with that directory as
-# GPU_WHEELS: it must install the wheels into .gpu_site and pass end to end. Non-zero exit on any failure.
+# GPU_WHEELS: it must install the wheels into .gpu_site and pass end to end, its report as tests/test_bench.py's
+# test marked rehearsal checks it (run with .venv's pytest, TEST_PYTHON for another). Non-zero exit on any failure.
 #
 #   scripts/gpu_rehearsal.sh [PYTHON3.12]     # default: python3.12
 set -euo pipefail
@@ -33,3 +34,8 @@ PYTHON="$work/venv/bin/python" GPU_WHEELS="$work/wheels" GPU_CHECK_TIMEOUT="${GP
 grep -q "^gpu_check.sh: installed .*dacite" "$work/check.log" || { echo "gpu_rehearsal: gpu_check.sh installed no wheels" >&2; exit 1; }
 rm -rf .gpu_site
 clock "gpu_check.sh --dry-run passed"
+
+# Its report checked field by field (tests/test_bench.py's test marked rehearsal), in this checkout's .venv.
+GPU_CHECK_LOG="$work/check.log" "${TEST_PYTHON:-.venv/bin/python}" -m pytest -q -p no:cacheprovider \
+  tests/test_bench.py -m rehearsal
+clock "its report checked"

@@ -99,14 +99,24 @@ def _add_aux(total: LayerAux, aux: LayerAux) -> LayerAux:
     return {name: value + aux[name] if name in aux else value for name, value in total.items()}
 
 
+# The tick's reads and writes index with lax's dynamic slices, not jnp's indexing: jnp adds a compare,
+# an add and a select per index (negative indices count from the end), and inside the stage shard_map
+# JAX gives every op a sharding constraint; the tick bodies are most of a pipeline's program (its HLO
+# and compile times: docs/pipeline.md).
+def _index(values: jax.Array, index: jax.Array | int) -> jax.Array:
+    """``values[index]`` for a non-negative ``index``."""
+    return jax.lax.dynamic_index_in_dim(values, index, keepdims=False)
+
+
 def _read(buffer: jax.Array, slot: jax.Array) -> jax.Array:
-    return buffer[jnp.maximum(slot, 0)]
+    return _index(buffer, jnp.maximum(slot, 0))
 
 
 def _write(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
     """``buffer`` with ``value`` at ``slot`` (unchanged where ``slot`` < 0)."""
     index = jnp.maximum(slot, 0)
-    return buffer.at[index].set(jnp.where(slot >= 0, value.astype(buffer.dtype), buffer[index]))
+    kept = jnp.where(slot >= 0, value.astype(buffer.dtype), _index(buffer, index))
+    return jax.lax.dynamic_update_index_in_dim(buffer, kept, index, 0)
 
 
 Signature = tuple[tuple[Work, ...], bool]
@@ -267,7 +277,7 @@ class TableExecutor:
 
     # ----- the model on this stage -----
     def microbatch(self, m: jax.Array | int) -> Batch:
-        return jax.tree.map(lambda a: a[m], self.microbatches)
+        return jax.tree.map(lambda a: _index(a, m), self.microbatches)
 
     def chunk_layers(self, v: jax.Array | int) -> Any:
         """The layers of the stage's local chunk ``v``."""
@@ -434,7 +444,7 @@ class TableExecutor:
         and the microbatch whose head runs in it."""
         works, has_head = signature
         columns, head = row
-        task = jax.tree.map(lambda values: values[self.stage], columns)
+        task = jax.tree.map(lambda values: _index(values, self.stage), columns)
         sent_forward = sent_backward = None
         for work in works:
             if work is Work.FORWARD:
