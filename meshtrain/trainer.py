@@ -128,7 +128,9 @@ class ShardedState:
             fp8=self.fp8.history_shardings(self.param_shardings) if self.fp8 else nnx.State({}),
             adapters=self.trainable_shardings.params if self.lora else nnx.State({}))
 
-    def _fresh_state(self, seed: int) -> TrainState:
+    def fresh_state(self, seed: int) -> TrainState:
+        """The state drawn from ``seed``, to trace: its values do not depend on the shardings that
+        ``init_state`` creates it in (JAX's partitionable random bits), so one device computes them too."""
         params = self.layer_order.to_storage(nnx.state(self.family.build(self.layout.model, seed)))
         adapters = self.layer_order.to_storage(self.lora.initial_adapters(seed)) if self.lora else nnx.State({})
         return TrainState(step=jnp.int32(0), params=self.held(params),
@@ -155,11 +157,11 @@ class ShardedState:
 
     def init_state(self, seed: int) -> TrainState:
         """A fresh state created directly in its shardings (no full copy on any device)."""
-        return jax.jit(lambda: self._fresh_state(seed), out_shardings=self.state_shardings)()
+        return jax.jit(lambda: self.fresh_state(seed), out_shardings=self.state_shardings)()
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, without allocating it (AOT compile, restore)."""
-        shapes = jax.eval_shape(lambda: self._fresh_state(0))
+        shapes = jax.eval_shape(lambda: self.fresh_state(0))
         return jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype,
                                                                          sharding=sharding),
                             shapes, self.state_shardings)

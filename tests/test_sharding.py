@@ -12,14 +12,18 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from meshtrain.config import load_config
+from meshtrain.fp8_training import Fp8Recipe, Scaling
+from meshtrain.lora import LoraConfig
 from meshtrain.errors import ConfigError
 from meshtrain.mesh import MeshConfig, make_mesh
+from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from meshtrain.parallel.rules import PRESETS, AxisRule, Preset, ShardingRules
+from meshtrain.precision import Precision
 from models.api import FRAMEWORK_AXES, RESIDUAL_AXES
 from models.llama import FAMILY as LLAMA
 from meshtrain.parallel.activations import activation_sharding
 from meshtrain.parallel.sharding import parameter_table, replicated_parameters
-from utils import MODEL, make_trainer, trainer_of_config
+from utils import MODEL, MOE, initial_state, make_trainer, trainer_of_config
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "tiny_2x2x2x1.txt"
 
@@ -81,11 +85,31 @@ def test_parameters_are_born_with_their_rule_shardings():
     assert gate_mu.addressable_shards[0].data.shape == (2, 40 // 2, 72 // 2)
 
 
-def test_born_sharded_init_equals_unsharded_init():
-    sharded = make_trainer((1, 2, 4, 1)).init_state(seed=0).params
-    single = make_trainer((1, 1, 1, 1)).init_state(seed=0).params
-    for (path, a), (_, b) in zip(nnx.to_flat_state(sharded), nnx.to_flat_state(single)):
-        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(path))
+# One of each kind of state: parameters split over fsdp x tensor, layers stored in stage order
+# (interleaved), experts split by expert parallelism, FP8's scale histories, LoRA's adapters.
+BORN_SHARDED = {
+    "fsdp-tensor": dict(mesh_shape=(1, 2, 4, 1)),
+    "interleaved-stage-order": dict(mesh_shape=(1, 1, 2, 4), model=dataclasses.replace(MODEL, num_layers=8),
+                                    pipeline=PipelineConfig(4, Schedule.INTERLEAVED, virtual_stages=2)),
+    "experts": dict(mesh_shape=(2, 2, 2, 1), model=MOE),
+    "fp8": dict(mesh_shape=(1, 4, 2, 1), precision=Precision.FP8, fp8=Fp8Recipe(scaling=Scaling.DELAYED)),
+    "lora": dict(mesh_shape=(1, 2, 2, 2), pipeline=PipelineConfig(2, Schedule.ONE_F_ONE_B),
+                 lora=LoraConfig(rank=4, alpha=8.0)),
+}
+
+
+@pytest.mark.parametrize("fields", BORN_SHARDED.values(), ids=BORN_SHARDED)
+def test_born_sharded_init_equals_one_devices_state(fields):
+    """The whole state (parameters, optimizer state, histories, adapters) created in its shardings
+    equals, bit for bit, the same program run on one device: what ``utils.initial_state`` gives the
+    layout tests in place of each layout's own init."""
+    fields = dict(fields)
+    trainer = make_trainer(fields.pop("mesh_shape"), **fields)
+    born, placed = trainer.init_state(seed=0), initial_state(trainer)
+    assert jax.tree.structure(born) == jax.tree.structure(placed)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(born), jax.tree.leaves(placed)):
+        assert a.sharding == b.sharding, path
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
 
 
 def test_non_divisible_dimension_names_the_mesh_axis():

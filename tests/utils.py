@@ -5,6 +5,7 @@ packed documents and HF directories several modules test with; one-line error ch
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import pathlib
@@ -90,11 +91,28 @@ def trainer_of_config(cfg, devices=None) -> Trainer:
     return Trainer(cfg.layout(mesh.shape), mesh, cfg.optimizer)
 
 
+# Seed-0 states computed on one device, as host arrays, by the fingerprint of their unsharded program.
+_INITIAL_STATES: dict[str, object] = {}
+
+
+def initial_state(trainer: Trainer):
+    """``trainer.init_state(seed=0)``'s values in its shardings, computed once per worker for every
+    layout whose state program is the same: the program (``trainer.fresh_state``) is lowered without
+    shardings, run on one device the first time its text is seen, and its values are put onto the
+    layout's shardings. Most layout tests compile nothing else of the init; that the born-sharded
+    init gives these values is tests/test_init.py's."""
+    program = jax.jit(lambda: trainer.fresh_state(0))
+    key = hashlib.sha256(program.lower().as_text().encode()).hexdigest()
+    if key not in _INITIAL_STATES:
+        _INITIAL_STATES[key] = jax.device_get(program())
+    return jax.device_put(_INITIAL_STATES[key], trainer.state_shardings)
+
+
 def run_steps(trainer: Trainer) -> RunResult:
     """TRAIN.steps optimizer steps on the embedded Markov data; losses and final parameters."""
     dataset = make_dataset(DataConfig(), vocab_size=trainer.layout.model.vocab_size,
                            seq_len=trainer.layout.model.seq_len)
-    state = trainer.init_state(seed=0)
+    state = initial_state(trainer)
     losses = []
     for step in range(trainer.layout.train.steps):
         batch = global_batch(dataset, step, trainer.layout.train.batch_size, trainer.batch_sharding)
@@ -110,7 +128,7 @@ def loss_grads_and_statistics(trainer: Trainer, batch=None) -> tuple[float, dict
         dataset = make_dataset(DataConfig(), vocab_size=trainer.layout.model.vocab_size,
                                seq_len=trainer.layout.model.seq_len)
         batch = global_batch(dataset, 0, trainer.layout.train.batch_size, trainer.batch_sharding)
-    loss, grads, _, statistics, _ = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
+    loss, grads, _, statistics, _ = jax.jit(trainer.gradients)(initial_state(trainer), batch)
     grads = trainer.layer_order.to_logical(grads)
     return (float(loss), {".".join(map(str, path)): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(grads)},
             {name: np.asarray(value) for name, value in statistics.items()})
