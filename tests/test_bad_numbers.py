@@ -17,8 +17,8 @@ from meshtrain.errors import ConfigError
 from meshtrain.loop import train
 from meshtrain.policies import NonFiniteStop
 from meshtrain.train import main
-from utils import (TINY, complete_steps, config, flat_params, overrides, refused_from_hf, restore, tiny_hf,
-                   trainer_of_config)
+from utils import (TINY, complete_steps, config, flat_params, initial_state, overrides, refused_from_hf, restore,
+                   tiny_hf, trainer_of_config)
 
 
 NON_FINITE_FIELDS = ["optimizer.learning_rate", "optimizer.eps", "optimizer.weight_decay", "optimizer.b1",
@@ -56,7 +56,7 @@ def test_a_non_finite_update_from_finite_gradients_is_measured(tmp_path):
     for cfg, finite in ((good, True), (_nan_learning_rate(good), False)):
         trainer = trainer_of_config(cfg)
         dataset = make_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
-        state, metrics = trainer.train_step(trainer.init_state(seed=0),
+        state, metrics = trainer.train_step(initial_state(trainer),
                                             global_batch(dataset, 0, cfg.train.batch_size, trainer.batch_sharding))
         assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
         assert int(state.skipped_steps) == 0 and bool(metrics["state_finite"]) is finite

@@ -35,7 +35,7 @@ from meshtrain.parallel.rules import Preset
 from meshtrain.train_config import TrainConfig
 from meshtrain.trainer import Trainer
 from models.common import RematPolicy
-from utils import MODEL, OPTIMIZER, TRAIN, loss_and_grads, make_trainer, relative_l2
+from utils import initial_state, MODEL, OPTIMIZER, TRAIN, loss_and_grads, make_trainer, relative_l2
 
 # 20 entries per chunk do not divide the 96-word vocabulary: chunks of 16 (6 chunks).
 CHUNK = 20
@@ -152,7 +152,7 @@ def test_tensor_parallel_chunks_stay_vocab_parallel(unchunked, preset):
     trainer = make_trainer((1, 2, 2, 1), rules=preset.rules, loss_chunk=CHUNK)
     dataset = make_dataset(DataConfig(), vocab_size=MODEL.vocab_size, seq_len=MODEL.seq_len)
     batch = global_batch(dataset, 0, trainer.layout.train.batch_size, trainer.batch_sharding)
-    state = trainer.init_state(seed=0)
+    state = initial_state(trainer)
     compiled = jax.jit(trainer.gradients).lower(state, batch).compile()
     outputs = [match.group(1) for line in compiled.as_text().splitlines()
                if (match := re.match(r"\s*\S+ = (.*?) all-gather(-start)?\(", line))]

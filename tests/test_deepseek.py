@@ -27,7 +27,7 @@ from models.blocks import RopeScaling, RopeScalingConfig, rotary_tables
 from models.common import InvalidField, unconstrained
 from models.deepseek import DeepSeek, DeepSeekConfig
 from models.experts import RouterScore, route
-from utils import (logits_alone, loss_grads_and_statistics, make_trainer, one_line_error, packed_dataset,
+from utils import (initial_state, logits_alone, loss_grads_and_statistics, make_trainer, one_line_error, packed_dataset,
                    relative_l2)
 
 # Distinct sizes: embed 40, q latent 24, kv latent 16, nope 8 + rope 4 = qk 12 != v 6, 8 experts of
@@ -86,7 +86,7 @@ def test_packed_documents_equal_each_document_alone_and_one_device():
     loss and gradients (multi-token prediction masked at document ends) equal one device's."""
     trainer = make_trainer((2, 2, 2, 1), DEEPSEEK, batch_size=8)
     batch = global_batch(packed_dataset(), 0, 8, trainer.batch_sharding)
-    params = trainer.init_state(seed=0).params
+    params = initial_state(trainer).params
     shard = activation_sharding(trainer.rules, trainer.mesh)
     logits = jax.jit(lambda p, b: forward(trainer._model_of(p), b["inputs"], shard, documents_of(b)))(params, batch)
     host = {key: np.asarray(value) for key, value in batch.items()}
@@ -130,7 +130,7 @@ def test_multi_token_prediction_is_in_the_objective_and_its_metric(reference):
     shift written out."""
     trainer = make_trainer((1, 1, 1, 1), DEEPSEEK)
     loss, _, stats = reference
-    model = trainer._model_of(trainer.init_state(seed=0).params)
+    model = trainer._model_of(initial_state(trainer).params)
     batch = make_dataset(DataConfig(), vocab_size=96, seq_len=32).rows(np.arange(trainer.layout.train.batch_size))
     inputs, targets = jnp.asarray(batch["inputs"]), np.asarray(batch["targets"])
     x, aux = model.run_layers(model.embed(inputs))

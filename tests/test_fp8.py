@@ -31,7 +31,7 @@ from meshtrain.parallel.zero import ZeroConfig, ZeroStage
 from meshtrain.precision import Precision
 from models.kernels.fp8 import Fp8Weight, MatmulGroup, fp8_matmul
 from models.moe import Dispatch, MoEConfig
-from utils import MODEL, loss_and_grads, make_trainer, relative_l2, trainer_of_config
+from utils import initial_state, MODEL, loss_and_grads, make_trainer, relative_l2, trainer_of_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
@@ -157,7 +157,7 @@ LAYOUTS = {
 
 def _with_histories(trainer):
     """The initial state with every delayed-scaling history set (clipping some operands), or as is."""
-    state = trainer.init_state(seed=0)
+    state = initial_state(trainer)
     if not state.fp8:
         return state
     filled = jax.tree.map(lambda h: jnp.broadcast_to(jnp.array([0.5, 0.02, 1e-4], jnp.float32)[:, None], h.shape),
@@ -274,7 +274,7 @@ def test_nonfinite_amax_skips_the_step_and_keeps_the_histories():
 
 def test_fp8_metrics_and_histories_after_a_step():
     trainer = _fp8_trainer(scaling=Scaling.DELAYED)
-    state = trainer.init_state(seed=0)
+    state = initial_state(trainer)
     blocks = {"attention": ("query", "key", "value", "out"), "mlp": ("gate", "up", "down")}
     expected = sorted(f"layers.{block}.{name}" for block, names in blocks.items() for name in names)
     assert sorted(flat(state.fp8)) == expected

@@ -20,7 +20,7 @@ from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.loop import train
 from meshtrain.parallel.pipeline import PipelineConfig, Schedule
 from models.experts import RouterScore, route
-from utils import (MOE, assert_moe_matches, loss_grads_and_statistics, moe_trainer, relative_l2, restore,
+from utils import (initial_state, MOE, assert_moe_matches, loss_grads_and_statistics, moe_trainer, relative_l2, restore,
                    trainer_of_config)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def test_the_bias_moves_against_each_experts_load_as_a_numpy_reference_over_20_s
     cfg = dataclasses.replace(BALANCED, num_layers=1)
     trainer = moe_trainer((1, 1, 1, 1), cfg)
     data = make_dataset(DataConfig(), vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
-    state, expected = trainer.init_state(seed=0), np.zeros((1, cfg.num_experts))
+    state, expected = initial_state(trainer), np.zeros((1, cfg.num_experts))
     for step in range(20):
         state, metrics = trainer.train_step(state, global_batch(data, step, 16, trainer.batch_sharding))
         load = np.asarray(metrics["moe_expert_load"])
@@ -87,7 +87,7 @@ def test_a_deliberately_imbalanced_router_is_balanced_by_the_bias_within_200_ste
         "model.dispatch=dropless", "model.bias_update_rate=0.01", "model.load_balancing_coef=0",
         "train.steps=200", "train.batch_size=8", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"])
     trainer = trainer_of_config(cfg, devices=jax.devices()[:1])
-    state = trainer.init_state(seed=0)
+    state = initial_state(trainer)
     bias = state.params["layers"]["moe"]["routing_bias"]
     bias.set_value(jnp.zeros(bias.get_value().shape).at[:, :2].set(0.5))
     data = make_dataset(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)

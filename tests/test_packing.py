@@ -19,7 +19,7 @@ from meshtrain.parallel.rules import Preset
 from meshtrain.parallel.activations import activation_sharding
 from models.api import forward
 from toy_family import ToyGPTConfig
-from utils import MODEL, logits_alone, make_trainer, packed_dataset
+from utils import initial_state, MODEL, logits_alone, make_trainer, packed_dataset
 
 SEQ = 32
 LLAMA = dataclasses.replace(MODEL, num_layers=4, seq_len=SEQ)
@@ -56,7 +56,7 @@ def test_packed_logits_equal_each_document_alone(model, mesh_shape):
     trainer = _trainer(model, mesh_shape)
     dataset = packed_dataset()
     batch = global_batch(dataset, 0, 8, trainer.batch_sharding)
-    params = trainer.init_state(seed=0).params
+    params = initial_state(trainer).params
     shard = activation_sharding(trainer.rules, trainer.mesh)
     logits = jax.jit(lambda p, b: forward(trainer._model_of(p), b["inputs"], shard, documents_of(b)))(params, batch)
     host = {key: np.asarray(value) for key, value in batch.items()}
@@ -77,7 +77,7 @@ def _flat(tree):
 def single_device():
     trainer = _trainer(LLAMA, (1, 1, 1, 1))
     batch = global_batch(packed_dataset(1), 0, 8, trainer.batch_sharding)
-    state = trainer.init_state(seed=0)
+    state = initial_state(trainer)
     loss, grads, *_ = jax.jit(trainer.gradients)(state, batch)
     host = {key: np.asarray(value) for key, value in batch.items()}
     logits = logits_alone(jax.device_get(state.params), trainer.graphdef, host["inputs"], host["segments"])
@@ -101,7 +101,7 @@ def test_packed_loss_and_gradients_through_every_layout(single_device, mesh_shap
     assert ref_loss == pytest.approx(alone_loss, rel=1e-5)  # the objective is each document's alone
     trainer = _trainer(LLAMA, mesh_shape, PIPELINES.get(pipeline, PipelineConfig()))
     batch = global_batch(packed_dataset(1), 0, 8, trainer.batch_sharding)
-    state = trainer.init_state(seed=0)
+    state = initial_state(trainer)
     loss, grads, *_ = jax.jit(trainer.gradients)(state, batch)
     assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
     for name, grad in _flat(trainer.layer_order.to_logical(grads)).items():
@@ -119,7 +119,7 @@ def test_packed_loss_and_gradients_under_context_parallelism(single_device, pres
     ref_loss, ref_grads, _, _ = single_device
     trainer = make_trainer((1, 4, 1, 1), LLAMA, rules=preset.rules, batch_size=8)
     batch = global_batch(packed_dataset(1), 0, 8, trainer.batch_sharding)
-    loss, grads, *_ = jax.jit(trainer.gradients)(trainer.init_state(seed=0), batch)
+    loss, grads, *_ = jax.jit(trainer.gradients)(initial_state(trainer), batch)
     assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
     for name, grad in _flat(grads).items():
         assert np.linalg.norm(grad - ref_grads[name]) / np.linalg.norm(ref_grads[name]) <= 1e-5, name

@@ -17,7 +17,7 @@ from meshtrain.data import DataConfig, global_batch, make_dataset
 from meshtrain.errors import ConfigError
 from meshtrain.precision import LossScale, Precision, initial_loss_scale
 from meshtrain.trainer import Trainer
-from utils import OPTIMIZER, make_trainer, run_steps
+from utils import initial_state, OPTIMIZER, make_trainer, run_steps
 
 
 def _with(trainer, **train_fields):
@@ -56,7 +56,7 @@ def test_loss_scale_halves_on_overflow_and_grows_after_interval():
 
 def test_overflowing_step_is_skipped_and_counted():
     trainer = _with(make_trainer((2, 2, 2, 1)), dynamic_loss_scale=True)
-    state = trainer.init_state(seed=0)
+    state = initial_state(trainer)
     # A scale this large overflows the scaled fp32 loss (and so the gradients) for certain.
     state = state.replace(loss_scale=state.loss_scale.replace(scale=jnp.float32(2.0**127)))
     before = jax.tree.map(np.asarray, state.params)

@@ -43,7 +43,7 @@ from meshtrain.parallel.rules import Preset
 from meshtrain.train import main as train_main
 from models.api import forward
 from models.common import unconstrained
-from utils import MODEL, make_trainer, shard_writes_fill_the_disk
+from utils import initial_state, MODEL, make_trainer, shard_writes_fill_the_disk
 
 WORDS = ["what", "is", "the", "capital", "of", "france", "paris", "name", "a", "color", "blue", "red", "fruit",
          "apple", "say", "hi", "again", "be", "brief", "yes", "no", "python", "list", "sort", "return", "value"]
@@ -591,7 +591,7 @@ def single_device(data):
     cfg = DataConfig(source=DataSource.TOKENS, path=str(data["prepared"]["chatml"]), packing=Packing.DOCUMENTS)
     dataset = make_dataset(cfg, vocab_size=SFT_MODEL.vocab_size, seq_len=SEQ)
     batch = global_batch(dataset, 0, BATCH, trainer.batch_sharding)
-    state = trainer.init_state(seed=0)
+    state = initial_state(trainer)
     gradients = jax.jit(trainer.gradients)
     loss, grads, count, *_ = gradients(state, batch)
     host = {key: np.asarray(value) for key, value in batch.items()}
@@ -647,7 +647,7 @@ def test_the_masked_loss_equals_one_device_in_every_layout(data, single_device, 
                            pipeline=PIPELINES.get(pipeline, PipelineConfig()), batch_size=BATCH)
     batch = global_batch(single_device["dataset"], 0, BATCH, trainer.batch_sharding)
     np.testing.assert_array_equal(np.asarray(batch["mask"]), single_device["host"]["mask"])
-    state = trainer.init_state(seed=0)
+    state = initial_state(trainer)
     loss, grads, count, *_ = jax.jit(trainer.gradients)(state, batch)
     assert float(count) == single_device["count"]
     assert float(loss) == pytest.approx(single_device["loss"], rel=1e-5)
