@@ -78,8 +78,9 @@ def test_the_check_of_the_applied_state_is_exact(value, finite):
     assert not bool(all_finite({**tree, "half": tree["half"].at[2].set(jnp.inf)}))
 
 
-@pytest.mark.parametrize("policy", ["skip", "stop"])
-@pytest.mark.parametrize("every", [1, 100])  # the step's own save, and the next step's check
+@pytest.mark.parametrize("policy, every", [  # every: the step's own save, and the next step's check
+    ("skip", 1), pytest.param("stop", 1, marks=pytest.mark.slow), pytest.param("skip", 100, marks=pytest.mark.slow),
+    pytest.param("stop", 100, marks=pytest.mark.slow)], ids=["1-skip", "1-stop", "100-skip", "100-stop"])
 def test_a_non_finite_update_stops_the_run_and_keeps_the_good_checkpoints(tmp_path, policy, every):
     """A run resumed from a good checkpoint with a NaN learning rate: step 2's update is applied
     (finite gradients) and leaves NaN; the run stops with exit status 3's error before saving it, under

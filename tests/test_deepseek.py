@@ -49,7 +49,8 @@ def reference():
 LAYOUTS = [
     pytest.param((2, 2, 2, 1), {}, id="ep4-fsdp-tp2"),
     pytest.param((4, 1, 2, 1), {}, id="ep4-tp2", marks=pytest.mark.slow),
-    pytest.param((2, 1, 1, 2), {"pipeline": PipelineConfig(2, Schedule.ONE_F_ONE_B)}, id="ep2-stage2-1f1b"),
+    pytest.param((2, 1, 1, 2), {"pipeline": PipelineConfig(2, Schedule.ONE_F_ONE_B)}, id="ep2-stage2-1f1b",
+                 marks=pytest.mark.slow),  # the fast tier's pipelines: tests/test_pipeline.py
     pytest.param((2, 2, 2, 1), {"rules": Preset.FSDP_TP_SP.rules}, id="sp-ep4-tp2", marks=pytest.mark.slow),
     pytest.param((1, 8, 1, 1), {"zero": ZeroConfig(ZeroStage.OPTIMIZER)}, id="zero1-ep8", marks=pytest.mark.slow),
 ]
@@ -81,6 +82,7 @@ def test_context_parallelism_equals_one_device(reference, preset):
     _assert_equal(reference, loss_grads_and_statistics(make_trainer((1, 4, 1, 1), DEEPSEEK, rules=preset.rules)))
 
 
+@pytest.mark.slow  # the fast tier's packed documents: tests/test_packing.py
 def test_packed_documents_equal_each_document_alone_and_one_device():
     """Rows packed from documents: the logits on (2,2,2,1) equal each document run alone, and the
     loss and gradients (multi-token prediction masked at document ends) equal one device's."""
@@ -151,6 +153,7 @@ def test_multi_token_prediction_is_in_the_objective_and_its_metric(reference):
     np.testing.assert_allclose(loss, main.mean() + 0.3 * mtp + layer_aux / rows, rtol=1e-5)
 
 
+@pytest.mark.slow  # the fast tier's DeepSeek generation: test_generate_cli_gives_transformers_greedy_tokens
 def test_the_cache_is_compressed_and_generation_equals_the_uncached_forward():
     """The cache keeps kv_lora_rank + qk_rope_head_dim = 20 values per token and layer (a full
     cache would keep 2 * heads * 12 = 96 keys and values); prefill + one token at a time equals the
@@ -369,6 +372,7 @@ def test_finetune_from_hf_starts_at_the_transformers_loss(hf_dirs, tmp_path):
     assert first["loss"] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.slow  # the fast tier's FLOP counts: tests/test_flops.py
 def test_the_traced_step_counts_the_analytic_flops_plus_the_value_padding():
     """Matmul FLOPs of the traced train step (one row, one device; grouped matmuls at their rows,
     the dense ``xla`` attention and head that PaLM's formula describes) equal ``flops_per_token``

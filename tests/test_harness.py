@@ -124,6 +124,7 @@ def test_rolling_loglikelihood_equals_transformers(both_results):
 
 
 
+@pytest.mark.slow  # the fast tier's harness: the transformers equalities above
 def test_evaluate_cli_prints_the_table_and_writes_the_results(model_dirs, both_results, tmp_path, monkeypatch):
     """``--model EXPORT`` on the default mesh (fsdp over 8 devices): the scores of the in-process LM."""
     monkeypatch.chdir(ROOT)
@@ -161,6 +162,7 @@ def test_run_flag_refuses_an_export(model_dirs, capsys):
     assert capsys.readouterr().err.strip() == f"error: --run: {model_dirs[0]} is an export or HF directory; use --model"
 
 
+@pytest.mark.slow  # the fast tier's harness: the transformers equalities above
 def test_harness_scores_during_training_go_to_metrics_jsonl(model_dirs, tmp_path, monkeypatch, capsys):
     """eval.every=2 and eval.harness.every=3 over 4 steps: held-out metrics at 2 and 4, lm-eval's scores
     at 3 and 4 (the last step), the last equal to ``meshtrain.evaluate --run`` on the final checkpoint."""

@@ -113,7 +113,8 @@ def _logical(result, part: str) -> dict:
 
 
 LAYOUTS = [
-    pytest.param((2, 2, 2, 1), MODEL, PipelineConfig(), {"grad_accum": 2}, id="data-fsdp-tensor-accum2"),
+    pytest.param((2, 2, 2, 1), MODEL, PipelineConfig(), {"grad_accum": 2}, id="data-fsdp-tensor-accum2",
+                 marks=pytest.mark.slow),
     pytest.param((1, 2, 1, 2), MODEL, PipelineConfig(microbatches=4), {}, id="fsdp-1f1b"),
     pytest.param((1, 1, 2, 2), DEEP, PipelineConfig(schedule=Schedule.INTERLEAVED, microbatches=4, virtual_stages=2),
                  {}, id="tensor-interleaved", marks=pytest.mark.slow),

@@ -60,8 +60,8 @@ def test_wsd_decays_over_its_fraction():
 # XLA:CPU's fusion emitters, the only ones of jax >= 0.11; 2e-7 with the tests' elemental emitter on
 # jax 0.10.2); the others within 3e-6 on both.
 @pytest.mark.parametrize("name, learning_rate, rtol", [
-    pytest.param(OptimizerName.LION, 1e-3, 5e-5, id="lion"),
-    pytest.param(OptimizerName.ADAFACTOR, 1e-2, 1e-5, id="adafactor"),
+    pytest.param(OptimizerName.LION, 1e-3, 5e-5, id="lion", marks=pytest.mark.slow),
+    pytest.param(OptimizerName.ADAFACTOR, 1e-2, 1e-5, id="adafactor", marks=pytest.mark.slow),
     pytest.param(OptimizerName.MUON, 1e-2, 1e-5, id="muon")])
 def test_each_optimizer_under_zero3_and_tensor_parallelism_equals_one_device(name, learning_rate, rtol):
     """Three steps on (2, 2, 2, 1) with ZeRO-3: the losses of one device (fp32, within ``rtol``); the

@@ -46,6 +46,7 @@ def text_run(tmp_path_factory):
     return run_dir, artifacts
 
 
+@pytest.mark.slow  # the fast tier's generation: tests/test_corpus_run.py
 def test_samples_are_written_at_each_evaluation_and_match_generate(text_run, capsys):
     run_dir, artifacts = text_run
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

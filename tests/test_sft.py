@@ -637,7 +637,8 @@ PIPELINES = {"1f1b": PipelineConfig(2, Schedule.ONE_F_ONE_B),
 
 
 @pytest.mark.parametrize("mesh_shape,pipeline,preset", [
-    ((2, 2, 2, 1), "none", Preset.FSDP_TP), ((2, 2, 1, 2), "1f1b", Preset.FSDP_TP),
+    ((2, 2, 2, 1), "none", Preset.FSDP_TP),
+    pytest.param((2, 2, 1, 2), "1f1b", Preset.FSDP_TP, marks=pytest.mark.slow),
     pytest.param((2, 1, 1, 2), "interleaved", Preset.FSDP_TP, marks=pytest.mark.slow),
     pytest.param((1, 4, 1, 1), "none", Preset.FSDP_CP_RING, marks=pytest.mark.slow)],
     ids=["2x2x2x1", "1f1b", "interleaved", "cp_ring_balanced"])

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 TESTS = '''
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ def test_compiles_nothing():
 '''
 
 
+@pytest.mark.slow  # a tool of the suite's own
 def test_the_profile_counts_each_files_tests_and_compiles(tmp_path):
     (tmp_path / "test_tiny.py").write_text(TESTS)
     out = tmp_path / "profile"
