@@ -212,6 +212,7 @@ def test_hlo_readers():
     assert footprint_bytes(memory) == 117  # 100 + 60 - 50 + 7
 
 
+@pytest.mark.slow  # the fast tier's benchmark scripts: the other tests here
 def test_gpu_check_starts_no_phase_its_budget_cannot_hold():
     """Every cap is at least 20 s: with 10 s for the whole check each phase is skipped and says why
     (fp8 and offload: their throughput phase did not run), the table lists them all, exit 0."""

@@ -125,6 +125,7 @@ def _model(cfg: DeepSeekConfig = DEEPSEEK, seed: int = 0) -> DeepSeek:
     return family_named("deepseek").build(cfg, seed)
 
 
+@pytest.mark.slow  # the fast tier's prediction depth: the ep4-fsdp-tp2 layout, whose loss includes it
 def test_multi_token_prediction_is_in_the_objective_and_its_metric(reference):
     """The step's loss = the main cross-entropy + the layers' aux losses + 0.3 x depth 1's
     cross-entropy of token t+2 (+ its layer's aux loss), and ``mtp_loss`` is that cross-entropy:
@@ -295,6 +296,7 @@ def test_hf_to_meshtrain_to_hf_is_bit_identical(hf_dirs, tmp_path):
     np.testing.assert_allclose(hf_logits(reloaded.eval(), TOKENS), hf_dirs["qlora_yarn"][1], atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow  # the fast tier's HF round trip: tests/test_hf.py
 def test_meshtrain_to_hf_to_meshtrain_maps_the_prediction_modules(tmp_path):
     """A model with two prediction depths and a plain query projection, written as HF files (the
     depths as layers 3 and 4, after the 3 decoder layers) and read back bit for bit; the copies of

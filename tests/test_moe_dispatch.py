@@ -109,6 +109,7 @@ def test_a_bounded_exchange_drops_exactly_the_choices_past_each_peers_buffer():
     np.testing.assert_allclose(np.asarray(y_exact), np.asarray(y_one), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # the fast tier's exchange: test_the_ragged_exchange_trains_as_one_device
 def test_the_run_says_which_exchange_runs_and_warns_of_an_overflow(tmp_path, capsys):
     path = tmp_path / "moe.yaml"
     path.write_text(MOE_YAML)

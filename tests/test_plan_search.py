@@ -132,6 +132,7 @@ def test_write_config_writes_the_rows_preset(tmp_path, capsys, preset):
     assert "sharding.preset" not in capsys.readouterr().out and load_config(out).sharding.preset is Preset.FSDP_TP
 
 
+@pytest.mark.slow  # the fast tier's written config: tests/test_plan.py
 def test_the_written_context_parallel_config_trains(tmp_path, capsys):
     """``plan --preset fsdp_cp --write-config`` then ``train --config`` of the file on the 8 simulated
     devices: the run lays out the plan's first row under context parallelism (positions over fsdp 4;

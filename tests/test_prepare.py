@@ -245,6 +245,7 @@ corpus.prepare([inputs], tokenizer, out, val_fraction=0.1, shard_tokens={shard_t
 """.replace("{shard_tokens}", str(SHARD_TOKENS // 3))
 
 
+@pytest.mark.slow  # the fast tier's prepare: its determinism tests
 def test_rerun_after_sigkill_writes_the_same_bytes(corpus, tmp_path, capsys):
     _prepare(corpus, tmp_path / "reference", val_fraction=0.1)
     reference_files = _files(tmp_path / "reference")

@@ -698,6 +698,7 @@ def test_held_out_evaluation_reports_the_response_only_loss(data, tmp_path):
     assert math.isclose(evaluated["eval_perplexity"], math.exp(evaluated["eval_loss"]), rel_tol=1e-9)
 
 
+@pytest.mark.slow  # the fast tier's SFT data: the prepare-sft tests
 def test_the_make_sft_instruction_set_is_valid_input(tmp_path):
     """scripts/stdlib_instructions.py (make sft) writes pairs and two-turn chats that prepare-sft reads."""
     import subprocess
