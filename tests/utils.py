@@ -100,7 +100,7 @@ def initial_state(trainer: Trainer):
     layout whose state program is the same: the program (``trainer.fresh_state``) is lowered without
     shardings, run on one device the first time its text is seen, and its values are put onto the
     layout's shardings. Most layout tests compile nothing else of the init; that the born-sharded
-    init gives these values is tests/test_init.py's."""
+    init gives these values is tests/test_sharding.py's (test_born_sharded_init_equals_one_devices_state)."""
     program = jax.jit(lambda: trainer.fresh_state(0))
     key = hashlib.sha256(program.lower().as_text().encode()).hexdigest()
     if key not in _INITIAL_STATES:
